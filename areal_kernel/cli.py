@@ -1,0 +1,241 @@
+"""The ``areal`` command line.
+
+Every user mistake ends in one ``areal: error: ...`` message and exit code 2
+(``--debug`` adds the traceback). Commands import heavy libraries only when
+they need them, so ``areal plugins`` stays fast, and keep working when a
+plugin is broken.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any, Callable
+
+from areal_kernel import __version__
+from areal_kernel.errors import ArealError
+
+EXIT_USER_ERROR = 2
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", help="YAML config file")
+    p.add_argument("overrides", nargs="*", metavar="key.sub=value", help="config overrides")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="areal", description="Asynchronous RL post-training for LLMs.")
+    parser.add_argument("--version", action="version", version=f"areal-kernel {__version__}")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
+    parser.add_argument("--log-json", action="store_true", help="log as JSON lines")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = sub.add_parser("train", help="run a training job")
+    _add_config_args(p)
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("check", help="dry run: a few samples through data, workflow, engine and reward")
+    _add_config_args(p)
+    p.add_argument("-n", "--num-samples", type=int, default=4)
+    p.set_defaults(func=cmd_check)
+
+    p = sub.add_parser("validate", help="print the resolved config or its errors")
+    _add_config_args(p)
+    p.add_argument("--json", action="store_true", help="print JSON instead of YAML")
+    p.set_defaults(func=cmd_validate)
+
+    p = sub.add_parser("plan", help="processes and devices each role needs, and whether this machine has them")
+    _add_config_args(p)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser("schema", help="JSON schema of the config (with every installed plugin's section)")
+    p.add_argument("-o", "--output", help="write to this file instead of stdout")
+    p.set_defaults(func=cmd_schema)
+
+    p = sub.add_parser("plugins", help="installed plugins, what they register, load failures")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_plugins)
+
+    p = sub.add_parser("doctor", help="python/torch/platform/devices/plugins health")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_doctor)
+    return parser
+
+
+# -- commands -----------------------------------------------------------------
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    from areal_kernel.config import load_config
+
+    cfg = load_config(args.config, args.overrides)
+    data = cfg.dump()
+    if args.json:
+        print(json.dumps(data, indent=2))
+    else:
+        import yaml
+
+        print(yaml.safe_dump(data, sort_keys=False), end="")
+    print(f"# {args.config}: valid", file=sys.stderr)
+    return 0
+
+
+def cmd_schema(args: argparse.Namespace) -> int:
+    from areal_kernel.config import json_schema
+
+    text = json.dumps(json_schema(), indent=2)
+    if args.output:
+        with open(args.output, "w", encoding="utf-8") as f:
+            f.write(text + "\n")
+        print(f"wrote {args.output}", file=sys.stderr)
+    else:
+        print(text)
+    return 0
+
+
+def cmd_plugins(args: argparse.Namespace) -> int:
+    from areal_kernel.plugins import get_plugin_manager
+
+    pm = get_plugin_manager().ensure_loaded()
+    records = [r.to_dict() for r in pm.records.values()]
+    if args.json:
+        print(json.dumps({"plugins": records, "conflicts": pm.registry.conflicts}, indent=2))
+        return 0
+    for r in records:
+        head = f"{r['name']:<14} {r['distribution'] or '?'} {r['version'] or ''}".rstrip()
+        print(f"{head}  [{r['status']}]  ({r['module']})")
+        if r["registers"]:
+            print("    registers: " + ", ".join(r["registers"]))
+        if r["error"]:
+            first = r["error"].strip().splitlines()
+            print("    error: " + first[0] + (" (full traceback: areal plugins --json)" if len(first) > 1 else ""))
+    for c in pm.registry.conflicts:
+        print(f"conflict: {c}")
+    return 0
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    import platform as py_platform
+
+    from areal_kernel.plugins import get_plugin_manager
+
+    report: dict[str, Any] = {
+        "python": py_platform.python_version(),
+        "areal_kernel": __version__,
+        "cpus": os.cpu_count(),
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
+    }
+    problems: list[str] = []
+    try:
+        import torch
+
+        report["torch"] = torch.__version__
+    except Exception as e:  # doctor reports, it does not crash
+        report["torch"] = None
+        problems.append(f"torch cannot be imported: {e}")
+    try:
+        from areal_kernel.platforms import current_platform
+
+        plat = current_platform()
+        report["platform"] = plat.describe()
+        report["memory_gb"] = round(plat.total_memory() / 2**30, 1)
+    except Exception as e:
+        problems.append(f"platform: {e}")
+    pm = get_plugin_manager().ensure_loaded()
+    report["plugins"] = {name: r.status for name, r in pm.records.items()}
+    for name, r in pm.records.items():
+        if r.status in ("failed", "incompatible"):
+            problems.append(f"plugin '{name}' {r.status}: {(r.error or '').strip().splitlines()[0]}")
+    if report["OMP_NUM_THREADS"] is None:
+        problems.append("OMP_NUM_THREADS is not set; on small CPUs set it to 1 in every process")
+    report["problems"] = problems
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        for k, v in report.items():
+            if k == "problems":
+                continue
+            print(f"{k:<16} {v}")
+        print("problems:" if problems else "problems: none")
+        for p in problems:
+            print(f"  - {p}")
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from areal_kernel.config import load_config
+    from areal_kernel.scheduling.plan import make_plan
+
+    cfg = load_config(args.config, args.overrides)
+    plan = make_plan(cfg)
+    if args.json:
+        print(json.dumps(plan, indent=2))
+    else:
+        print(f"platform: {plan['platform']}  available devices: {plan['available_devices']} ({plan['device_unit']})")
+        for role in plan["roles"]:
+            print(
+                f"  {role['role']:<8} {role['allocation']:<14} {role['processes']} process(es) x "
+                f"{role['devices_per_process']} device(s) = {role['devices']}"
+            )
+        print(f"total devices needed: {plan['devices_needed']}  fits: {'yes' if plan['fits'] else 'no'}")
+        for note in plan["notes"]:
+            print(f"note: {note}")
+    return 0 if plan["fits"] else 1
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from areal_kernel.config import load_config
+
+    cfg = load_config(args.config, args.overrides)
+    try:
+        from areal_kernel.trainer.run import run_training
+    except ImportError as e:
+        raise ArealError(f"training is not available in this build: {e}") from None
+    return run_training(cfg)
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    from areal_kernel.config import load_config
+
+    cfg = load_config(args.config, args.overrides)
+    try:
+        from areal_kernel.trainer.check import run_check
+    except ImportError as e:
+        raise ArealError(f"'areal check' is not available in this build: {e}") from None
+    return run_check(cfg, n=args.num_samples)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    # Overrides may come before or after options (`check c.yaml -n 2 a.b=1`).
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        stray = [e for e in extra if e.startswith("-") or "=" not in e or not hasattr(args, "overrides")]
+        if stray:
+            parser.error(f"unrecognized arguments: {' '.join(stray)}")
+        args.overrides = [*args.overrides, *extra]
+    if not getattr(args, "command", None):
+        parser.print_help()
+        return EXIT_USER_ERROR
+    if args.log_json:
+        os.environ["AREAL_LOG_JSON"] = "1"
+    # Logging is configured on first use (structlog's console renderer costs
+    # ~0.2 s of imports, which `areal plugins` should not pay).
+    func: Callable[[argparse.Namespace], int] = args.func
+    try:
+        return int(func(args) or 0)
+    except ArealError as e:
+        if args.debug:
+            raise
+        msg = str(e).rstrip()
+        print(f"areal: error: {msg}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        print("areal: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,79 @@
+"""Load a YAML config, apply overrides, validate: one clear error on failure."""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from areal_kernel.config.models import ExperimentConfig
+from areal_kernel.config.overrides import apply_overrides
+from areal_kernel.config.sections import format_validation_error
+from areal_kernel.errors import ConfigError
+
+
+def read_yaml(path: str) -> dict[str, Any]:
+    if not os.path.exists(path):
+        raise ConfigError(f"{path}: config file not found")
+    if os.path.isdir(path):
+        raise ConfigError(f"{path}: is a directory; expected a YAML file")
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else path
+        problem = getattr(e, "problem", None) or str(e)
+        raise ConfigError(f"{where}: invalid YAML: {problem}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not a UTF-8 text file ({e.reason})") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(data).__name__}")
+    return data
+
+
+def validate_config(data: dict[str, Any], source: str = "config") -> ExperimentConfig:
+    try:
+        return ExperimentConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(f"{source} is invalid:\n" + format_validation_error(e, model=ExperimentConfig)) from None
+
+
+def load_config(path: str | None, overrides: list[str] | None = None) -> ExperimentConfig:
+    """YAML file (or defaults when ``path`` is None) + overrides -> validated config."""
+    data = read_yaml(path) if path else {}
+    data = apply_overrides(data, list(overrides or []))
+    return validate_config(data, source=path or "config")
+
+
+def json_schema() -> dict[str, Any]:
+    """JSON schema of the config, with each registered plugin's own section."""
+    from areal_kernel.plugins.registry import get_registry
+
+    schema = ExperimentConfig.model_json_schema()
+    defs = schema.setdefault("$defs", {})
+    reg = get_registry()
+    for section_cls in (
+        c for c in _plugin_section_classes() if c.__name__ in defs
+    ):
+        props = defs[section_cls.__name__].setdefault("properties", {})
+        for spec in reg.specs(section_cls.registry_kind):
+            model_cls = spec.config_model_cls()
+            if model_cls is None:
+                continue
+            sub = model_cls.model_json_schema()
+            for k, v in sub.pop("$defs", {}).items():
+                defs.setdefault(k, v)
+            sub["description"] = f"Settings of {section_cls.registry_kind} '{spec.name}' (plugin '{spec.plugin}')."
+            props[spec.name] = sub
+        defs[section_cls.__name__]["additionalProperties"] = False
+    return schema
+
+
+def _plugin_section_classes():
+    from areal_kernel.config import models
+
+    return [models.ActorConfig, models.RolloutConfig, models.DatasetConfig, models.WorkflowConfig, models.RewardConfig]

@@ -1,0 +1,180 @@
+"""The experiment configuration (pydantic v2).
+
+Every section a user writes in YAML is a model here; sections whose content
+depends on the chosen backend/type (``actor``, ``rollout``, ``dataset``,
+``reward``, ``workflow``) hold that implementation's settings under its name,
+validated against the model its plugin registered.
+"""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from areal_kernel.config.sections import PluginSection, StrictModel
+
+
+class ModelConfig(StrictModel):
+    path: str = Field(
+        "smollm2-135m-instruct",
+        description="Local HF directory, or a registered model name (see `areal plugins`).",
+    )
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="Inference weights dtype (bfloat16 only pays off on CPUs with avx512_bf16/AMX or on GPUs)."
+    )
+
+
+class ActorConfig(PluginSection):
+    """``backend``: train engine allocation, e.g. ``torch`` or ``fsdp:d2``."""
+
+    registry_kind = "train_engine"
+    selector = "backend"
+    section_path = "actor"
+    allocation_selector = True
+    backend: str = "torch"
+
+
+class GenerationSettings(StrictModel):
+    max_new_tokens: int = Field(16, ge=1)
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(-1, ge=-1)
+    n_samples: int = Field(8, ge=1, description="Samples per prompt (the GRPO group size).")
+
+
+class RolloutConfig(PluginSection):
+    """``backend``: inference allocation, e.g. ``embedded`` or ``vllm:d2t1``."""
+
+    registry_kind = "inference_engine"
+    selector = "backend"
+    section_path = "rollout"
+    allocation_selector = True
+    backend: str = "embedded"
+    max_concurrent_rollouts: int = Field(16, ge=1, description="Episodes running at once.")
+    max_staleness: int = Field(
+        1, ge=0, description="How many weight versions a trained sample may lag behind (0 = synchronous)."
+    )
+    request_timeout_s: float = Field(600.0, gt=0)
+    request_retries: int = Field(3, ge=0)
+    schedule_policy: Literal["round_robin", "least_loaded"] = "least_loaded"
+    gconfig: GenerationSettings = Field(default_factory=GenerationSettings)
+    eval_gconfig: GenerationSettings = Field(
+        default_factory=lambda: GenerationSettings(temperature=1.0, n_samples=1),
+        description="Generation settings for evaluation (greedy is always used).",
+    )
+
+
+class WeightUpdateConfig(StrictModel):
+    mode: Literal["auto", "disk", "broadcast"] = "auto"
+    bucket_mb: int = Field(256, ge=1)
+
+
+class DatasetConfig(PluginSection):
+    """``type``: ``arithmetic`` (built-in generator), ``file`` (jsonl/json/parquet/csv) or ``hub``."""
+
+    registry_kind = "dataset"
+    selector = "type"
+    section_path = "dataset"
+    type: str = "arithmetic"
+    path: str | None = Field(None, description="File/dir for 'file', dataset name for 'hub'.")
+    split: str = "train"
+    eval_split: str | None = None
+    eval_fraction: float = Field(0.1, ge=0, lt=1, description="Held-out fraction when no eval split exists.")
+    field_map: dict[str, str] = Field(default_factory=dict, description="source field -> canonical field, e.g. {question: prompt}.")
+    limit: int | None = Field(None, ge=1)
+    shuffle: bool = True
+
+
+class WorkflowConfig(PluginSection):
+    registry_kind = "workflow"
+    selector = "type"
+    section_path = "workflow"
+    type: str = "rlvr"
+
+
+class RewardConfig(PluginSection):
+    registry_kind = "reward"
+    selector = "type"
+    section_path = "reward"
+    type: str = "math"
+    timeout_s: float = Field(10.0, gt=0, description="Per-call limit, enforced in a worker process.")
+    workers: int = Field(1, ge=1)
+    max_failure_fraction: float = Field(
+        0.5, ge=0, le=1, description="Stop the run when more than this fraction of reward calls fail."
+    )
+
+
+class AlgorithmConfig(StrictModel):
+    type: Literal["grpo"] = "grpo"
+    advantage: str = Field("grpo", description="Registered advantage estimator.")
+    loss: str = Field("ppo", description="Registered policy loss.")
+    eps_clip: float = Field(0.2, gt=0)
+    eps_clip_high: float | None = Field(None, gt=0)
+    behav_imp_weight_cap: float | None = Field(5.0, gt=1)
+    recompute_proximal: bool = True
+    std_normalize: bool = True
+    kl_coef: float = Field(0.0, ge=0)
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    entropy_coef: float = 0.0
+    dynamic_filter: bool = Field(True, description="Drop groups whose rewards are all equal.")
+    filter_retry_budget: int = Field(4, ge=0, description="Extra groups per batch slot before accepting unfiltered.")
+
+
+class TrainerConfig(StrictModel):
+    batch_size: int = Field(8, ge=1, description="Prompts (groups) per training step.")
+    total_train_epochs: int = Field(1, ge=1)
+    max_steps: int | None = Field(None, ge=1)
+    eval_every: int = Field(0, ge=0, description="Evaluate every N steps (0: only before and after).")
+    eval_size: int = Field(32, ge=0)
+
+
+class CheckpointConfig(StrictModel):
+    save_hf_every: int = Field(0, ge=0, description="Save an HF checkpoint every N steps (0: at the end only).")
+    keep_last: int = Field(2, ge=1)
+
+
+class LoggingConfig(StrictModel):
+    sinks: list[str] = Field(default_factory=lambda: ["console", "jsonl", "tensorboard"])
+    level: Literal["debug", "info", "warning", "error"] = "info"
+    json_logs: bool = False
+
+
+class SchedulerConfig(StrictModel):
+    type: str = Field("auto", description="'auto' asks the areal_select_scheduler hook (default: local).")
+
+
+class ExperimentConfig(StrictModel):
+    experiment_name: str = "areal-run"
+    seed: int = 1
+    run_dir: str | None = Field(None, description="Default: runs/<experiment_name>.")
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    actor: ActorConfig = Field(default_factory=ActorConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    weight_update: WeightUpdateConfig = Field(default_factory=WeightUpdateConfig)
+    dataset: DatasetConfig = Field(default_factory=DatasetConfig)
+    workflow: WorkflowConfig = Field(default_factory=WorkflowConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
+
+    @field_validator("experiment_name")
+    @classmethod
+    def _name_is_path_safe(cls, v: str) -> str:
+        if not v or any(c in v for c in "/\\") or v in {".", ".."}:
+            raise ValueError("must be a non-empty name without '/' (it names the run directory)")
+        return v
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> "ExperimentConfig":
+        if self.dataset.type in ("file", "hub") and not self.dataset.path:
+            raise ValueError(f"dataset.path is required when dataset.type is '{self.dataset.type}'")
+        return self
+
+    def resolved_run_dir(self) -> str:
+        return self.run_dir or f"runs/{self.experiment_name}"
+
+    def dump(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")

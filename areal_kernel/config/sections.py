@@ -1,0 +1,137 @@
+"""Config base classes, including sections whose shape a plugin defines.
+
+``actor: {backend: fsdp:d2, fsdp: {...}}``: the ``fsdp`` sub-section is
+validated against the config model that the ``fsdp`` train engine registered,
+so third-party backends get validated config without touching the kernel.
+"""
+from __future__ import annotations
+
+import difflib
+from typing import Any, ClassVar
+
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+
+from areal_kernel.config.allocation import Allocation, AllocationError, parse_allocation
+from areal_kernel.errors import ConfigError
+
+
+class StrictModel(BaseModel):
+    """Unknown keys are errors (with a suggestion), assignments re-validated."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+def format_validation_error(err: ValidationError, prefix: str = "", model: type[BaseModel] | None = None) -> str:
+    """One line per problem: ``path: message`` (with 'did you mean' for typos)."""
+    lines = []
+    for e in err.errors():
+        loc = [str(p) for p in e["loc"]]
+        path = ".".join(([prefix] if prefix else []) + loc) or "(top level)"
+        msg = e["msg"]
+        if e["type"] == "extra_forbidden":
+            msg = "unknown key"
+            if model is not None:
+                known = _fields_at(model, e["loc"][:-1])
+                close = difflib.get_close_matches(str(e["loc"][-1]), known, n=1)
+                if close:
+                    msg += f"; did you mean '{close[0]}'?"
+                elif known:
+                    msg += f"; valid keys: {', '.join(known)}"
+        elif e["type"] == "missing":
+            msg = "required key is missing"
+        else:
+            if "input" in e and e["type"] not in ("value_error",) and not isinstance(e["input"], (dict, list)):
+                msg += f" (got {e['input']!r})"
+        lines.append(f"{path}: {msg}")
+    return "\n".join(lines)
+
+
+def _fields_at(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
+    cls: Any = model
+    for part in loc:
+        field = getattr(cls, "model_fields", {}).get(part)
+        if field is None:
+            return []
+        ann = field.annotation
+        cls = next((a for a in getattr(ann, "__args__", (ann,)) if isinstance(a, type) and issubclass(a, BaseModel)), None)
+        if cls is None:
+            return []
+    return sorted(getattr(cls, "model_fields", {}))
+
+
+class PluginSection(BaseModel):
+    """A config section whose implementation is chosen by name from the registry.
+
+    Subclasses set ``registry_kind`` (e.g. ``"train_engine"``), ``selector``
+    (the field holding the name: ``"backend"`` or ``"type"``) and
+    ``section_path`` (for messages). The plugin's own settings live under a
+    key equal to the chosen name and are validated against its model.
+    """
+
+    model_config = ConfigDict(extra="allow", validate_assignment=False)
+
+    registry_kind: ClassVar[str] = ""
+    selector: ClassVar[str] = "type"
+    section_path: ClassVar[str] = ""
+    allocation_selector: ClassVar[bool] = False
+
+    @property
+    def selected_name(self) -> str:
+        value = getattr(self, self.selector)
+        return parse_allocation(value).backend if self.allocation_selector else value
+
+    @property
+    def allocation(self) -> Allocation:
+        return parse_allocation(getattr(self, self.selector))
+
+    @property
+    def plugin_config(self) -> Any:
+        """The validated settings of the selected implementation (model or dict)."""
+        return (self.__pydantic_extra__ or {}).get(self.selected_name)
+
+    @model_validator(mode="after")
+    def _validate_plugin_section(self) -> "PluginSection":
+        from areal_kernel.plugins.registry import get_registry
+
+        where = self.section_path or type(self).__name__
+        if self.allocation_selector:
+            try:
+                parse_allocation(getattr(self, self.selector))
+            except AllocationError as e:
+                raise ConfigError(f"{where}.{self.selector}: {e}") from None
+        name = self.selected_name
+        try:
+            spec = get_registry().get(self.registry_kind, name)
+        except ConfigError:
+            raise
+        except Exception as e:
+            raise ConfigError(f"{where}.{self.selector}: {e}") from None
+        if self.__pydantic_extra__ is None:
+            self.__pydantic_extra__ = {}
+        extras = self.__pydantic_extra__
+        for key in list(extras):
+            if key == name:
+                continue
+            close = difflib.get_close_matches(key, [name, *type(self).model_fields], n=1)
+            hint = f"; did you mean '{close[0]}'?" if close else ""
+            raise ConfigError(
+                f"{where}.{key}: unknown key{hint} (settings for the selected {self.registry_kind} "
+                f"'{name}' go under {where}.{name})"
+            )
+        model_cls = spec.config_model_cls()
+        raw = extras.get(name, {})
+        if model_cls is None:
+            if raw:
+                raise ConfigError(f"{where}.{name}: {self.registry_kind} '{name}' takes no settings")
+            return self
+        if isinstance(raw, BaseModel):
+            raw = raw.model_dump()
+        if raw is None:
+            raw = {}
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{where}.{name}: expected a mapping of settings, got {type(raw).__name__}")
+        try:
+            extras[name] = model_cls.model_validate(raw)
+        except ValidationError as ve:
+            raise ConfigError(format_validation_error(ve, prefix=f"{where}.{name}", model=model_cls)) from None
+        return self

@@ -1,0 +1,243 @@
+"""Every hook of areal-kernel, in one place, grouped by phase.
+
+A plugin is a module (named by an ``areal.plugins`` entry point) holding
+functions decorated with ``areal_kernel.hookimpl`` whose names match the specs
+below. Hooks run in whichever process first asks the registry for a name:
+the controller (``areal train``), a train-engine rank, or an inference-server
+process. Plugin loading is idempotent there, so hooks must be cheap and free
+of side effects beyond calling ``register``.
+
+Phases
+------
+1. Registration (``areal_register_*``): each receives a ``register`` callback
+   and registers lazy factories by name. Called once per process, when the
+   registry is first used.
+2. Overrides (``firstresult``): the first non-``None`` answer wins; the kernel
+   registers a ``trylast`` default for each.
+3. Observers (``areal_on_*``): called in the controller process as the run
+   progresses; return values are ignored.
+
+The ``register`` callback
+-------------------------
+``register(name, target, *, config_model=None, platforms=None,
+capabilities=(), description="")``
+
+- ``name``: what users write in config (``"fsdp"``, ``"math"``).
+- ``target``: ``"pkg.module:Attr"``, imported only when the name is used.
+- ``config_model``: a pydantic model (or its ``"pkg.module:Model"`` path)
+  validating the factory's own config section (``actor.fsdp: {...}``).
+- ``platforms``: platform names it runs on (``None``: all).
+- ``capabilities``: free-form strings (``"pause"``, ``"broadcast_update"``).
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable
+
+import pluggy
+
+if TYPE_CHECKING:
+    from areal_kernel.config.models import ExperimentConfig
+
+PROJECT = "areal"
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+Register = Callable[..., None]
+
+# ---------------------------------------------------------------------------
+# 1. Registration hooks
+# ---------------------------------------------------------------------------
+
+
+@hookspec
+def areal_register_train_engines(register: Register) -> None:
+    """Register train engines (``actor.backend``), e.g. ``torch``, ``fsdp``.
+
+    Target: a ``TrainEngine`` subclass taking ``(config, backend_config,
+    allocation)``. Called once per process on first registry use.
+    """
+
+
+@hookspec
+def areal_register_inference_engines(register: Register) -> None:
+    """Register inference backends (``rollout.backend``), e.g. ``embedded``, ``vllm``.
+
+    Target: a backend object exposing ``launcher`` (a ``ServerLauncher``
+    factory) and ``protocol`` (the HTTP wire format the kernel's remote
+    client speaks). Called once per process on first registry use.
+    """
+
+
+@hookspec
+def areal_register_weight_transports(register: Register) -> None:
+    """Register weight transports (``disk``, ``broadcast``, ...).
+
+    Target: a callable moving train-engine weights into inference servers.
+    Called once per process on first registry use.
+    """
+
+
+@hookspec
+def areal_register_schedulers(register: Register) -> None:
+    """Register schedulers (``local``; third parties: Ray, Slurm).
+
+    Target: a class that starts the processes of each role. Called once per
+    process on first registry use.
+    """
+
+
+@hookspec
+def areal_register_platforms(register: Register) -> None:
+    """Register platforms by name (``cpu``, ``cuda``, ``npu``) for ``AREAL_PLATFORM``.
+
+    Target: a ``Platform`` subclass. Automatic detection uses the cheap
+    probes of the ``areal.platforms`` entry-point group instead.
+    """
+
+
+@hookspec
+def areal_register_datasets(register: Register) -> None:
+    """Register dataset sources (``dataset.type``), e.g. ``file``, ``hub``, ``arithmetic``.
+
+    Target: a callable returning a list of record dicts. Called in the
+    controller process on first registry use.
+    """
+
+
+@hookspec
+def areal_register_rewards(register: Register) -> None:
+    """Register reward functions (``reward.type``), e.g. ``math``, ``exact_match``.
+
+    Target: ``fn(completion: str, answer: str, **kwargs) -> float``; run in a
+    worker pool with the kernel's timeout.
+    """
+
+
+@hookspec
+def areal_register_workflows(register: Register) -> None:
+    """Register rollout workflows (``workflow.type``), e.g. ``rlvr``, ``multi_turn``.
+
+    Target: a class whose ``arun_episode(engine, record)`` returns a
+    ``TrajectoryGroup`` (or ``None`` to reject). Runs in the controller's
+    asyncio loop.
+    """
+
+
+@hookspec
+def areal_register_advantage_estimators(register: Register) -> None:
+    """Register advantage estimators (``algorithm.advantage``), e.g. ``grpo``.
+
+    Target: ``fn(rewards, group_ids, **kwargs) -> list[float]``.
+    """
+
+
+@hookspec
+def areal_register_losses(register: Register) -> None:
+    """Register policy losses (``algorithm.loss``), e.g. ``ppo``.
+
+    Target: ``fn(logprobs, data, **kwargs) -> (loss, stats)`` following the
+    train engine's token-sum contract.
+    """
+
+
+@hookspec
+def areal_register_metric_sinks(register: Register) -> None:
+    """Register metric sinks (``logging.sinks``), e.g. ``console``, ``jsonl``, ``tensorboard``.
+
+    Target: a class with ``log(step: int, metrics: dict[str, float])`` and
+    ``close()``. Instantiated in the controller process.
+    """
+
+
+@hookspec
+def areal_register_model_sources(register: Register) -> None:
+    """Register model names that resolve to a local HF directory
+    (``smollm2-135m-instruct``).
+
+    Target: ``fn(variant: str | None) -> str`` returning the directory.
+    """
+
+
+REGISTRATION_HOOKS: dict[str, str] = {
+    # registry kind -> hook name
+    "train_engine": "areal_register_train_engines",
+    "inference_engine": "areal_register_inference_engines",
+    "weight_transport": "areal_register_weight_transports",
+    "scheduler": "areal_register_schedulers",
+    "platform": "areal_register_platforms",
+    "dataset": "areal_register_datasets",
+    "reward": "areal_register_rewards",
+    "workflow": "areal_register_workflows",
+    "advantage_estimator": "areal_register_advantage_estimators",
+    "loss": "areal_register_losses",
+    "metric_sink": "areal_register_metric_sinks",
+    "model_source": "areal_register_model_sources",
+}
+
+# ---------------------------------------------------------------------------
+# 2. Override hooks (first non-None result wins)
+# ---------------------------------------------------------------------------
+
+
+@hookspec(firstresult=True)
+def areal_select_weight_transport(train_backend: str, inference_backend: str, platform: str, mode: str) -> str | None:
+    """Choose the weight transport name for a train/inference pair.
+
+    ``mode`` is the user's ``weight_update.mode`` (``auto``, ``disk``,
+    ``broadcast``). Called in the controller before the first update. The
+    kernel default returns ``mode`` unless it is ``auto``, then ``broadcast``
+    when the inference backend has the capability, else ``disk``.
+    """
+
+
+@hookspec(firstresult=True)
+def areal_resolve_model_path(name_or_path: str) -> str | None:
+    """Turn ``model.path`` into a local HF directory.
+
+    Called in the controller before anything starts. Return ``None`` to let
+    other plugins (and the kernel default: local directory or registered
+    model source) answer.
+    """
+
+
+@hookspec(firstresult=True)
+def areal_select_scheduler(config: "ExperimentConfig") -> str | None:
+    """Choose the scheduler name when ``scheduler.type`` is ``auto``.
+
+    Called in the controller. Kernel default: ``local``.
+    """
+
+
+# ---------------------------------------------------------------------------
+# 3. Observer hooks (controller process; results ignored)
+# ---------------------------------------------------------------------------
+
+
+@hookspec
+def areal_on_run_start(config: "ExperimentConfig", run_dir: str) -> None:
+    """After the config is validated and the run directory exists, before servers start."""
+
+
+@hookspec
+def areal_on_rollout_batch(step: int, stats: dict[str, Any]) -> None:
+    """After a training batch was collected from the rollout executor."""
+
+
+@hookspec
+def areal_on_train_step(step: int, metrics: dict[str, float]) -> None:
+    """After each optimizer step, with the step's metrics."""
+
+
+@hookspec
+def areal_on_weight_update(version: int, transport: str, seconds: float) -> None:
+    """After inference servers switched to weight ``version``."""
+
+
+@hookspec
+def areal_on_checkpoint(step: int, path: str) -> None:
+    """After a checkpoint was completely written to ``path``."""
+
+
+@hookspec
+def areal_on_run_end(status: str, run_dir: str) -> None:
+    """When the run ends; ``status`` is ``completed``, ``failed`` or ``interrupted``."""

@@ -1,0 +1,1 @@
+"""Inference: the generic remote client, the wire-format interface and the embedded server."""

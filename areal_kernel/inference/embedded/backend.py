@@ -1,0 +1,115 @@
+"""The ``embedded`` inference backend as the kernel sees it: launcher + wire format.
+
+Registered by the builtin plugin exactly like an external backend would be.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from areal_kernel.api.io import GenerationConfig, StopReason
+from areal_kernel.errors import ServerError
+from areal_kernel.inference.wire import GenerateChunk, HttpCall, ServerProtocol
+
+_FINISH = {"stop": StopReason.STOP, "length": StopReason.LENGTH, "abort": StopReason.ABORT}
+
+
+class EmbeddedProtocol(ServerProtocol):
+    health_path = "/health"
+
+    def generate(self, rid: str, input_ids: list[int], gconfig: GenerationConfig, max_new_tokens: int) -> HttpCall:
+        return HttpCall(
+            "POST",
+            "/generate",
+            {
+                "rid": rid,
+                "input_ids": input_ids,
+                "sampling_params": {
+                    "max_new_tokens": max_new_tokens,
+                    "temperature": gconfig.temperature,
+                    "top_p": gconfig.top_p,
+                    "top_k": gconfig.top_k,
+                    "greedy": gconfig.greedy,
+                    "stop_token_ids": list(gconfig.stop_token_ids),
+                },
+            },
+        )
+
+    def parse_generate(self, data: Any) -> GenerateChunk:
+        try:
+            reason = _FINISH[data["finish_reason"]]
+            ids = [int(x) for x in data["output_ids"]]
+            lps = [float(x) for x in data["output_logprobs"]]
+        except (KeyError, TypeError, ValueError) as e:
+            raise ServerError(f"embedded server answered /generate with an unexpected body ({e}): {str(data)[:300]}") from None
+        if len(ids) != len(lps):
+            raise ServerError(f"embedded server returned {len(ids)} tokens but {len(lps)} logprobs")
+        return GenerateChunk(ids, lps, reason, version=data.get("weight_version"))
+
+    def pause(self, mode: str = "abort") -> HttpCall:
+        return HttpCall("POST", "/pause", {"mode": mode})
+
+    def resume(self) -> HttpCall:
+        return HttpCall("POST", "/resume", {})
+
+    def update_weights_from_disk(self, path: str, version: int) -> HttpCall:
+        return HttpCall("POST", "/update_weights_from_disk", {"path": path, "version": version})
+
+    def init_weight_group(
+        self, master_addr: str, master_port: int, world_size: int, rank: int, group_name: str, backend: str
+    ) -> HttpCall:
+        return HttpCall(
+            "POST",
+            "/init_weights_group",
+            {"master_addr": master_addr, "master_port": master_port, "world_size": world_size, "rank": rank,
+             "group_name": group_name, "backend": backend},
+        )
+
+    def update_weights_from_distributed(
+        self, tensors: list[dict[str, Any]], version: int, bucket_bytes: int, group_name: str
+    ) -> HttpCall:
+        return HttpCall(
+            "POST", "/update_weights_from_distributed", {"version": version, "tensors": tensors, "bucket_bytes": bucket_bytes}
+        )
+
+    def set_version(self, version: int) -> HttpCall:
+        return HttpCall("POST", "/set_version", {"version": version})
+
+
+class EmbeddedBackend:
+    """Built from the experiment config; the scheduler calls ``launch``."""
+
+    protocol_cls = EmbeddedProtocol
+
+    def __init__(self, config: Any) -> None:
+        from areal_kernel.inference.embedded.launcher import EmbeddedServerConfig
+
+        self.config = config
+        server_cfg = config.rollout.plugin_config or EmbeddedServerConfig()
+        # model.dtype is the run-wide choice of inference precision.
+        self.server_config = server_cfg.model_copy(update={"dtype": config.model.dtype})
+        self.launcher: Any = None
+
+    def launch(self, model_dir: str, device_plan: list[list[int]], run_dir: str) -> list[str]:
+        from areal_kernel.inference.embedded.launcher import EmbeddedLauncher
+
+        self.launcher = EmbeddedLauncher(self.server_config, run_dir=run_dir)
+        devices_per_server = len(device_plan[0]) if device_plan else 0
+        infos = self.launcher.launch(model_dir, n_servers=len(device_plan), devices_per_server=devices_per_server)
+        return [i.address for i in infos]
+
+    def make_client(self, addresses: list[str]) -> Any:
+        from areal_kernel.inference.client import RemoteInferenceEngine
+
+        r = self.config.rollout
+        return RemoteInferenceEngine(
+            addresses,
+            self.protocol_cls(),
+            request_timeout_s=r.request_timeout_s,
+            retries=r.request_retries,
+            schedule_policy=r.schedule_policy,
+            admin_token=self.server_config.admin_token,
+        )
+
+    def stop(self) -> None:
+        if self.launcher is not None:
+            self.launcher.stop()

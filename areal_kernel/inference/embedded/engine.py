@@ -1,0 +1,357 @@
+"""The generation engine: one background thread owns the model and steps the
+running batch; everything else talks to it through a command inbox.
+
+Why one owner thread: weight updates, pause/abort and batch surgery then
+happen strictly *between* decode steps without locks, and a ``/pause`` that
+returned guarantees no step is in flight. HTTP handlers get
+``concurrent.futures.Future`` objects and await them with
+``asyncio.wrap_future``.
+
+Each loop iteration: run queued commands; admit waiting requests (prefill
+them as one left-padded batch and merge into the running batch, so requests
+join between decode steps); one decode step for every running row; finished
+rows leave the batch at once.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future
+from typing import Any, Callable
+
+import torch
+
+from areal_kernel.inference.embedded.kvbatch import Request, RunningBatch, new_cache, stop_matrix
+from areal_kernel.inference.embedded.protocol import GenerateBody, RequestError
+from areal_kernel.inference.embedded.sampling import RowParams, sample
+
+log = logging.getLogger("areal.embedded.engine")
+
+_STOP = object()
+
+
+class GenerationEngine:
+    def __init__(
+        self,
+        model: Any,
+        *,
+        max_batch_size: int,
+        eos_ids: list[int],
+        max_positions: int,
+        vocab_size: int,
+        device: torch.device,
+        seed: int = 0,
+        pad_id: int = 0,
+        num_threads: int = 1,
+        admit_window_s: float = 0.005,
+    ) -> None:
+        self.model = model
+        self.max_batch_size = max_batch_size
+        self.eos_ids = list(eos_ids)
+        self.max_positions = max_positions
+        self.vocab_size = vocab_size
+        self.device = device
+        self.pad_id = pad_id
+        self.num_threads = num_threads
+        self.admit_window_s = admit_window_s
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+
+        self.version = 0
+        self.paused = False
+        self.waiting: deque[Request] = deque()
+        self.batch: RunningBatch | None = None
+        self._active: dict[str, Request] = {}
+        self._admitting: list[Request] = []
+        self._inbox: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="areal-engine", daemon=True)
+        self._check_cache_layout()
+
+    # -- public, thread-safe ------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._inbox.put(_STOP)
+        self._thread.join(timeout)
+
+    @property
+    def n_running(self) -> int:
+        # From the bookkeeping dict, not the batch: a finished row is removed
+        # from _active before its answer is sent, so /info never lags behind.
+        return max(0, len(self._active) - len(self.waiting))
+
+    @property
+    def n_queued(self) -> int:
+        return len(self.waiting)
+
+    def call(self, fn: Callable[[], Any]) -> Future:
+        """Run ``fn`` on the engine thread between steps; its result or
+        exception lands in the returned future."""
+        fut: Future = Future()
+        self._inbox.put((fn, fut))
+        return fut
+
+    def submit(self, body: GenerateBody) -> Future:
+        """Queue a generation; the future resolves to the response body."""
+        fut: Future = Future()
+        req = Request(body.rid, body.input_ids, body.params, fut=fut)
+
+        def add() -> None:
+            if req.rid in self._active:
+                fut.set_exception(RequestError(f"rid {req.rid!r} is already queued or running; rids must be unique"))
+                return
+            self._active[req.rid] = req
+            self.waiting.append(req)
+
+        self._inbox.put((add, None))
+        # A client that went away should not keep a batch row busy.
+        fut.add_done_callback(lambda f: f.cancelled() and self._inbox.put((lambda: self._drop(req), None)))
+        return fut
+
+    def pause(self, mode: str) -> Future:
+        def do() -> dict:
+            self.paused = True
+            n = 0
+            if mode == "abort":
+                n = self._abort_running()
+            return {"paused": True, "aborted": n}
+
+        return self.call(do)
+
+    def resume(self) -> Future:
+        def do() -> dict:
+            self.paused = False
+            return {"paused": False}
+
+        return self.call(do)
+
+    def abort(self, rid: str) -> Future:
+        def do() -> dict:
+            req = self._active.get(rid)
+            if req is None:
+                return {"aborted": False}
+            self._drop(req)
+            return {"aborted": True}
+
+        return self.call(do)
+
+    def update_weights(self, load: Callable[[], Any], version: int) -> Future:
+        """Run ``load`` (copies tensors into the model) between steps and set
+        ``version``. Rows in the running batch (including ones frozen by
+        pause ``keep``) are aborted first: their KV cache came from the old
+        weights, and one answer must come from one weight version. Queued
+        requests stay queued and run on the new weights."""
+
+        def do() -> dict:
+            n = self._abort_running()
+            load()
+            self.version = version
+            return {"version": version, "aborted": n}
+
+        return self.call(do)
+
+    def set_version(self, version: int) -> Future:
+        def do() -> dict:
+            self.version = version
+            return {"version": version}
+
+        return self.call(do)
+
+    # -- engine thread ------------------------------------------------------
+    def _check_cache_layout(self) -> None:
+        # Left-padding merges and in-place appends assume plain full-attention
+        # layers (no sliding windows, no linear-attention state).
+        from transformers import DynamicCache
+        from transformers.cache_utils import DynamicLayer
+
+        cache = DynamicCache(config=self.model.config)
+        kinds = {type(layer).__name__ for layer in cache.layers}
+        if not cache.layers or kinds != {DynamicLayer.__name__}:
+            raise RuntimeError(
+                f"embedded server supports full-attention models only; this model's cache layers are {sorted(kinds)}"
+            )
+
+    def _busy(self) -> bool:
+        return not self.paused and (self.batch is not None or bool(self.waiting))
+
+    def _run(self) -> None:
+        torch.set_num_threads(self.num_threads)
+        with torch.inference_mode():
+            while True:
+                try:
+                    item = self._inbox.get(block=not self._busy())
+                except queue.Empty:
+                    item = None
+                while item is not None:
+                    if item is _STOP:
+                        self._abort_running()
+                        return
+                    self._exec(item)
+                    try:
+                        item = self._inbox.get_nowait()
+                    except queue.Empty:
+                        item = None
+                if self._busy() and self.batch is None:
+                    if self._gather_burst():
+                        return
+                if self._busy():
+                    try:
+                        self._step()
+                    except Exception as e:  # keep serving; fail only what was running
+                        log.exception("generation step failed")
+                        self._fail_running(e)
+
+    def _gather_burst(self) -> bool:
+        """Starting from idle: wait up to ``admit_window_s`` for more requests
+        so a burst (e.g. a batch of rollouts sent together) is prefilled as
+        one batch instead of one request followed by the rest. Returns True
+        if a shutdown arrived meanwhile."""
+        deadline = time.monotonic() + self.admit_window_s
+        while len(self.waiting) < self.max_batch_size and not self.paused:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            try:
+                item = self._inbox.get(timeout=left)
+            except queue.Empty:
+                break
+            if item is _STOP:
+                self._abort_running()
+                return True
+            self._exec(item)
+        return False
+
+    def _exec(self, item: tuple[Callable[[], Any], Future | None]) -> None:
+        fn, fut = item
+        try:
+            res = fn()
+        except Exception as e:
+            if fut is None:
+                log.exception("engine command failed")
+            else:
+                fut.set_exception(e)
+            return
+        if fut is not None:
+            fut.set_result(res)
+
+    def _finish(self, req: Request, reason: str) -> None:
+        self._active.pop(req.rid, None)
+        req.finish(reason, self.version)
+
+    def _abort_running(self) -> int:
+        b = self.batch
+        if b is None:
+            return 0
+        for r in b.reqs:
+            self._finish(r, "abort")
+        self.batch = None
+        return b.size
+
+    def _fail_running(self, err: Exception) -> None:
+        b, self.batch = self.batch, None
+        admitting, self._admitting = self._admitting, []
+        for r in (b.reqs if b is not None else []) + admitting:
+            self._active.pop(r.rid, None)
+            r.fail(RuntimeError(f"generation failed: {type(err).__name__}: {err}"))
+
+    def _drop(self, req: Request) -> None:
+        """Abort one request wherever it is (partial output, 'abort')."""
+        if req.finished:
+            return
+        if req in self.waiting:
+            self.waiting.remove(req)
+        elif self.batch is not None and req in self.batch.reqs:
+            keep = [i for i, r in enumerate(self.batch.reqs) if r is not req]
+            if keep:
+                self.batch.select(keep)
+            else:
+                self.batch = None
+        self._finish(req, "abort")
+
+    def _step(self) -> None:
+        room = self.max_batch_size - (self.batch.size if self.batch is not None else 0)
+        if self.waiting and room > 0:
+            new = [self.waiting.popleft() for _ in range(min(room, len(self.waiting)))]
+            self._admitting = new  # so a failing prefill still answers them
+            fresh = self._prefill(new)
+            self._admitting = []
+            if fresh is not None:
+                if self.batch is None:
+                    self.batch = fresh
+                else:
+                    self.batch.merge(fresh)
+        if self.batch is not None:
+            self._decode(self.batch)
+
+    def _forward(self, ids: torch.Tensor, mask: torch.Tensor | None, pos_ids: torch.Tensor, cache: Any) -> torch.Tensor:
+        out = self.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=pos_ids,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        return out.logits[:, -1, :].float()
+
+    def _prefill(self, reqs: list[Request]) -> RunningBatch | None:
+        lens = [len(r.input_ids) for r in reqs]
+        width = max(lens)
+        rows = [[self.pad_id] * (width - n) + r.input_ids for r, n in zip(reqs, lens)]
+        ids = torch.tensor(rows, dtype=torch.long, device=self.device)
+        lens_t = torch.tensor(lens, dtype=torch.long, device=self.device)
+        padded = min(lens) < width
+        mask = None
+        pos_ids = torch.arange(width, device=self.device).expand(len(reqs), width)
+        if padded:
+            mask = torch.arange(width, device=self.device).unsqueeze(0) >= (width - lens_t).unsqueeze(1)
+            pos_ids = (mask.long().cumsum(1) - 1).clamp(min=0)
+        cache = new_cache(self.model.config)
+        logits = self._forward(ids, mask, pos_ids, cache)
+        batch = RunningBatch(
+            reqs=reqs,
+            cache=cache,
+            mask=mask,
+            pos=lens_t,
+            last=torch.zeros(len(reqs), dtype=torch.long, device=self.device),
+            n_gen=torch.zeros(len(reqs), dtype=torch.long, device=self.device),
+            max_new=torch.tensor([r.params.max_new_tokens for r in reqs], dtype=torch.long, device=self.device),
+            stop=stop_matrix(reqs, self.eos_ids, self.device),
+            rows=RowParams.build([r.params for r in reqs], self.vocab_size, self.device),
+        )
+        return self._consume(batch, logits)
+
+    def _decode(self, b: RunningBatch) -> None:
+        if b.mask is not None:
+            b.mask = torch.cat([b.mask, b.mask.new_ones(b.size, 1)], dim=1)
+        logits = self._forward(b.last.unsqueeze(1), b.mask, b.pos.unsqueeze(1), b.cache)
+        b.pos = b.pos + 1
+        self.batch = self._consume(b, logits)
+
+    def _consume(self, b: RunningBatch, logits: torch.Tensor) -> RunningBatch | None:
+        """Sample one token per row, record it, and remove finished rows.
+        ``b.pos`` is the position the new token occupies."""
+        tok, lp = sample(logits, b.rows, self.generator)
+        b.n_gen = b.n_gen + 1
+        b.last = tok
+        hit = (tok.unsqueeze(1) == b.stop).any(1)
+        done = hit | (b.n_gen >= b.max_new) | (b.pos + 1 >= self.max_positions)
+        # One device->host transfer per step for the whole batch.
+        toks, lps, hits, dones = torch.stack([tok.double(), lp.double(), hit.double(), done.double()]).cpu().tolist()
+        keep = []
+        for i, r in enumerate(b.reqs):
+            r.output_ids.append(int(toks[i]))
+            r.output_logprobs.append(lps[i])
+            if dones[i]:
+                self._finish(r, "stop" if hits[i] else "length")
+            else:
+                keep.append(i)
+        if not keep:
+            return None
+        if len(keep) < b.size:
+            b.select(keep)
+        return b

@@ -1,0 +1,210 @@
+"""Start and stop embedded server processes (no torch in this process).
+
+Each server is ``python -m areal_kernel.inference.embedded.server`` in its own
+session (process group), so ``stop`` can kill it with everything it spawned.
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections import deque
+from dataclasses import dataclass
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from areal_kernel.api.engine import ServerInfo, ServerLauncher
+from areal_kernel.errors import ServerError
+from areal_kernel.inference.embedded.ports import find_free_port
+
+SERVER_MODULE = "areal_kernel.inference.embedded.server"
+PORT_IN_USE_EXIT = 98  # same value as server.PORT_IN_USE_EXIT (server imports nothing heavy, but keep this torch-free)
+ADMIN_TOKEN_ENV = "AREAL_EMBEDDED_ADMIN_TOKEN"
+LOG_TAIL_LINES = 30
+
+
+class EmbeddedServerConfig(BaseModel):
+    """Settings of embedded inference servers (``rollout.embedded`` section)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # bf16 is slower than fp32 on CPUs without avx512_bf16/AMX
+    max_batch_size: int = Field(64, ge=1)
+    attn_implementation: Literal["sdpa", "eager"] = "sdpa"
+    seed: int = 0
+    startup_timeout_s: float = Field(120.0, gt=0)
+    host: str = "127.0.0.1"
+    admin_token: str | None = None
+    extra_env: dict[str, str] = Field(default_factory=dict)
+    stop_grace_s: float = Field(5.0, ge=0)
+    port_retries: int = Field(3, ge=0)
+
+
+@dataclass
+class _Proc:
+    popen: subprocess.Popen
+    info: ServerInfo
+    cmd: list[str]
+    log_path: str
+
+
+def _tail(path: str, n: int = LOG_TAIL_LINES) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return "".join(deque(f, maxlen=n))
+    except OSError as e:
+        return f"(no log: {e})"
+
+
+def _healthy(address: str, timeout: float = 2.0) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://{address}/health", timeout=timeout) as r:
+            return r.status == 200
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+class EmbeddedLauncher(ServerLauncher):
+    """Launch ``n_servers`` embedded servers and wait until they are healthy."""
+
+    def __init__(self, config: EmbeddedServerConfig | None = None, run_dir: str | None = None) -> None:
+        self.config = config or EmbeddedServerConfig()
+        self.run_dir = run_dir or tempfile.mkdtemp(prefix="areal-embedded-")
+        os.makedirs(self.run_dir, exist_ok=True)
+        self._procs: list[_Proc] = []
+        self._counter = 0
+        atexit.register(self.stop)  # never leave orphan servers behind
+
+    @property
+    def servers(self) -> list[ServerInfo]:
+        return [p.info for p in self._procs]
+
+    def _command(self, model_path: str, port: int) -> list[str]:
+        c = self.config
+        return [
+            sys.executable, "-m", SERVER_MODULE,
+            "--model", model_path,
+            "--host", c.host,
+            "--port", str(port),
+            "--dtype", c.dtype,
+            "--max-batch-size", str(c.max_batch_size),
+            "--seed", str(c.seed),
+            "--attn-implementation", c.attn_implementation,
+            "--parent-pid", str(os.getpid()),
+        ]  # fmt: skip
+
+    def _env(self, device_ids: list[int]) -> dict[str, str]:
+        from areal_kernel.platforms import current_platform
+
+        env = dict(os.environ)
+        env["OMP_NUM_THREADS"] = "1"
+        env.update(current_platform().visible_devices_env_for(device_ids))
+        # The token goes through the environment, not argv: argv is world-readable in ps.
+        if self.config.admin_token:
+            env[ADMIN_TOKEN_ENV] = self.config.admin_token
+        else:
+            env.pop(ADMIN_TOKEN_ENV, None)
+        # Let the child import this very package even when it is not installed.
+        pkg_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH", "")) if p)
+        env.update(self.config.extra_env)
+        return env
+
+    def _start(self, model_path: str, device_ids: list[int]) -> _Proc:
+        idx = self._counter
+        self._counter += 1
+        port = find_free_port(self.config.host)
+        cmd = self._command(model_path, port)
+        log_path = os.path.join(self.run_dir, f"server-{idx}.log")
+        with open(log_path, "ab") as logf:
+            popen = subprocess.Popen(
+                cmd,
+                stdout=logf,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=self._env(device_ids),
+                start_new_session=True,
+            )
+        info = ServerInfo(f"{self.config.host}:{port}", popen.pid, log_path, list(device_ids))
+        return _Proc(popen, info, cmd, log_path)
+
+    def _failure(self, p: _Proc, why: str) -> ServerError:
+        return ServerError(
+            f"embedded server {why}\n  command: {' '.join(p.cmd)}\n  log: {p.log_path}\n"
+            f"--- last {LOG_TAIL_LINES} log lines ---\n{_tail(p.log_path)}"
+        )
+
+    def launch(self, model_path: str, n_servers: int, devices_per_server: int) -> list[ServerInfo]:
+        if n_servers < 1:
+            raise ServerError(f"n_servers must be >= 1, got {n_servers}")
+        if devices_per_server < 0:
+            raise ServerError(f"devices_per_server must be >= 0, got {devices_per_server}")
+        if not os.path.isdir(model_path):
+            raise ServerError(f"model path {model_path!r} is not a directory (expected an HF model directory)")
+        device_sets = [list(range(i * devices_per_server, (i + 1) * devices_per_server)) for i in range(n_servers)]
+        # Start all first so they load in parallel, then wait for each.
+        pending = [self._start(model_path, d) for d in device_sets]
+        ready: list[_Proc] = []
+        try:
+            for p in pending:
+                ready.append(self._wait_ready(p, model_path))
+        except BaseException:
+            # Whatever made it up is stopped too: launch is all or nothing.
+            self._procs.extend(ready + [p for p in pending if p not in ready])
+            self.stop()
+            raise
+        self._procs.extend(ready)
+        return [p.info for p in ready]
+
+    def _wait_ready(self, p: _Proc, model_path: str) -> _Proc:
+        retries = self.config.port_retries
+        deadline = time.monotonic() + self.config.startup_timeout_s
+        while True:
+            rc = p.popen.poll()
+            if rc == PORT_IN_USE_EXIT and retries > 0:
+                # Someone took the port between our probe and the server's bind.
+                retries -= 1
+                p = self._start(model_path, p.info.device_ids)
+                continue
+            if rc is not None:
+                raise self._failure(p, f"exited with code {rc} before becoming healthy")
+            if _healthy(p.info.address):
+                return p
+            if time.monotonic() > deadline:
+                self._kill(p)
+                raise self._failure(p, f"not healthy after {self.config.startup_timeout_s:.0f} s (startup_timeout_s)")
+            time.sleep(0.2)
+
+    def _kill(self, p: _Proc) -> None:
+        if p.popen.poll() is not None:
+            return
+        try:
+            os.killpg(p.popen.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            return
+        try:
+            p.popen.wait(self.config.stop_grace_s)
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(p.popen.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.popen.wait()
+
+    def stop(self) -> None:
+        procs, self._procs = self._procs, []
+        for p in procs:  # SIGTERM all first so they shut down in parallel
+            if p.popen.poll() is None:
+                try:
+                    os.killpg(p.popen.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        for p in procs:
+            self._kill(p)

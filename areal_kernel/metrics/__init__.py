@@ -1,0 +1,1 @@
+"""Built-in metric sinks: console, JSONL, TensorBoard."""

@@ -1,0 +1,82 @@
+"""Metric sinks. Each has ``log(step, metrics)`` and ``close()``; the trainer
+fans metrics out to every sink listed in ``logging.sinks``."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from typing import Any, TextIO
+
+
+def _clean(metrics: dict[str, Any]) -> dict[str, float]:
+    out = {}
+    for k, v in metrics.items():
+        try:
+            out[k] = float(v)
+        except (TypeError, ValueError):
+            continue
+    return out
+
+
+class JsonlSink:
+    """Appends one JSON object per step to ``<run_dir>/metrics.jsonl`` (flushed each line,
+    so a killed run keeps every completed step)."""
+
+    def __init__(self, run_dir: str, filename: str = "metrics.jsonl") -> None:
+        os.makedirs(run_dir, exist_ok=True)
+        self.path = os.path.join(run_dir, filename)
+        self._f = open(self.path, "a", encoding="utf-8")
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        row = {"step": step, **{k: (None if math.isnan(v) or math.isinf(v) else v) for k, v in _clean(metrics).items()}}
+        self._f.write(json.dumps(row, sort_keys=True) + "\n")
+        self._f.flush()
+
+    def close(self) -> None:
+        self._f.close()
+
+
+class TensorBoardSink:
+    def __init__(self, run_dir: str) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(log_dir=os.path.join(run_dir, "tensorboard"))
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        for k, v in _clean(metrics).items():
+            self.writer.add_scalar(k, v, step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class ConsoleSink:
+    """A one-line progress report per step: step/total, reward, staleness, tokens/s."""
+
+    KEYS = (
+        ("reward", "reward/mean"),
+        ("acc", "eval/accuracy"),
+        ("stale", "rollout/staleness_mean"),
+        ("tok/s", "perf/train_tokens_per_s"),
+        ("loss", "train/loss"),
+        ("step_s", "perf/step_s"),
+    )
+
+    def __init__(self, run_dir: str | None = None, total_steps: int | None = None, stream: TextIO | None = None) -> None:
+        self.total = total_steps
+        self.stream = stream or sys.stdout
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        m = _clean(metrics)
+        total = f"/{self.total}" if self.total else ""
+        bar = ""
+        if self.total:
+            done = int(20 * min(step, self.total) / self.total)
+            bar = "[" + "#" * done + "." * (20 - done) + "] "
+        parts = [f"{label} {m[key]:.3f}" for label, key in self.KEYS if key in m]
+        print(f"{bar}step {step}{total}  " + "  ".join(parts), file=self.stream, flush=True)
+
+    def close(self) -> None:
+        pass

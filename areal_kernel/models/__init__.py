@@ -1,0 +1,1 @@
+"""Model sources: resolve a model name or path to a local HF directory."""

@@ -1,0 +1,179 @@
+"""The name registry: ``(kind, name) -> FactorySpec``, filled by registration hooks.
+
+Factories are import strings, so registering costs nothing; the target is
+imported only when a run selects the name.
+"""
+from __future__ import annotations
+
+import difflib
+import importlib
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+from areal_kernel.errors import (
+    PlatformNotSupportedError,
+    PluginLoadError,
+    PluginNotFoundError,
+)
+from areal_kernel.hookspecs import REGISTRATION_HOOKS
+from areal_kernel.plugins.known import install_hint
+
+KINDS: tuple[str, ...] = tuple(REGISTRATION_HOOKS)
+
+
+def import_target(target: str) -> Any:
+    """Import ``"pkg.module:Attr.sub"`` and return the attribute."""
+    if ":" not in target:
+        raise ValueError(f"factory target {target!r} must look like 'package.module:Attribute'")
+    module_name, _, attr_path = target.partition(":")
+    obj: Any = importlib.import_module(module_name)
+    for part in attr_path.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+@dataclass(frozen=True)
+class FactorySpec:
+    """A registered, not yet imported, factory."""
+
+    kind: str
+    name: str
+    target: str
+    plugin: str
+    config_model: Any = None  # pydantic model class, or "pkg.mod:Model", or None
+    platforms: tuple[str, ...] | None = None
+    capabilities: frozenset[str] = field(default_factory=frozenset)
+    description: str = ""
+
+    def load(self) -> Any:
+        """Import the factory; a failure names the plugin and keeps the real cause."""
+        try:
+            return import_target(self.target)
+        except Exception as e:
+            raise PluginLoadError(
+                f"{self.kind} '{self.name}' (plugin '{self.plugin}') failed to import "
+                f"{self.target}: {type(e).__name__}: {e}\n{traceback.format_exc()}"
+            ) from e
+
+    def config_model_cls(self) -> Any:
+        if self.config_model is None or not isinstance(self.config_model, str):
+            return self.config_model
+        try:
+            return import_target(self.config_model)
+        except Exception as e:
+            raise PluginLoadError(
+                f"config model {self.config_model} of {self.kind} '{self.name}' "
+                f"(plugin '{self.plugin}') failed to import: {type(e).__name__}: {e}"
+            ) from e
+
+    def supports(self, platform: str) -> bool:
+        return self.platforms is None or platform in self.platforms
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "name": self.name,
+            "target": self.target,
+            "plugin": self.plugin,
+            "platforms": list(self.platforms) if self.platforms else None,
+            "capabilities": sorted(self.capabilities),
+            "description": self.description,
+            "config_model": self.config_model
+            if isinstance(self.config_model, str) or self.config_model is None
+            else f"{self.config_model.__module__}:{self.config_model.__qualname__}",
+        }
+
+
+class Registry:
+    """Factories by kind and name, with the plugin-load state needed for good errors."""
+
+    def __init__(self) -> None:
+        self._specs: dict[str, dict[str, FactorySpec]] = {k: {} for k in KINDS}
+        self.conflicts: list[str] = []
+        # filled by the plugin manager: entry-point name -> (dist, error text)
+        self.failed_plugins: dict[str, tuple[str, str]] = {}
+        self.disabled_plugins: list[str] = []
+
+    # -- registration --------------------------------------------------------
+    def add(self, spec: FactorySpec, *, builtin: bool = False) -> None:
+        if spec.kind not in self._specs:
+            raise ValueError(f"unknown registry kind {spec.kind!r}; valid: {', '.join(KINDS)}")
+        table = self._specs[spec.kind]
+        old = table.get(spec.name)
+        if old is not None and old.plugin != spec.plugin:
+            if old.plugin == "builtin" and not builtin:
+                # External plugins may replace a kernel default on purpose.
+                self.conflicts.append(f"{spec.kind} '{spec.name}': plugin '{spec.plugin}' overrides the built-in")
+            else:
+                self.conflicts.append(
+                    f"{spec.kind} '{spec.name}': registered by both '{old.plugin}' and "
+                    f"'{spec.plugin}'; keeping '{old.plugin}'"
+                )
+                return
+        table[spec.name] = spec
+
+    def remove_plugin(self, plugin: str) -> None:
+        for table in self._specs.values():
+            for name in [n for n, s in table.items() if s.plugin == plugin]:
+                del table[name]
+
+    # -- lookup --------------------------------------------------------------
+    def names(self, kind: str) -> list[str]:
+        return sorted(self._specs[kind])
+
+    def specs(self, kind: str | None = None) -> list[FactorySpec]:
+        kinds = [kind] if kind else list(KINDS)
+        return [s for k in kinds for _, s in sorted(self._specs[k].items())]
+
+    def find(self, kind: str, name: str) -> FactorySpec | None:
+        return self._specs.get(kind, {}).get(name)
+
+    def get(self, kind: str, name: str, *, platform: str | None = None) -> FactorySpec:
+        """The factory ``name`` of ``kind``, or an error that says what to do.
+
+        ``platform``: check that the factory supports it (default: the
+        current platform; pass ``""`` to skip the check).
+        """
+        if kind not in self._specs:
+            raise ValueError(f"unknown registry kind {kind!r}; valid: {', '.join(KINDS)}")
+        spec = self._specs[kind].get(name)
+        if spec is None:
+            raise self._not_found(kind, name)
+        if platform is None:
+            from areal_kernel.platforms import current_platform
+
+            platform = current_platform().name
+        if platform and not spec.supports(platform):
+            raise PlatformNotSupportedError(
+                f"{kind} '{name}' (plugin '{spec.plugin}') supports platforms "
+                f"{', '.join(spec.platforms or ())}; the current platform is '{platform}' "
+                f"(set AREAL_PLATFORM to choose another)"
+            )
+        return spec
+
+    def _not_found(self, kind: str, name: str) -> Exception:
+        if name in self.failed_plugins:
+            dist, err = self.failed_plugins[name]
+            return PluginLoadError(f"{kind} '{name}': plugin '{name}' ({dist}) is installed but failed to load:\n{err}")
+        available = self.names(kind)
+        parts = [f"no {kind} named '{name}'."]
+        parts.append(f"Available: {', '.join(available)}." if available else f"No {kind} is registered.")
+        close = difflib.get_close_matches(name, available, n=1)
+        if close:
+            parts.append(f"Did you mean '{close[0]}'?")
+        hint = install_hint(name)
+        if hint:
+            parts.append(hint + ".")
+        if self.failed_plugins:
+            parts.append("Plugins that failed to load: " + ", ".join(sorted(self.failed_plugins)) + " (see `areal plugins`).")
+        if self.disabled_plugins:
+            parts.append("Plugins disabled by AREAL_PLUGINS: " + ", ".join(sorted(self.disabled_plugins)) + ".")
+        return PluginNotFoundError(" ".join(parts))
+
+
+def get_registry() -> Registry:
+    """The process-wide registry, with every enabled plugin loaded (lazily, once)."""
+    from areal_kernel.plugins.manager import get_plugin_manager
+
+    return get_plugin_manager().ensure_loaded().registry

@@ -1,0 +1,16 @@
+"""Rewards: math-verify and exact-match scorers, and ``RewardPool``, which runs
+any reward by import path in worker processes with a per-call timeout.
+The scorers import sympy / math-verify only when called."""
+
+from areal_kernel.reward.exact_match import exact_match_reward
+from areal_kernel.reward.math import math_verify_reward
+from areal_kernel.reward.pool import BUILTIN_REWARDS, RewardPool, RewardResult, resolve_reward_path
+
+__all__ = [
+    "BUILTIN_REWARDS",
+    "RewardPool",
+    "RewardResult",
+    "exact_match_reward",
+    "math_verify_reward",
+    "resolve_reward_path",
+]

@@ -1,0 +1,1 @@
+"""Rollout: staleness-bounded admission and the asyncio executor."""

@@ -1,0 +1,204 @@
+"""The rollout executor: runs workflow episodes concurrently on an asyncio loop
+in a background thread, under the staleness budget, and hands finished
+groups to the trainer through a thread-safe queue."""
+from __future__ import annotations
+
+import asyncio
+import collections
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from areal_kernel.api.engine import InferenceEngine
+from areal_kernel.api.io import TrajectoryGroup
+from areal_kernel.errors import ArealError
+from areal_kernel.logging import get_logger
+from areal_kernel.rollout.staleness import StalenessBudget
+
+log = get_logger(__name__)
+
+
+def zero_variance(group: TrajectoryGroup) -> bool:
+    r = group.rewards
+    return len(r) > 1 and max(r) - min(r) < 1e-9
+
+
+@dataclass
+class RolloutStats:
+    admitted: int = 0
+    accepted: int = 0
+    rejected: int = 0
+    accepted_unfiltered: int = 0
+    failed: int = 0
+    latencies: list[float] = field(default_factory=list)
+
+    def snapshot_and_reset_latency(self) -> dict[str, float]:
+        lat = self.latencies
+        self.latencies = []
+        return {
+            "rollout/admitted": self.admitted,
+            "rollout/accepted": self.accepted,
+            "rollout/rejected": self.rejected,
+            "rollout/accepted_unfiltered": self.accepted_unfiltered,
+            "rollout/failed": self.failed,
+            "rollout/latency_mean_s": sum(lat) / len(lat) if lat else 0.0,
+            "rollout/latency_max_s": max(lat) if lat else 0.0,
+        }
+
+
+class RolloutExecutor:
+    """``next_record()`` yields dataset records (``None`` when exhausted);
+    ``workflow.arun_episode(engine, record)`` returns a ``TrajectoryGroup`` or
+    ``None``; ``keep(group)`` says whether a group is worth training on (e.g.
+    not all rewards equal); ``retry_budget`` bounds how many groups per
+    training batch may be rejected before groups are accepted regardless, so a
+    run never starves."""
+
+    def __init__(
+        self,
+        engine: InferenceEngine,
+        workflow: Any,
+        next_record: Callable[[], Any],
+        *,
+        batch_size: int,
+        max_staleness: int,
+        max_concurrent: int,
+        keep: Callable[[TrajectoryGroup], bool] | None = None,
+        retry_budget: int = 0,
+        max_failures: int = 8,
+    ) -> None:
+        self.engine = engine
+        self.workflow = workflow
+        self.next_record = next_record
+        self.budget = StalenessBudget(batch_size, max_staleness, max_concurrent)
+        self.keep = keep
+        self.retry_budget = retry_budget
+        self.max_failures = max_failures
+        self.stats = RolloutStats()
+        self._version = 0
+        self._out: queue.Queue[TrajectoryGroup] = queue.Queue()
+        self._rejected_since_batch = 0
+        self._error: BaseException | None = None
+        self._exhausted = False
+        self._paused = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    # -- controller side ---------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._thread_main, name="areal-rollout", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def set_version(self, version: int) -> None:
+        self._version = version
+
+    def pause(self) -> None:
+        """Stop admitting new episodes (running ones continue)."""
+        self._paused.set()
+
+    def resume(self) -> None:
+        self._paused.clear()
+
+    @property
+    def exhausted(self) -> bool:
+        return self._exhausted and self.budget.running == 0 and self._out.empty()
+
+    def get_batch(self, n: int, timeout: float | None = None) -> list[TrajectoryGroup]:
+        """Block until ``n`` groups are ready (FIFO). Raises if episodes keep failing
+        or the data ran out before ``n`` groups."""
+        groups: list[TrajectoryGroup] = []
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while len(groups) < n:
+            if self._error is not None:
+                raise self._error
+            if self.exhausted:
+                raise ArealError(f"the dataset ran out: {len(groups)} of {n} groups for this batch")
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"waited {timeout}s for {n} rollout groups, got {len(groups)}")
+            try:
+                groups.append(self._out.get(timeout=0.1))
+            except queue.Empty:
+                continue
+        self._rejected_since_batch = 0
+        return groups
+
+    # -- event loop side -----------------------------------------------------------
+    def _thread_main(self) -> None:
+        self._loop = asyncio.new_event_loop()
+        try:
+            self._loop.run_until_complete(self._run())
+        except BaseException as e:  # surfaced to the controller by get_batch
+            self._error = e
+        finally:
+            close = getattr(self.engine, "aclose", None)
+            if close is not None:
+                self._loop.run_until_complete(close())
+            self._loop.close()
+
+    async def _run(self) -> None:
+        tasks: set[asyncio.Task] = set()
+        while not self._stop.is_set():
+            if not self._paused.is_set() and not self._exhausted:
+                for _ in range(self.budget.capacity(self._version)):
+                    record = self.next_record()
+                    if record is None:
+                        self._exhausted = True
+                        break
+                    self.budget.admit()
+                    self.stats.admitted += 1
+                    tasks.add(asyncio.create_task(self._episode(record)))
+            if not tasks:
+                await asyncio.sleep(0.01)
+                continue
+            _, tasks = await asyncio.wait(tasks, timeout=0.05, return_when=asyncio.FIRST_COMPLETED)
+        for t in tasks:
+            t.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _episode(self, record: Any) -> None:
+        t0 = time.monotonic()
+        try:
+            group = await self.workflow.arun_episode(self.engine, record)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            self.budget.finish(kept=False)
+            self.stats.failed += 1
+            log.warning("rollout episode failed", error=f"{type(e).__name__}: {e}")
+            if self.stats.failed > self.max_failures:
+                self._error = e if isinstance(e, ArealError) else ArealError(
+                    f"{self.stats.failed} rollout episodes failed; last error: {type(e).__name__}: {e}"
+                )
+            return
+        self.stats.latencies.append(time.monotonic() - t0)
+        if group is None:
+            self.budget.finish(kept=False)
+            self.stats.rejected += 1
+            return
+        if self.keep is not None and not self.keep(group):
+            if self._rejected_since_batch < self.retry_budget * self.budget.batch_size:
+                self._rejected_since_batch += 1
+                self.budget.finish(kept=False)
+                self.stats.rejected += 1
+                return
+            self.stats.accepted_unfiltered += 1
+        self.budget.finish(kept=True)
+        self.stats.accepted += 1
+        self._out.put(group)
+
+
+def staleness_histogram(groups: list[TrajectoryGroup], version: int) -> dict[int, int]:
+    hist: collections.Counter[int] = collections.Counter()
+    for g in groups:
+        for t in g.trajectories:
+            hist[t.staleness(version)] += 1
+    return dict(sorted(hist.items()))

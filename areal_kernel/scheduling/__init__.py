@@ -1,0 +1,1 @@
+"""Schedulers place roles (train ranks, inference servers) on processes and devices."""

@@ -1,0 +1,52 @@
+"""``areal plan``: the processes and devices each role needs, and whether they fit."""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from areal_kernel.config.models import ExperimentConfig
+
+
+def make_plan(cfg: ExperimentConfig) -> dict[str, Any]:
+    from areal_kernel.platforms import current_platform
+
+    plat = current_platform()
+    on_cpu = plat.device_type == "cpu"
+    # On CPU a "device" is a core: every process runs single-threaded.
+    available = (os.cpu_count() or 1) if on_cpu else plat.device_count()
+    actor = cfg.actor.allocation
+    rollout = cfg.rollout.allocation
+    roles = [
+        {
+            "role": "actor",
+            "allocation": str(actor),
+            "processes": actor.world_size,
+            "devices_per_process": 1,
+            "devices": actor.world_size,
+        },
+        {
+            "role": "rollout",
+            "allocation": str(rollout),
+            "processes": rollout.d,
+            "devices_per_process": rollout.devices_per_replica,
+            "devices": rollout.d * rollout.devices_per_replica,
+        },
+    ]
+    needed = sum(r["devices"] for r in roles)
+    notes = []
+    if on_cpu and needed > available:
+        notes.append(
+            f"{needed} single-threaded processes on {available} core(s): they will share cores and run slower"
+        )
+    if actor.e > 1 and actor.world_size % actor.e:
+        notes.append(f"actor expert parallel e{actor.e} does not divide the world size {actor.world_size}")
+    return {
+        "platform": plat.name,
+        "device_unit": "CPU cores" if on_cpu else f"{plat.device_type} devices",
+        "available_devices": available,
+        "roles": roles,
+        "devices_needed": needed,
+        # CPU processes can oversubscribe cores; accelerators cannot be shared.
+        "fits": True if on_cpu else needed <= available,
+        "notes": notes,
+    }

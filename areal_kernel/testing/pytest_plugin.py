@@ -1,0 +1,54 @@
+"""pytest plugin (``pytest11`` entry point ``areal_testing``): shared fixtures.
+
+Loaded automatically when areal-kernel is installed. Fixtures here must stay
+cheap to define: heavy work happens only when a test requests them.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from typing import Callable
+
+import pytest
+
+
+@pytest.fixture
+def areal_env(monkeypatch: pytest.MonkeyPatch) -> Callable[..., None]:
+    """Set AREAL_* variables for one test and reset the kernel's caches
+    (plugin manager, platform) before and after."""
+    from areal_kernel.platforms import reset_current_platform
+    from areal_kernel.plugins import reset_plugin_manager
+
+    def set_env(**values: str | None) -> None:
+        for key, value in values.items():
+            if value is None:
+                monkeypatch.delenv(key, raising=False)
+            else:
+                monkeypatch.setenv(key, value)
+        reset_plugin_manager()
+        reset_current_platform()
+
+    yield set_env
+    reset_plugin_manager()
+    reset_current_platform()
+
+
+@pytest.fixture
+def run_areal() -> Callable[..., subprocess.CompletedProcess]:
+    """Run the ``areal`` CLI in a fresh process: ``run_areal("plugins", "--json", env={...})``."""
+
+    def run(*args: str, env: dict[str, str] | None = None, timeout: float = 300, cwd: str | None = None):
+        full_env = dict(os.environ)
+        full_env.setdefault("OMP_NUM_THREADS", "1")
+        full_env.update(env or {})
+        return subprocess.run(
+            [sys.executable, "-m", "areal_kernel.cli", *args],
+            capture_output=True,
+            text=True,
+            env=full_env,
+            timeout=timeout,
+            cwd=cwd,
+        )
+
+    return run

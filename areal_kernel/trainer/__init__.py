@@ -1,0 +1,1 @@
+"""The single-controller trainer loop (``areal train``) and the dry run (``areal check``)."""

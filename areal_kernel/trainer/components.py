@@ -1,0 +1,103 @@
+"""Build the parts of a run from the validated config through the registry.
+
+Shared by ``areal train`` and ``areal check`` so both see exactly the same
+data, workflow, reward and inference engine.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from areal_kernel.api.io import GenerationConfig
+from areal_kernel.config.models import ExperimentConfig
+from areal_kernel.errors import ArealError, ConfigError
+from areal_kernel.logging import get_logger
+from areal_kernel.plugins import get_plugin_manager, get_registry
+
+log = get_logger(__name__)
+
+
+def resolve_model_dir(cfg: ExperimentConfig) -> str:
+    path = get_plugin_manager().hook.areal_resolve_model_path(name_or_path=cfg.model.path)
+    if not path:
+        raise ConfigError(f"model.path: cannot resolve {cfg.model.path!r} to a local model directory")
+    return path
+
+
+def load_tokenizer(model_dir: str) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(model_dir)
+    except Exception as e:
+        raise ConfigError(f"model.path: no usable tokenizer in {model_dir}: {type(e).__name__}: {e}") from None
+
+
+def load_data(cfg: ExperimentConfig, required: tuple[str, ...]) -> tuple[list[dict], list[dict]]:
+    source = get_registry().get("dataset", cfg.dataset.type).load()
+    train, evals = source(cfg.dataset, cfg.seed, required)
+    if not train:
+        raise ArealError(f"dataset '{cfg.dataset.type}' produced no training records")
+    return train, evals[: cfg.trainer.eval_size]
+
+
+def generation_config(cfg: ExperimentConfig) -> GenerationConfig:
+    g = cfg.rollout.gconfig
+    return GenerationConfig(
+        max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p, top_k=g.top_k, n_samples=g.n_samples
+    )
+
+
+@dataclass
+class Rollout:
+    """Inference servers + the client + the workflow + the reward pool."""
+
+    cfg: ExperimentConfig
+    run_dir: str
+    model_dir: str
+    tokenizer: Any
+    backend: Any = None
+    scheduler: Any = None
+    engine: Any = None
+    workflow: Any = None
+    reward_pool: Any = None
+    addresses: list[str] = field(default_factory=list)
+
+    def start(self) -> "Rollout":
+        from areal_kernel.reward.pool import RewardPool
+
+        cfg, reg = self.cfg, get_registry()
+        backend_spec = reg.get("inference_engine", cfg.rollout.allocation.backend)
+        self.backend = backend_spec.load()(cfg)
+        sched_name = cfg.scheduler.type
+        if sched_name == "auto":
+            sched_name = get_plugin_manager().hook.areal_select_scheduler(config=cfg) or "local"
+        self.scheduler = reg.get("scheduler", sched_name).load()(cfg)
+        os.makedirs(self.run_dir, exist_ok=True)
+        self.addresses = self.scheduler.start_inference(self.backend, self.model_dir, self.run_dir)
+        self.engine = self.backend.make_client(self.addresses)
+        reward_spec = reg.get("reward", cfg.reward.type)
+        self.reward_pool = RewardPool(n_workers=cfg.reward.workers, timeout_s=cfg.reward.timeout_s)
+        wf_spec = reg.get("workflow", cfg.workflow.type)
+        self.workflow = wf_spec.load()(
+            tokenizer=self.tokenizer,
+            gconfig=generation_config(cfg),
+            reward_target=reward_spec.target,
+            reward_pool=self.reward_pool,
+            config=cfg.workflow.plugin_config,
+        )
+        return self
+
+    def stop(self) -> None:
+        if self.engine is not None:
+            self.engine.destroy()
+        if self.scheduler is not None:
+            self.scheduler.stop()
+        if self.reward_pool is not None:
+            self.reward_pool.close()
+
+
+def workflow_required_fields(cfg: ExperimentConfig) -> tuple[str, ...]:
+    cls = get_registry().get("workflow", cfg.workflow.type).load()
+    return tuple(getattr(cls, "required_fields", ("prompt",)))

@@ -1,0 +1,105 @@
+"""Weight transports: how new train-engine weights reach the inference servers.
+
+Both keep generation interruptible: servers are paused only for the moment
+the weights change (running requests return their partial output and resume
+afterwards on the new version).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from typing import Any
+
+from areal_kernel.api.engine import WeightUpdateMeta
+
+
+def _dir_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
+
+
+class DiskTransport:
+    """Save an HF directory (safetensors), then each server reloads it."""
+
+    name = "disk"
+
+    def __init__(self, train_engine: Any, infer_engine: Any, run_dir: str, bucket_bytes: int = 0) -> None:
+        self.train = train_engine
+        self.infer = infer_engine
+        self.root = os.path.join(run_dir, "weights")
+        self._last: str | None = None
+
+    def setup(self) -> None:
+        os.makedirs(self.root, exist_ok=True)
+
+    def update(self, version: int) -> dict[str, float]:
+        path = os.path.join(self.root, f"v{version}")
+        t0 = time.monotonic()
+        # Saving happens while servers keep generating with the old weights.
+        self.train.send_weights(WeightUpdateMeta(kind="disk", version=version, path=path))
+        t1 = time.monotonic()
+        self.infer.pause()
+        try:
+            self.infer.update_weights(WeightUpdateMeta(kind="disk", version=version, path=path))
+        finally:
+            self.infer.resume()
+        t2 = time.monotonic()
+        nbytes = _dir_bytes(path)
+        if self._last and self._last != path:
+            shutil.rmtree(self._last, ignore_errors=True)
+        self._last = path
+        return {"weights/save_s": t1 - t0, "weights/load_s": t2 - t1, "weights/pause_s": t2 - t1, "weights/mb": nbytes / 2**20}
+
+    def close(self) -> None:
+        pass
+
+
+class BroadcastTransport:
+    """In-memory: rank 0 (the trainer) broadcasts bucketed tensors to every
+    server over a torch.distributed group (the platform's backend: gloo on
+    CPU, nccl on CUDA)."""
+
+    name = "broadcast"
+    group_name = "areal_weights"
+
+    def __init__(self, train_engine: Any, infer_engine: Any, run_dir: str, bucket_bytes: int = 256 << 20) -> None:
+        self.train = train_engine
+        self.infer = infer_engine
+        self.bucket_bytes = bucket_bytes
+        self._meta: list[dict] | None = None
+
+    def setup(self) -> None:
+        from areal_kernel.platforms import current_platform
+        from areal_kernel.utils.network import find_free_port
+
+        port = find_free_port()
+        backend = current_platform().dist_backend
+        futures = self.infer.init_weight_group_async("127.0.0.1", port, self.group_name, backend)
+        self.train.init_weight_group(
+            "127.0.0.1", port, world_size=1 + len(futures), rank=0, group_name=self.group_name, backend=backend
+        )
+        for f in futures:
+            f.result()
+
+    def update(self, version: int) -> dict[str, float]:
+        from areal_kernel.weights.broadcast import tensor_meta
+
+        named = self.train.named_weights_for_transfer()
+        meta = tensor_meta(named)
+        nbytes = sum(t.numel() * t.element_size() for _, t in named)
+        del named
+        t0 = time.monotonic()
+        self.infer.pause()
+        try:
+            futures = self.infer.update_from_distributed_async(meta, version, self.bucket_bytes, self.group_name)
+            self.train.send_weights(WeightUpdateMeta(kind="broadcast", version=version, bucket_bytes=self.bucket_bytes))
+            for f in futures:
+                f.result()
+            self.infer.set_version(version)
+        finally:
+            self.infer.resume()
+        dt = time.monotonic() - t0
+        return {"weights/broadcast_s": dt, "weights/pause_s": dt, "weights/mb": nbytes / 2**20}
+
+    def close(self) -> None:
+        pass

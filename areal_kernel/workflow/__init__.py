@@ -1,0 +1,1 @@
+"""Rollout workflows: turn a dataset record into a group of scored trajectories."""

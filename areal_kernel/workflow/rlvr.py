@@ -1,0 +1,89 @@
+"""Single-turn RL with verifiable rewards: prompt -> n samples -> reward each.
+
+The prompt is rendered with the tokenizer's chat template; rewards run in the
+kernel's reward pool (separate processes, enforced timeouts), so a slow or
+crashing reward never blocks generation.
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from areal_kernel.api.io import GenerationConfig, ModelRequest, Trajectory, TrajectoryGroup
+from areal_kernel.errors import DataError
+from areal_kernel.workflow.rlvr_config import RLVRConfig
+
+
+class RLVRWorkflow:
+    required_fields = ("prompt", "answer")
+
+    def __init__(
+        self,
+        *,
+        tokenizer: Any,
+        gconfig: GenerationConfig,
+        reward_target: str,
+        reward_pool: Any,
+        config: RLVRConfig | None = None,
+    ) -> None:
+        self.tok = tokenizer
+        self.gconfig = gconfig
+        self.reward_target = reward_target
+        self.pool = reward_pool
+        self.config = config or RLVRConfig()
+        eos = getattr(tokenizer, "eos_token_id", None)
+        if eos is not None and eos not in self.gconfig.stop_token_ids:
+            self.gconfig.stop_token_ids = [*self.gconfig.stop_token_ids, eos]
+        self.reward_failures = 0
+        self.reward_calls = 0
+
+    def encode_prompt(self, record: dict[str, Any]) -> list[int]:
+        try:
+            text = self.config.prompt_template.format(**record)
+        except KeyError as e:
+            raise DataError(
+                f"workflow.rlvr.prompt_template uses field {e} that record {record.get('id')!r} lacks; "
+                f"fields: {sorted(record)}"
+            ) from None
+        if not self.config.use_chat_template:
+            return list(self.tok(text, add_special_tokens=True)["input_ids"])
+        messages = [{"role": "user", "content": text}]
+        if self.config.system_prompt:
+            messages.insert(0, {"role": "system", "content": self.config.system_prompt})
+        ids = self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        return list(ids)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=True)
+
+    async def _score(self, completion: str, answer: str) -> float:
+        result = await self.pool.ascore(self.reward_target, completion, str(answer))
+        self.reward_calls += 1
+        if not result.ok:
+            self.reward_failures += 1
+        return float(result.score) if result.ok else 0.0
+
+    async def arun_episode(self, engine: Any, record: dict[str, Any]) -> TrajectoryGroup:
+        input_ids = self.encode_prompt(record)
+        n = max(1, self.gconfig.n_samples)
+        reqs = [ModelRequest(input_ids=input_ids, gconfig=self.gconfig, metadata={"record_id": record.get("id")}) for _ in range(n)]
+        resps = await asyncio.gather(*(engine.agenerate(r) for r in reqs))
+        texts = [self.decode(r.output_ids) for r in resps]
+        rewards = await asyncio.gather(*(self._score(t, record["answer"]) for t in texts))
+        gid = str(record.get("id"))
+        trajs = [
+            Trajectory.from_response(r, reward, group_id=gid, sample_id=f"{gid}#{i}", metadata={"completion": t})
+            for i, (r, reward, t) in enumerate(zip(resps, rewards, texts))
+        ]
+        return TrajectoryGroup(trajs, group_id=gid)
+
+    async def aevaluate(self, engine: Any, record: dict[str, Any], max_new_tokens: int) -> tuple[float, str]:
+        """Greedy answer to one record: (reward, completion)."""
+        gconfig = GenerationConfig(
+            max_new_tokens=max_new_tokens, greedy=True, temperature=1.0, stop_token_ids=list(self.gconfig.stop_token_ids)
+        )
+        resp = await engine.agenerate(ModelRequest(input_ids=self.encode_prompt(record), gconfig=gconfig))
+        text = self.decode(resp.output_ids)
+        return await self._score(text, record["answer"]), text

@@ -1,0 +1,115 @@
+"""The generation engine in-process: requests joining a running batch (both
+cache-length orders), rows leaving it, and greedy still equal to HF."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from areal_kernel.inference.embedded.engine import GenerationEngine
+from areal_kernel.inference.embedded.protocol import GenerateBody, parse_sampling
+
+
+@pytest.fixture(scope="module")
+def engine(hf_model):
+    eng = GenerationEngine(hf_model, max_batch_size=8, eos_ids=[], max_positions=4096,
+                           vocab_size=hf_model.config.vocab_size, device=torch.device("cpu"))
+    eng.start()
+    yield eng
+    eng.shutdown()
+
+
+def greedy(model, prompt, n):
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, min_new_tokens=n)
+    return out[0, len(prompt):].tolist()
+
+
+def body(rid, prompt, n):
+    return GenerateBody(rid, prompt, parse_sampling({"max_new_tokens": n, "greedy": True}))
+
+
+def run_until(engine, cond):
+    """Let the engine step (resume/pause-keep) until ``cond()`` holds, then
+    leave it paused so the test can inspect and submit deterministically."""
+    engine.pause("keep").result(10)
+    while not cond():
+        engine.resume().result(10)
+        time.sleep(0.02)  # longer than the engine's admission window
+        engine.pause("keep").result(10)
+
+
+def test_joins_in_both_length_orders_and_leaves(engine, hf_model):
+    a = engine.submit(body("a", [3, 1, 4], 60))
+    run_until(engine, lambda: engine.batch is not None)
+    la = engine.batch.length
+    longer = [(11 * i) % 300 for i in range(la + 17)]  # new rows' cache longer than the batch's
+    b = engine.submit(body("b", longer, 25))
+    run_until(engine, lambda: engine.batch is not None and engine.batch.size == 2)
+    assert engine.batch.mask is not None  # "a" got left-padded
+    shorter = [9, 8]  # new row's cache shorter than the batch's
+    c = engine.submit(body("c", shorter, 5))  # finishes first: its row leaves the batch
+    engine.resume().result(10)
+    ra, rb, rc = a.result(60), b.result(60), c.result(60)
+    assert ra["output_ids"] == greedy(hf_model, [3, 1, 4], 60)
+    assert rb["output_ids"] == greedy(hf_model, longer, 25)
+    assert rc["output_ids"] == greedy(hf_model, shorter, 5)
+    assert engine.batch is None and engine.n_running == 0
+
+
+def test_batch_cap_queues_the_rest(engine, hf_model):
+    prompts = [[i + 1] * (1 + i % 4) for i in range(12)]  # 12 requests, cap 8
+    futs = [engine.submit(body(f"q{i}", p, 7)) for i, p in enumerate(prompts)]
+    outs = [f.result(60) for f in futs]
+    for p, o in zip(prompts, outs):
+        assert o["output_ids"] == greedy(hf_model, p, 7)
+
+
+def test_duplicate_rid_rejected(engine):
+    from areal_kernel.inference.embedded.protocol import RequestError
+
+    engine.pause("keep").result(10)
+    try:
+        f1 = engine.submit(body("dup", [1, 2], 3))
+        f2 = engine.submit(body("dup", [1, 2], 3))
+        with pytest.raises(RequestError, match="dup"):
+            f2.result(10)
+    finally:
+        engine.resume().result(10)
+    assert len(f1.result(30)["output_ids"]) == 3
+
+
+def test_areal_sdpa_equals_sdpa_on_a_padded_batch(tiny_model_dir, hf_model):
+    from transformers import AutoModelForCausalLM
+
+    from areal_kernel.inference.embedded.attention import register
+
+    ours = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32, attn_implementation=register())
+    ids = torch.randint(0, 384, (3, 11), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(3, 11, dtype=torch.long)
+    mask[0, :4] = 0
+    mask[2, :9] = 0
+    with torch.inference_mode():
+        a = ours(input_ids=ids, attention_mask=mask).logits
+        b = hf_model(input_ids=ids, attention_mask=mask).logits
+    keep = mask.bool()
+    assert (a - b)[keep].abs().max().item() < 1e-5
+
+
+def test_growing_layer_matches_concatenation():
+    from areal_kernel.inference.embedded.growcache import GrowingLayer
+
+    g = torch.Generator().manual_seed(0)
+    layer = GrowingLayer()
+    ref_k = torch.empty(2, 3, 0, 4)
+    for n in [5, 1, 1, 40, 1]:  # the 40 forces a regrow
+        k, v = torch.randn(2, 3, n, 4, generator=g), torch.randn(2, 3, n, 4, generator=g)
+        ref_k = torch.cat([ref_k, k], -2)
+        keys, values = layer.update(k, v)
+        assert torch.equal(keys, ref_k) and torch.equal(values[:, :, -n:], v)
+        assert layer.get_seq_length() == ref_k.shape[-2]
+    layer.set_kv(ref_k[:1, :, 10:], ref_k[:1, :, 10:])  # batch surgery
+    keys, _ = layer.update(torch.ones(1, 3, 1, 4), torch.ones(1, 3, 1, 4))
+    assert keys.shape == (1, 3, ref_k.shape[-2] - 10 + 1, 4)
+    assert torch.equal(keys[:, :, :-1], ref_k[:1, :, 10:]) and torch.equal(keys[:, :, -1], torch.ones(1, 3, 4))

@@ -1,0 +1,69 @@
+"""The `areal` CLI in real subprocesses."""
+import json
+import os
+
+import yaml
+
+
+def test_validate_prints_resolved_yaml(run_areal, tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("experiment_name: demo\ntrainer:\n  batch_size: 2\n")
+    proc = run_areal("validate", str(cfg), "trainer.max_steps=3")
+    assert proc.returncode == 0, proc.stderr
+    data = yaml.safe_load(proc.stdout)
+    assert data["experiment_name"] == "demo" and data["trainer"]["batch_size"] == 2 and data["trainer"]["max_steps"] == 3
+    assert data["actor"]["torch"]["lr"] > 0  # the backend section, filled from its model's defaults
+    assert "valid" in proc.stderr
+
+
+def test_errors_are_one_clear_message_without_traceback(run_areal, tmp_path):
+    proc = run_areal("validate", str(tmp_path / "missing.yaml"))
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == f"areal: error: {tmp_path / 'missing.yaml'}: config file not found"
+    debug = run_areal("--debug", "validate", str(tmp_path / "missing.yaml"))
+    assert debug.returncode != 0 and "Traceback" in debug.stderr
+
+
+def test_plan_reports_roles_and_fit(run_areal):
+    proc = run_areal("plan", "/dev/null", "actor.backend=torch:d2", "rollout.backend=embedded:d2", "--json")
+    assert proc.returncode == 0, proc.stderr
+    plan = json.loads(proc.stdout)
+    roles = {r["role"]: r for r in plan["roles"]}
+    assert roles["actor"]["processes"] == 2 and roles["rollout"]["processes"] == 2
+    assert plan["devices_needed"] == 4 and plan["platform"] == "cpu"
+    assert plan["available_devices"] == os.cpu_count()
+    human = run_areal("plan", "/dev/null")
+    assert "actor" in human.stdout and "fits: yes" in human.stdout
+
+
+def test_doctor_reports_health(run_areal, plugin_env):
+    proc = run_areal("doctor", "--json", env={**plugin_env, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["platform"]["name"] == "cpu" and report["torch"]
+    assert report["plugins"]["builtin"] == "loaded" and report["plugins"]["broken"] == "failed"
+    assert any("plugin 'broken' failed" in p for p in report["problems"])
+
+
+def test_no_command_prints_help(run_areal):
+    proc = run_areal()
+    assert proc.returncode == 2 and "usage: areal" in proc.stdout
+
+
+def test_json_logging(tmp_path):
+    import io
+
+    from areal_kernel.logging import get_logger, setup_logging
+
+    buf = io.StringIO()
+    setup_logging(level="info", json_logs=True, stream=buf)
+    get_logger("t").info("hello", step=3)
+    row = json.loads(buf.getvalue().strip().splitlines()[-1])
+    assert row["event"] == "hello" and row["step"] == 3 and row["level"] == "info"
+    buf2 = io.StringIO()
+    setup_logging(level="warning", json_logs=False, stream=buf2)
+    get_logger("t").info("hidden")
+    get_logger("t").warning("shown", k=1)
+    text = buf2.getvalue()
+    assert "hidden" not in text and "shown" in text and "k=1" in text
+    setup_logging()

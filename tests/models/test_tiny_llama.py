@@ -1,0 +1,73 @@
+"""make_tiny_llama: a real LlamaConfig model, with or without SmolLM2's tokenizer."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from areal_kernel.testing.models import make_tiny_llama
+
+
+def _weights(path):
+    from safetensors.torch import load_file
+
+    return load_file(f"{path}/model.safetensors")
+
+
+def test_without_tokenizer(tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    d = make_tiny_llama(tmp_path / "m", hidden=32, layers=3, heads=4, kv_heads=2)
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert (config["model_type"], config["vocab_size"], config["num_hidden_layers"]) == ("llama", 256, 3)
+    assert not (tmp_path / "m" / "tokenizer.json").exists()
+    model = AutoModelForCausalLM.from_pretrained(d)
+    logits = model(torch.tensor([[1, 5, 7]])).logits
+    assert logits.shape == (1, 3, 256)
+
+
+def test_same_seed_same_weights_other_seed_differs(tmp_path):
+    import torch
+
+    a = _weights(make_tiny_llama(tmp_path / "a", seed=3))
+    b = _weights(make_tiny_llama(tmp_path / "b", seed=3))
+    c = _weights(make_tiny_llama(tmp_path / "c", seed=4))
+    assert a.keys() == b.keys() == c.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not torch.equal(a["model.layers.0.self_attn.q_proj.weight"], c["model.layers.0.self_attn.q_proj.weight"])
+
+
+def test_global_rng_untouched(tmp_path):
+    import torch
+
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    make_tiny_llama(tmp_path / "m", seed=9)
+    assert torch.equal(torch.rand(3), expected)
+
+
+def test_bad_head_split_is_rejected(tmp_path):
+    with pytest.raises(ValueError, match="hidden=30"):
+        make_tiny_llama(tmp_path / "m", hidden=30, heads=4)
+
+
+@pytest.mark.slow
+def test_with_smollm2_tokenizer(smollm2, tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    d = make_tiny_llama(tmp_path / "m", tokenizer_from=str(smollm2.model_dir))
+    tok = AutoTokenizer.from_pretrained(d)
+    assert len(tok) == 49152 and tok.eos_token_id == 2
+    assert tok.chat_template is not None
+    model = AutoModelForCausalLM.from_pretrained(d)
+    assert model.config.vocab_size == 49152 and model.config.eos_token_id == 2
+    ids = tok.apply_chat_template(
+        [{"role": "user", "content": "hi"}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )["input_ids"]
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=4, do_sample=False)
+    assert out.shape[1] > ids.shape[1]

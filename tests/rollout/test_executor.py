@@ -1,0 +1,148 @@
+"""The rollout executor with a small test workflow (an ordinary user
+workflow that needs no model): admission, filtering, failure budget."""
+import asyncio
+import threading
+import time
+
+import pytest
+
+from areal_kernel.api.io import Trajectory, TrajectoryGroup
+from areal_kernel.errors import ArealError
+from areal_kernel.rollout.executor import RolloutExecutor, staleness_histogram, zero_variance
+
+
+def group(rewards, version=0, gid="g"):
+    trajs = [Trajectory([1, 2, 3], [0, 1, 1], [0.0, -1.0, -1.0], [-1, version, version], r, group_id=gid) for r in rewards]
+    return TrajectoryGroup(trajs, group_id=gid)
+
+
+class CountingWorkflow:
+    """Records how many episodes are running and how many ever started."""
+
+    def __init__(self, rewards_for=lambda rec: [0.0, 1.0], delay=0.02, fail_for=lambda rec: False):
+        self.started = 0
+        self.running = 0
+        self.max_running = 0
+        self.rewards_for = rewards_for
+        self.delay = delay
+        self.fail_for = fail_for
+        self.lock = threading.Lock()
+
+    async def arun_episode(self, engine, record):
+        with self.lock:
+            self.started += 1
+            self.running += 1
+            self.max_running = max(self.max_running, self.running)
+        try:
+            await asyncio.sleep(self.delay)
+            if self.fail_for(record):
+                raise RuntimeError(f"episode {record} broke")
+            return group(self.rewards_for(record), gid=str(record))
+        finally:
+            with self.lock:
+                self.running -= 1
+
+
+def records(n):
+    it = iter(range(n))
+    return lambda: next(it, None)
+
+
+def wait_until(pred, timeout=5.0):
+    t = time.monotonic() + timeout
+    while time.monotonic() < t:
+        if pred():
+            return True
+        time.sleep(0.01)
+    return pred()
+
+
+def test_staleness_zero_is_synchronous():
+    wf = CountingWorkflow()
+    ex = RolloutExecutor(None, wf, records(100), batch_size=4, max_staleness=0, max_concurrent=64)
+    ex.start()
+    try:
+        assert wait_until(lambda: ex.stats.accepted == 4)
+        time.sleep(0.2)
+        assert wf.started == 4  # nothing beyond one batch before the update
+        batch = ex.get_batch(4)
+        assert len(batch) == 4
+        time.sleep(0.2)
+        assert wf.started == 4  # consuming is not enough: the version must move
+        ex.set_version(1)
+        assert wait_until(lambda: wf.started == 8)
+        time.sleep(0.2)
+        assert wf.started == 8
+    finally:
+        ex.stop()
+
+
+def test_staleness_one_runs_one_batch_ahead_and_respects_concurrency():
+    wf = CountingWorkflow(delay=0.05)
+    ex = RolloutExecutor(None, wf, records(100), batch_size=4, max_staleness=1, max_concurrent=3)
+    ex.start()
+    try:
+        assert wait_until(lambda: ex.stats.accepted == 8)
+        time.sleep(0.2)
+        assert wf.started == 8
+        assert wf.max_running <= 3
+    finally:
+        ex.stop()
+
+
+def test_dynamic_filter_with_bounded_retries():
+    # Every even record gives all-equal rewards (no signal).
+    wf = CountingWorkflow(rewards_for=lambda r: [1.0, 1.0] if r % 2 == 0 else [0.0, 1.0])
+    ex = RolloutExecutor(None, wf, records(100), batch_size=2, max_staleness=0, max_concurrent=8,
+                         keep=lambda g: not zero_variance(g), retry_budget=4)
+    ex.start()
+    try:
+        batch = ex.get_batch(2)
+        assert all(not zero_variance(g) for g in batch)
+        assert ex.stats.rejected >= 1
+    finally:
+        ex.stop()
+
+
+def test_filter_budget_exhausted_accepts_rather_than_starves():
+    wf = CountingWorkflow(rewards_for=lambda r: [1.0, 1.0])
+    ex = RolloutExecutor(None, wf, records(100), batch_size=2, max_staleness=0, max_concurrent=8,
+                         keep=lambda g: not zero_variance(g), retry_budget=1)
+    ex.start()
+    try:
+        batch = ex.get_batch(2, timeout=10)
+        assert len(batch) == 2
+        assert ex.stats.rejected == 2  # retry_budget * batch_size
+        assert ex.stats.accepted_unfiltered == 2
+    finally:
+        ex.stop()
+
+
+def test_repeated_episode_failures_stop_with_a_clear_error():
+    wf = CountingWorkflow(fail_for=lambda r: True)
+    ex = RolloutExecutor(None, wf, records(100), batch_size=2, max_staleness=0, max_concurrent=2, max_failures=3)
+    ex.start()
+    try:
+        with pytest.raises(ArealError, match="rollout episodes failed; last error: RuntimeError: episode"):
+            ex.get_batch(2, timeout=10)
+    finally:
+        ex.stop()
+
+
+def test_data_exhaustion_is_reported():
+    ex = RolloutExecutor(None, CountingWorkflow(), records(3), batch_size=2, max_staleness=5, max_concurrent=8)
+    ex.start()
+    try:
+        assert len(ex.get_batch(2)) == 2
+        with pytest.raises(ArealError, match="the dataset ran out: 1 of 2 groups"):
+            ex.get_batch(2, timeout=10)
+    finally:
+        ex.stop()
+
+
+def test_staleness_histogram_counts_oldest_token():
+    g = TrajectoryGroup([
+        Trajectory([1, 2, 3], [0, 1, 1], [0.0] * 3, [-1, 0, 1], 1.0),
+        Trajectory([1, 2, 3], [0, 1, 1], [0.0] * 3, [-1, 2, 2], 0.0),
+    ])
+    assert staleness_histogram([g], version=2) == {0: 1, 2: 1}
