@@ -56,7 +56,8 @@ class ConsoleSink:
     """A one-line progress report per step: step/total, reward, staleness, tokens/s."""
 
     KEYS = (
-        ("reward", "reward/mean"),
+        ("reward", "rollout/reward_mean"),
+        ("batch_reward", "reward/mean"),
         ("acc", "eval/accuracy"),
         ("stale", "rollout/staleness_mean"),
         ("tok/s", "perf/train_tokens_per_s"),

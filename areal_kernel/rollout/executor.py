@@ -33,11 +33,15 @@ class RolloutStats:
     accepted_unfiltered: int = 0
     failed: int = 0
     latencies: list[float] = field(default_factory=list)
+    # Rewards of every finished group, kept or filtered out: the model's real
+    # sampling accuracy, which the (filtered) training batch over- or under-states.
+    rewards: list[float] = field(default_factory=list)
 
     def snapshot_and_reset_latency(self) -> dict[str, float]:
-        lat = self.latencies
-        self.latencies = []
+        lat, rew = self.latencies, self.rewards
+        self.latencies, self.rewards = [], []
         return {
+            "rollout/reward_mean": sum(rew) / len(rew) if rew else float("nan"),
             "rollout/admitted": self.admitted,
             "rollout/accepted": self.accepted,
             "rollout/rejected": self.rejected,
@@ -180,6 +184,8 @@ class RolloutExecutor:
                 )
             return
         self.stats.latencies.append(time.monotonic() - t0)
+        if group is not None:
+            self.stats.rewards.extend(group.rewards)
         if group is None:
             self.budget.finish(kept=False)
             self.stats.rejected += 1

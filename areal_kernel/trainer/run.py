@@ -132,6 +132,11 @@ class Trainer:
             engine_cfg = engine_cfg.model_copy(update={"temperature": cfg.rollout.gconfig.temperature})
         self.train_engine = engine_spec.load()(engine_cfg)
         self.train_engine.initialize(self.model_dir, self.ft.total_train_steps)
+        self.ref_engine = None
+        if cfg.algorithm.kl_coef > 0:
+            # A frozen copy of the initial policy, only ever used for scoring.
+            self.ref_engine = engine_spec.load()(engine_cfg)
+            self.ref_engine.initialize(self.model_dir, self.ft.total_train_steps)
         transport_name = self.hook.areal_select_weight_transport(
             train_backend=cfg.actor.allocation.backend,
             inference_backend=cfg.rollout.allocation.backend,
@@ -198,7 +203,8 @@ class Trainer:
             hist = staleness_histogram(groups, self.version)
             self.hook.areal_on_rollout_batch(step=step, stats={**metrics, "staleness_hist": hist})
             t1 = time.monotonic()
-            train_stats = grpo_train_step(batch, self.train_engine, grpo_cfg)
+            ref = self.ref_engine.compute_logprobs(batch, only_loss_tokens=True) if self.ref_engine else None
+            train_stats = grpo_train_step(batch, self.train_engine, grpo_cfg, ref_logprobs=ref)
             t2 = time.monotonic()
             new_version = self.version + 1
             upd = self.transport.update(new_version)
@@ -260,8 +266,9 @@ class Trainer:
             self.executor.stop()
         if self.rollout is not None:
             self.rollout.stop()
-        if self.train_engine is not None:
-            self.train_engine.destroy()
+        for engine in (self.train_engine, getattr(self, "ref_engine", None)):
+            if engine is not None:
+                engine.destroy()
         for sink in self.sinks:
             sink.close()
         self.hook.areal_on_run_end(status=status, run_dir=self.run_dir)
