@@ -37,7 +37,7 @@ class RolloutStats:
     # sampling accuracy, which the (filtered) training batch over- or under-states.
     rewards: list[float] = field(default_factory=list)
 
-    def snapshot_and_reset_latency(self) -> dict[str, float]:
+    def snapshot_and_reset(self) -> dict[str, float]:
         lat, rew = self.latencies, self.rewards
         self.latencies, self.rewards = [], []
         return {
@@ -184,12 +184,11 @@ class RolloutExecutor:
                 )
             return
         self.stats.latencies.append(time.monotonic() - t0)
-        if group is not None:
-            self.stats.rewards.extend(group.rewards)
         if group is None:
             self.budget.finish(kept=False)
             self.stats.rejected += 1
             return
+        self.stats.rewards.extend(group.rewards)
         if self.keep is not None and not self.keep(group):
             if self._rejected_since_batch < self.retry_budget * self.budget.batch_size:
                 self._rejected_since_batch += 1

@@ -94,10 +94,6 @@ class RewardContract:
             pool.close()
 
 
-def _run(coro: Any) -> Any:
-    return asyncio.run(coro)
-
-
 class InferenceEngineContract:
     """Fixtures: ``inference_engine`` (an ``InferenceEngine`` connected to
     running servers of your backend, weight version 0, serving the model in
@@ -118,7 +114,7 @@ class InferenceEngineContract:
                 if close is not None:
                     await close(current_loop_only=True)
 
-        return _run(go())
+        return asyncio.run(go())
 
     def test_generation_carries_aligned_logprobs_and_versions(self, inference_engine: Any) -> None:
         (r,) = self._gen(inference_engine, [self.PROMPT], max_new_tokens=8, greedy=True)
@@ -160,20 +156,10 @@ class InferenceEngineContract:
         import threading
         import time
 
-        from areal_kernel.api.io import GenerationConfig, ModelRequest
-
         box: dict[str, Any] = {}
 
         def worker() -> None:
-            async def go() -> Any:
-                try:
-                    return await inference_engine.agenerate(
-                        ModelRequest(self.PROMPT, GenerationConfig(max_new_tokens=400, greedy=True, stop_token_ids=[]))
-                    )
-                finally:
-                    await inference_engine.aclose(current_loop_only=True)
-
-            box["r"] = asyncio.run(go())
+            (box["r"],) = self._gen(inference_engine, [self.PROMPT], max_new_tokens=400, greedy=True, stop_token_ids=[])
 
         t = threading.Thread(target=worker)
         t.start()

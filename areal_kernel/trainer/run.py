@@ -98,6 +98,7 @@ class Trainer:
         self.hook = get_plugin_manager().hook
         self.rollout: Rollout | None = None
         self.train_engine: Any = None
+        self.ref_engine: Any = None  # frozen initial policy, only when algorithm.kl_coef > 0
         self.transport: Any = None
         self.executor: RolloutExecutor | None = None
         self.sinks: list[Any] = []
@@ -132,7 +133,6 @@ class Trainer:
             engine_cfg = engine_cfg.model_copy(update={"temperature": cfg.rollout.gconfig.temperature})
         self.train_engine = engine_spec.load()(engine_cfg)
         self.train_engine.initialize(self.model_dir, self.ft.total_train_steps)
-        self.ref_engine = None
         if cfg.algorithm.kl_coef > 0:
             # A frozen copy of the initial policy, only ever used for scoring.
             self.ref_engine = engine_spec.load()(engine_cfg)
@@ -215,7 +215,7 @@ class Trainer:
             step_s = time.monotonic() - t0
             metrics.update({f"train/{k}": v for k, v in train_stats.items() if isinstance(v, (int, float))})
             metrics.update(upd)
-            metrics.update(self.executor.stats.snapshot_and_reset_latency())
+            metrics.update(self.executor.stats.snapshot_and_reset())
             metrics.update({
                 "perf/step_s": step_s,
                 "perf/wait_rollout_s": t_wait,
@@ -266,7 +266,7 @@ class Trainer:
             self.executor.stop()
         if self.rollout is not None:
             self.rollout.stop()
-        for engine in (self.train_engine, getattr(self, "ref_engine", None)):
+        for engine in (self.train_engine, self.ref_engine):
             if engine is not None:
                 engine.destroy()
         for sink in self.sinks:
