@@ -30,6 +30,11 @@ class TorchEngineConfig(BaseModel):
     max_tokens_per_mb: int = Field(
         8192, gt=0, description="token budget of one packed micro-batch (a longer sequence gets its own)"
     )
+    share_prompts: bool = Field(
+        True,
+        description="run a group's common prompt through the model once per micro-batch "
+        "(exact; saves most of the compute when several samples share a long prompt)",
+    )
     attn_implementation: Literal["sdpa", "eager"] = "sdpa"
     temperature: float = Field(1.0, gt=0, description="logprobs = log_softmax(logits / temperature)")
     seed: int = 1

@@ -58,6 +58,13 @@ from areal_kernel.api.io import TrajectoryBatch
 from areal_kernel.engine.config import TorchEngineConfig
 from areal_kernel.engine.lr_schedule import lr_factor
 from areal_kernel.engine.packing import PackedRow, allocate_micro_batches, pack_row
+from areal_kernel.engine.prefix_tree import (
+    SharedChunk,
+    TreeRow,
+    allocate_shared_micro_batches,
+    build_tree_row,
+    virtual_order,
+)
 from areal_kernel.errors import ArealError, ConfigError, DataError
 from areal_kernel.platforms import current_platform
 
@@ -114,7 +121,6 @@ class TorchTrainEngine(TrainEngine):
 
     def initialize(self, model_path: str, total_train_steps: int) -> None:
         import torch
-        from transformers import AutoModelForCausalLM
 
         if not os.path.isfile(os.path.join(model_path, "config.json")):
             raise ConfigError(
@@ -123,12 +129,15 @@ class TorchTrainEngine(TrainEngine):
             )
         if total_train_steps < 1:
             raise ConfigError(f"total_train_steps must be >= 1, got {total_train_steps}")
+        from transformers.utils import logging as hf_logging
+
+        # Per-tensor loading/writing bars would interleave with the trainer's
+        # progress line; the engine reports its own timings.
+        hf_logging.disable_progress_bar()
         cfg = self.config
         current_platform().manual_seed(cfg.seed)
         dtype = torch.float32 if cfg.param_dtype == "float32" else torch.bfloat16
-        model = AutoModelForCausalLM.from_pretrained(
-            model_path, dtype=dtype, attn_implementation=cfg.attn_implementation
-        )
+        model = self._load_model(model_path, dtype)
         model.to(self.device)
         if cfg.gradient_checkpointing:
             # Non-reentrant checkpointing gives the same gradients and works
@@ -147,6 +156,15 @@ class TorchTrainEngine(TrainEngine):
         )
         self._step = 0
         self._set_lr()
+
+    def _load_model(self, model_path: str, dtype: Any) -> Any:
+        """The HF model to train; subclasses with another head override it
+        (``areal_kernel.engine.scalar_head``)."""
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_pretrained(
+            model_path, dtype=dtype, attn_implementation=self.config.attn_implementation
+        )
 
     def _require_init(self) -> None:
         if self.model is None:
@@ -194,8 +212,33 @@ class TorchTrainEngine(TrainEngine):
                     )
 
     def _micro_batches(self, batch: TrajectoryBatch) -> list[list[int]]:
-        lengths = [len(t.input_ids) for t in batch.trajectories]
-        return allocate_micro_batches(lengths, self.config.max_tokens_per_mb)
+        """Batch indices per micro-batch, in the order each virtual row packs them."""
+        return [order for order, _ in self._plan(batch)]
+
+    def _plan(self, batch: TrajectoryBatch) -> list[tuple[list[int], list[SharedChunk] | None]]:
+        """``(virtual order, chunks)`` per micro-batch; ``chunks`` is None when the
+        micro-batch shares no prompt (plain packing is then exact and cheaper)."""
+        trajs = batch.trajectories
+        ids = [t.input_ids for t in trajs]
+        budget = self.config.max_tokens_per_mb
+        if not self.config.share_prompts:
+            return [(mb, None) for mb in allocate_micro_batches([len(x) for x in ids], budget)]
+        plan = []
+        for chunks in allocate_shared_micro_batches(ids, [t.loss_mask for t in trajs], budget):
+            shared = any(c.prefix_len > 0 for c in chunks)
+            plan.append((virtual_order(chunks), chunks if shared else None))
+        return plan
+
+    def _tree(self, chunks: list[SharedChunk] | None, ids: list[list[int]]) -> TreeRow | None:
+        if chunks is None:
+            return None
+        import torch
+
+        eager = self.config.attn_implementation == "eager"
+        dtype = next(self.model.parameters()).dtype if eager else None
+        if eager and self.config.autocast_bf16:
+            dtype = torch.bfloat16
+        return build_tree_row(chunks, ids, self.device, additive_mask_dtype=dtype)
 
     def _autocast(self) -> Any:
         import torch
@@ -218,58 +261,57 @@ class TorchTrainEngine(TrainEngine):
             return None
         return dec, head
 
-    def _forward(self, row: PackedRow, *, entropy_grad: bool, scored: Any = None) -> tuple[Any, Any]:
+    def _forward(
+        self, row: PackedRow, *, entropy_grad: bool, scored: Any = None, tree: TreeRow | None = None
+    ) -> tuple[Any, Any]:
         """Token-aligned logprobs (with grad if enabled) and entropy of one packed row.
 
         ``scored``: optional bool mask of the tokens whose logprob is needed
         (the loss tokens). The LM head and the vocabulary-wide softmax then run
         on those positions only; other entries are 0. With ~50k-word
         vocabularies and prompts longer than answers this is most of the
-        head's cost."""
+        head's cost. ``tree``: run the model on the shared-prompt tree row
+        instead of ``row`` (see ``prefix_tree``); outputs stay aligned with
+        ``row``."""
         import torch
 
         n = row.input_ids.shape[0]
-        split = self._head_split() if scored is not None else None
+        dev = row.input_ids.device
+        wanted = ~row.seq_start if scored is None else (scored & ~row.seq_start)
+        # Virtual token i is predicted by the hidden state of virtual token i-1.
+        target_pos = torch.nonzero(wanted, as_tuple=False)[:, 0]
+        pred_pos = target_pos - 1
+        if tree is None:
+            kwargs = dict(input_ids=row.input_ids[None], position_ids=row.position_ids[None])
+        else:
+            kwargs = dict(
+                input_ids=tree.input_ids[None],
+                position_ids=tree.position_ids[None],
+                attention_mask=tree.attention_mask,
+            )
+            pred_pos = tree.virt_to_tree.index_select(0, pred_pos)
+        split = self._head_split()
         with self._autocast():
             if split is None:
-                out = self.model(
-                    input_ids=row.input_ids[None],
-                    position_ids=row.position_ids[None],
-                    use_cache=False,  # required for exact packing, see packing.py
-                )
-                logits = out.logits[0]
-                # Position j predicts token j+1: entry i scores token i.
-                target_pos = torch.arange(1, n + 1, device=row.input_ids.device)
-                pred_pos = torch.arange(n, device=row.input_ids.device)
+                out = self.model(**kwargs, use_cache=False)  # no cache: required for exact packing
+                logits = out.logits[0].index_select(0, pred_pos)
             else:
                 decoder, head = split
-                hidden = decoder(
-                    input_ids=row.input_ids[None], position_ids=row.position_ids[None], use_cache=False
-                ).last_hidden_state[0]
-                target_pos = torch.nonzero(scored & ~row.seq_start, as_tuple=False)[:, 0]
-                pred_pos = target_pos - 1
+                hidden = decoder(**kwargs, use_cache=False).last_hidden_state[0]
                 logits = head(hidden.index_select(0, pred_pos))
         logits = logits.float()
         if self.config.temperature != 1.0:
             logits = logits / self.config.temperature
         lse = torch.logsumexp(logits, dim=-1)
-        if split is None:
-            labels = torch.roll(row.input_ids, -1)
-            lp_next = logits.gather(-1, labels[:, None])[:, 0] - lse
-            logprobs = torch.roll(lp_next, 1).masked_fill(row.seq_start, 0.0)
-        else:
-            labels = row.input_ids.index_select(0, target_pos)
-            lp_sel = logits.gather(-1, labels[:, None])[:, 0] - lse
-            logprobs = torch.zeros(n, dtype=lp_sel.dtype, device=lp_sel.device).index_put((target_pos,), lp_sel)
+        labels = row.input_ids.index_select(0, target_pos)
+        lp_sel = logits.gather(-1, labels[:, None])[:, 0] - lse
+        logprobs = torch.zeros(n, dtype=lp_sel.dtype, device=dev).index_put((target_pos,), lp_sel)
         ctx = contextlib.nullcontext() if entropy_grad else torch.no_grad()
         with ctx:
             z = logits if entropy_grad else logits.detach()
             l = lse if entropy_grad else lse.detach()
             ent = l - (torch.softmax(z, dim=-1) * z).sum(-1)
-            if split is None:
-                entropy = torch.roll(ent, 1).masked_fill(row.seq_start, 0.0)
-            else:
-                entropy = torch.zeros(n, dtype=ent.dtype, device=ent.device).index_put((target_pos,), ent)
+            entropy = torch.zeros(n, dtype=ent.dtype, device=dev).index_put((target_pos,), ent)
         return logprobs, entropy
 
     def _score(self, batch: TrajectoryBatch, only_loss_tokens: bool = False) -> tuple[list[list[float]], list[list[float]]]:
@@ -284,14 +326,15 @@ class TorchTrainEngine(TrainEngine):
         self.model.eval()
         try:
             with torch.no_grad():
-                for mb in self._micro_batches(batch):
+                for mb, chunks in self._plan(batch):
+                    tree = self._tree(chunks, ids)
                     if only_loss_tokens:
                         masks = {"loss_mask": [[1.0 if m else 0.0 for m in t.loss_mask] for t in batch.trajectories]}
                         row = pack_row(mb, ids, masks, {}, self.device)
-                        lp, ent = self._forward(row, entropy_grad=False, scored=row.data["loss_mask"] > 0)
+                        lp, ent = self._forward(row, entropy_grad=False, scored=row.data["loss_mask"] > 0, tree=tree)
                     else:
                         row = pack_row(mb, ids, {}, {}, self.device)
-                        lp, ent = self._forward(row, entropy_grad=False)
+                        lp, ent = self._forward(row, entropy_grad=False, tree=tree)
                     lp_l, ent_l = lp.cpu().tolist(), ent.cpu().tolist()
                     for k, i in enumerate(row.seq_index):
                         a, b = row.cu_seqlens[k], row.cu_seqlens[k + 1]
@@ -322,7 +365,8 @@ class TorchTrainEngine(TrainEngine):
         ``loss``, ``grad_norm`` (before clipping), ``lr``, ``skipped`` (1 when
         the loss or grad norm was NaN/inf and the step was not applied),
         ``entropy`` (mean over loss tokens), ``n_seqs``, ``n_tokens``,
-        ``n_loss_tokens``, ``n_mbs`` and ``step_time_s``."""
+        ``n_loss_tokens``, ``n_mbs``, ``n_model_tokens`` (tokens the model ran on, fewer than
+        ``n_tokens`` when prompts are shared) and ``step_time_s``."""
         import torch
 
         self._require_init()
@@ -353,16 +397,21 @@ class TorchTrainEngine(TrainEngine):
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         lr = self._set_lr()
-        mbs = self._micro_batches(batch)
+        mbs = self._plan(batch)
         total_loss = 0.0
         entropy_sum = 0.0
         stats: dict[str, float] = {}
         finite = True
-        for mb in mbs:
+        model_tokens = 0
+        for mb, chunks in mbs:
             row = pack_row(mb, ids, float_fields, long_fields, dev)
+            tree = self._tree(chunks, ids)
+            model_tokens += (tree or row).n_tokens
             data = dict(row.data)
             data.update(batch_scalars)
-            logprobs, entropy = self._forward(row, entropy_grad=entropy_grad, scored=data["loss_mask"] > 0)
+            logprobs, entropy = self._forward(
+                row, entropy_grad=entropy_grad, scored=data["loss_mask"] > 0, tree=tree
+            )
             loss, mb_stats = loss_fn(logprobs, entropy, data)
             loss_val = float(loss.detach()) if torch.is_tensor(loss) else float(loss)
             if not math.isfinite(loss_val):
@@ -405,6 +454,7 @@ class TorchTrainEngine(TrainEngine):
             n_tokens=float(batch.n_tokens),
             n_loss_tokens=float(n_loss_tokens),
             n_mbs=float(len(mbs)),
+            n_model_tokens=float(model_tokens),
             step_time_s=time.perf_counter() - t0,
         )
         return out

@@ -113,3 +113,37 @@ def test_growing_layer_matches_concatenation():
     keys, _ = layer.update(torch.ones(1, 3, 1, 4), torch.ones(1, 3, 1, 4))
     assert keys.shape == (1, 3, ref_k.shape[-2] - 10 + 1, 4)
     assert torch.equal(keys[:, :, :-1], ref_k[:1, :, 10:]) and torch.equal(keys[:, :, -1], torch.ones(1, 3, 4))
+
+
+def test_identical_prompts_are_prefilled_once_and_sample_independently(engine, hf_model):
+    """A GRPO group sends n copies of one prompt: the engine prefills the
+    distinct prompts once (fewer prefill rows), yet every copy's greedy output
+    and logprobs equal a lone request's, and sampled copies differ."""
+    p, q = [5, 7, 11, 13, 17], [2, 4, 6]
+    lone = engine.submit(body("lone", p, 6)).result(60)
+    calls = []
+    orig = engine._forward
+
+    def counting(ids, mask, pos_ids, cache):
+        calls.append(tuple(ids.shape))
+        return orig(ids, mask, pos_ids, cache)
+
+    engine._forward = counting
+    try:
+        engine.pause("keep").result(10)
+        futs = [engine.submit(body(f"g{i}", p if i % 2 else q, 6)) for i in range(6)]
+        engine.resume().result(10)
+        outs = [f.result(60) for f in futs]
+    finally:
+        engine._forward = orig
+    assert calls[0] == (2, 5)  # one prefill row per distinct prompt
+    for i, o in enumerate(outs):
+        assert o["output_ids"] == (lone["output_ids"] if i % 2 else greedy(hf_model, q, 6))
+    for o in outs[1::2]:
+        assert max(abs(a - b) for a, b in zip(o["output_logprobs"], lone["output_logprobs"])) < 1e-4
+    sampled = [
+        engine.submit(GenerateBody(f"s{i}", p, parse_sampling({"max_new_tokens": 8, "temperature": 1.0})))
+        for i in range(6)
+    ]
+    texts = {tuple(f.result(60)["output_ids"]) for f in sampled}
+    assert len(texts) > 1

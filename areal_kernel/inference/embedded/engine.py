@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 import torch
 
-from areal_kernel.inference.embedded.kvbatch import Request, RunningBatch, new_cache, stop_matrix
+from areal_kernel.inference.embedded.kvbatch import Request, RunningBatch, _layers, _set_kv, new_cache, stop_matrix
 from areal_kernel.inference.embedded.protocol import GenerateBody, RequestError
 from areal_kernel.inference.embedded.sampling import RowParams, sample
 
@@ -299,19 +299,32 @@ class GenerationEngine:
         return out.logits[:, -1, :].float()
 
     def _prefill(self, reqs: list[Request]) -> RunningBatch | None:
-        lens = [len(r.input_ids) for r in reqs]
+        # Samples of one prompt (a GRPO group) arrive together with identical
+        # input ids: prefill each distinct prompt once and copy its cache rows.
+        # The copies then sample independently.
+        first_of: dict[tuple[int, ...], int] = {}
+        src = [first_of.setdefault(tuple(r.input_ids), len(first_of)) for r in reqs]
+        uniq_ids = [list(k) for k in first_of]
+        lens = [len(x) for x in uniq_ids]
         width = max(lens)
-        rows = [[self.pad_id] * (width - n) + r.input_ids for r, n in zip(reqs, lens)]
+        rows = [[self.pad_id] * (width - n) + x for x, n in zip(uniq_ids, lens)]
         ids = torch.tensor(rows, dtype=torch.long, device=self.device)
         lens_t = torch.tensor(lens, dtype=torch.long, device=self.device)
         padded = min(lens) < width
         mask = None
-        pos_ids = torch.arange(width, device=self.device).expand(len(reqs), width)
+        pos_ids = torch.arange(width, device=self.device).expand(len(uniq_ids), width)
         if padded:
             mask = torch.arange(width, device=self.device).unsqueeze(0) >= (width - lens_t).unsqueeze(1)
             pos_ids = (mask.long().cumsum(1) - 1).clamp(min=0)
         cache = new_cache(self.model.config)
         logits = self._forward(ids, mask, pos_ids, cache)
+        if len(uniq_ids) < len(reqs):
+            idx = torch.tensor(src, dtype=torch.long, device=self.device)
+            for layer in _layers(cache):
+                _set_kv(layer, layer.keys.index_select(0, idx), layer.values.index_select(0, idx))
+            logits = logits.index_select(0, idx)
+            lens_t = lens_t.index_select(0, idx)
+            mask = mask.index_select(0, idx) if mask is not None else None
         batch = RunningBatch(
             reqs=reqs,
             cache=cache,
