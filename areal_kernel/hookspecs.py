@@ -127,7 +127,9 @@ def areal_register_workflows(register: Register) -> None:
 def areal_register_advantage_estimators(register: Register) -> None:
     """Register advantage estimators (``algorithm.advantage``), e.g. ``grpo``.
 
-    Target: ``fn(rewards, group_ids, **kwargs) -> list[float]``.
+    Target: ``fn(rewards, group_ids, *, loss_masks, **kwargs)`` returning one
+    advantage per trajectory, one row per trajectory (per token) or an
+    ``areal_kernel.algo.estimators.AdvantageResult``; see docs/algorithms.md.
     """
 
 
@@ -135,8 +137,9 @@ def areal_register_advantage_estimators(register: Register) -> None:
 def areal_register_losses(register: Register) -> None:
     """Register policy losses (``algorithm.loss``), e.g. ``ppo``.
 
-    Target: ``fn(logprobs, data, **kwargs) -> (loss, stats)`` following the
-    train engine's token-sum contract.
+    Target: ``fn(logprobs, data, *, entropy, **kwargs) -> (loss, stats)``
+    following the train engine's token-sum contract; the algorithm's loss
+    knobs arrive as keywords (see docs/algorithms.md).
     """
 
 

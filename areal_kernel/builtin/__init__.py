@@ -69,6 +69,11 @@ def areal_register_datasets(register: Any) -> None:
 def areal_register_rewards(register: Any) -> None:
     register("math", "areal_kernel.reward.math:math_verify_reward", description="math-verify equivalence (0/1)")
     register("exact_match", "areal_kernel.reward.exact_match:exact_match_reward", description="normalised exact match (0/1)")
+    register(
+        "code_exec",
+        "areal_kernel.reward.code_exec:code_exec_reward",
+        description="run the completion's Python against the answer's tests in a sandboxed subprocess (0/1)",
+    )
 
 
 @hookimpl
@@ -83,12 +88,26 @@ def areal_register_workflows(register: Any) -> None:
 
 @hookimpl
 def areal_register_advantage_estimators(register: Any) -> None:
-    register("grpo", "areal_kernel.algo.advantages:grpo_advantages", description="group mean/std normalisation")
+    est = "areal_kernel.algo.estimators"
+    register("grpo", f"{est}:grpo", description="group mean/std normalisation")
+    register("dr_grpo", f"{est}:dr_grpo", description="group mean only (no std)")
+    register("rloo", f"{est}:rloo", description="leave-one-out group baseline")
+    register("reinforce_pp", f"{est}:reinforce_pp", description="REINFORCE++: batch-normalised discounted returns")
+    register(
+        "reinforce_pp_baseline",
+        f"{est}:reinforce_pp_baseline",
+        description="REINFORCE++ with a group-mean baseline, then batch normalisation",
+    )
+    register("gae", f"{est}:gae", capabilities=["needs_values"], description="GAE with a critic (PPO)")
 
 
 @hookimpl
 def areal_register_losses(register: Any) -> None:
-    register("ppo", "areal_kernel.algo.losses:ppo_actor_loss", description="clipped, decoupled PPO objective")
+    register(
+        "ppo",
+        "areal_kernel.algo.losses:ppo_actor_loss",
+        description="clipped, decoupled PPO objective (clip-higher, dual clip, GSPO sequence ratios)",
+    )
 
 
 @hookimpl
@@ -111,6 +130,11 @@ def areal_select_weight_transport(train_backend: str, inference_backend: str, pl
     from areal_kernel.plugins.registry import get_registry
 
     spec = get_registry().find("inference_engine", inference_backend)
+    if platform == "cpu":
+        # Measured (bench/bench_weight_update.py, SmolLM2): the safetensors
+        # round trip through the page cache pauses generation ~0.15 s, a gloo
+        # broadcast blocks both sides ~1.5 s.
+        return "disk"
     return "broadcast" if spec is not None and "broadcast_update" in spec.capabilities else "disk"
 
 

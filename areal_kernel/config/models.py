@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from areal_kernel.config.offline import DPOConfig, RMConfig, SFTConfig
 from areal_kernel.config.sections import PluginSection, StrictModel
 
 
@@ -105,7 +106,7 @@ class RewardConfig(PluginSection):
 
 
 class AlgorithmConfig(StrictModel):
-    type: Literal["grpo"] = "grpo"
+    type: Literal["grpo", "sft", "dpo", "ipo", "rm"] = "grpo"
     advantage: str = Field("grpo", description="Registered advantage estimator.")
     loss: str = Field("ppo", description="Registered policy loss.")
     eps_clip: float = Field(0.2, gt=0)
@@ -116,8 +117,54 @@ class AlgorithmConfig(StrictModel):
     kl_coef: float = Field(0.0, ge=0)
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     entropy_coef: float = 0.0
+    # RL knobs (areal_kernel/algo/rl.py; docs/algorithms.md explains each).
+    adv_norm: Literal["group", "batch", "none"] | None = Field(
+        None, description="Advantage normalisation level; None = the estimator's default."
+    )
+    gamma: float = Field(1.0, ge=0, le=1, description="Discount (reinforce_pp*, gae).")
+    lam: float = Field(1.0, ge=0, le=1, description="GAE lambda.")
+    reward_scale: float = 1.0
+    reward_bias: float = 0.0
+    reward_clip: float | None = Field(None, gt=0, description="Clip shaped rewards to [-clip, clip].")
+    overlong_buffer_len: int | None = Field(
+        None, ge=1, description="DAPO soft overlong penalty over the last N tokens before max_new_tokens."
+    )
+    overlong_penalty_factor: float = Field(1.0, ge=0)
+    advantage_kwargs: dict[str, Any] = Field(default_factory=dict, description="Extra options for the estimator.")
+    dual_clip: float | None = Field(None, gt=1, description="Dual-clip PPO bound for negative advantages.")
+    ratio_level: Literal["token", "sequence"] = Field("token", description="'sequence': GSPO ratios.")
+    behav_imp_weight_mode: Literal["mask", "clamp"] = "mask"
+    kl_in: Literal["loss", "reward"] = "loss"
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
+    loss_kwargs: dict[str, Any] = Field(default_factory=dict, description="Extra options for the loss.")
+    prox_interpolate: bool = Field(False, description="Version-interpolated proximal logprobs (no recompute pass).")
+    ppo_n_minibatches: int = Field(1, ge=1, description="Optimizer steps per batch.")
+    value_eps_clip: float | None = Field(0.2, gt=0, description="Critic value clipping (gae).")
+    critic_lr: float | None = Field(None, gt=0, description="Critic learning rate; None = the actor's.")
     dynamic_filter: bool = Field(True, description="Drop groups whose rewards are all equal.")
     filter_retry_budget: int = Field(4, ge=0, description="Extra groups per batch slot before accepting unfiltered.")
+    # Offline trainers (no inference server); see areal_kernel/config/offline.py.
+    sft: SFTConfig = Field(default_factory=SFTConfig)
+    dpo: DPOConfig = Field(default_factory=DPOConfig, description="Used by type dpo and ipo.")
+    rm: RMConfig = Field(default_factory=RMConfig)
+
+    @field_validator("advantage", "loss")
+    @classmethod
+    def _registered(cls, v: str, info: Any) -> str:
+        from areal_kernel.plugins.registry import get_registry
+
+        kind = "advantage_estimator" if info.field_name == "advantage" else "loss"
+        reg = get_registry()
+        if reg.find(kind, v) is None:
+            names = ", ".join(sorted(s.name for s in reg.specs(kind)))
+            raise ValueError(f"no {kind} named {v!r} is registered; registered: {names}")
+        return v
+
+    @model_validator(mode="after")
+    def _rl_checks(self) -> "AlgorithmConfig":
+        if self.recompute_proximal and self.prox_interpolate:
+            raise ValueError("recompute_proximal and prox_interpolate are alternatives; set recompute_proximal: false")
+        return self
 
 
 class TrainerConfig(StrictModel):
@@ -137,6 +184,19 @@ class LoggingConfig(StrictModel):
     sinks: list[str] = Field(default_factory=lambda: ["console", "jsonl", "tensorboard"])
     level: Literal["debug", "info", "warning", "error"] = "info"
     json_logs: bool = False
+
+    @field_validator("sinks")
+    @classmethod
+    def _sinks_registered(cls, v: list[str]) -> list[str]:
+        # Caught here, not after the run has started its servers.
+        from areal_kernel.plugins.registry import get_registry
+
+        reg = get_registry()
+        unknown = [n for n in v if reg.find("metric_sink", n) is None]
+        if unknown:
+            names = ", ".join(sorted(s.name for s in reg.specs("metric_sink")))
+            raise ValueError(f"no metric sink named {unknown[0]!r} is registered; registered: {names}")
+        return v
 
 
 class SchedulerConfig(StrictModel):

@@ -24,7 +24,13 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError as e:
-        raise ConfigError(f"override {text!r}: value is not valid YAML: {e}") from None
+        # One line: the parser's problem and the column in the value, not its multi-line dump.
+        mark = getattr(e, "problem_mark", None)
+        where = f" at column {mark.column + 1} of the value" if mark else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(
+            f"override {text!r}: value is not valid YAML ({problem}{where}); quote strings, write lists as [a, b]"
+        ) from None
     stripped = raw.strip()
     # "torch:" or "a: b" parse as YAML mappings; only an explicit {...} / [...]
     # means a dict or list on the command line.

@@ -42,6 +42,12 @@ def format_validation_error(err: ValidationError, prefix: str = "", model: type[
         else:
             if "input" in e and e["type"] not in ("value_error",) and not isinstance(e["input"], (dict, list)):
                 msg += f" (got {e['input']!r})"
+        if e["type"] == "value_error" and msg.startswith("Value error, "):
+            # Our validators' messages are already sentences; pydantic's prefix is noise.
+            msg = msg[len("Value error, "):]
+            if not loc:  # a whole-config check names its fields itself
+                lines.append(msg)
+                continue
         lines.append(f"{path}: {msg}")
     return "\n".join(lines)
 

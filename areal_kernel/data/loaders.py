@@ -11,6 +11,7 @@ names the source, the field and what would be valid.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 from typing import Any, Sequence
@@ -111,10 +112,18 @@ def _load_file(path: str, split: str) -> Any:
         )
     if os.path.getsize(path) == 0 or (builder != "parquet" and not _has_text(path)):
         raise DataError(f"dataset file {path!r} is empty: it has no records")
+    ds_lib = _datasets()
+    # datasets logs parser failures itself (twice, at ERROR); we raise our own
+    # one-line diagnosis instead, so silence its logger while it reads.
+    ds_logger = logging.getLogger("datasets")
+    old_level = ds_logger.level
+    ds_logger.setLevel(logging.CRITICAL)
     try:
-        return _datasets().load_dataset(builder, data_files={"train": path}, split="train")
+        return ds_lib.load_dataset(builder, data_files={"train": path}, split="train")
     except Exception as exc:  # datasets wraps parser errors in several types
         raise _diagnose(path, builder, exc) from exc
+    finally:
+        ds_logger.setLevel(old_level)
 
 
 def _load_dir(path: str, split: str) -> Any:
@@ -207,8 +216,14 @@ def _check_required(ds: Any, source: str, required: list[str]) -> None:
     if missing:
         raise DataError(
             f"dataset {source!r} lacks required field(s) {missing}; fields present: {cols}. "
-            f"Rename a field with field_map, e.g. field_map={{'{cols[0] if cols else 'question'}': '{missing[0]}'}}"
+            f"Rename a field with field_map, e.g. field_map={{'{_rename_candidate(cols, required)}': '{missing[0]}'}}"
         )
+
+
+def _rename_candidate(cols: list[str], required: list[str]) -> str:
+    # Suggest renaming a field the workflow does not already need.
+    spare = [c for c in cols if c not in required]
+    return spare[0] if spare else "question"
 
 
 def _check_row(rec: dict[str, Any], index: int, source: str, required: list[str]) -> None:

@@ -155,7 +155,13 @@ class Registry:
     def _not_found(self, kind: str, name: str) -> Exception:
         if name in self.failed_plugins:
             dist, err = self.failed_plugins[name]
-            return PluginLoadError(f"{kind} '{name}': plugin '{name}' ({dist}) is installed but failed to load:\n{err}")
+            # The cause in one line; the traceback stays in `areal plugins --json`
+            # for whoever asks, not in the user's error.
+            cause = err.split("Traceback (most recent call last)")[0].strip() or err.strip().splitlines()[-1]
+            return PluginLoadError(
+                f"{kind} '{name}': plugin '{name}' ({dist}) is installed but failed to load: {cause} "
+                f"(full traceback: areal plugins --json)"
+            )
         available = self.names(kind)
         parts = [f"no {kind} named '{name}'."]
         parts.append(f"Available: {', '.join(available)}." if available else f"No {kind} is registered.")

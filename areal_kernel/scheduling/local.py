@@ -6,6 +6,9 @@ starts inference servers through their backend's launcher.
 """
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
 from typing import Any
 
 from areal_kernel.config.models import ExperimentConfig
@@ -19,6 +22,7 @@ class LocalScheduler:
         self.config = config
         self.platform = current_platform()
         self._launchers: list[Any] = []
+        self._train_procs: list[subprocess.Popen] = []
 
     def device_plan(self) -> dict[str, list[list[int]]]:
         """Device ids per process: ``{"actor": [[0], [1]], "rollout": [[2, 3]]}``."""
@@ -45,7 +49,54 @@ class LocalScheduler:
         self._launchers.append(backend)
         return addresses
 
+    def start_train_ranks(
+        self, argv: list[str], log_dir: str, env: dict[str, str] | None = None
+    ) -> list[subprocess.Popen]:
+        """Start one process per actor rank (``actor.allocation.world_size``,
+        e.g. 2 for ``fsdp:d2``) running ``argv``, with the torch.distributed
+        environment (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
+        ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``), the rank's
+        devices made visible through the platform, and ``OMP_NUM_THREADS=1``.
+        Each rank runs in its own session (``stop`` kills the whole group) and
+        logs to ``<log_dir>/rank-<r>.log``."""
+        from areal_kernel.utils.network import find_free_port
+
+        plan = self.device_plan()["actor"]
+        os.makedirs(log_dir, exist_ok=True)
+        master_port = find_free_port()
+        procs: list[subprocess.Popen] = []
+        for rank, devices in enumerate(plan):
+            e = dict(os.environ)
+            e.update(env or {})
+            e.update(
+                OMP_NUM_THREADS="1",
+                RANK=str(rank),
+                LOCAL_RANK=str(rank),
+                WORLD_SIZE=str(len(plan)),
+                LOCAL_WORLD_SIZE=str(len(plan)),
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(master_port),
+            )
+            e.update(self.platform.visible_devices_env_for(devices))
+            with open(os.path.join(log_dir, f"rank-{rank}.log"), "ab") as logf:
+                p = subprocess.Popen(
+                    argv, env=e, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                    start_new_session=True,
+                )
+            # Tracked at once: if a later rank fails to start, stop() still finds this one.
+            self._train_procs.append(p)
+            procs.append(p)
+        return procs
+
     def stop(self) -> None:
         for backend in self._launchers:
             backend.stop()
         self._launchers.clear()
+        procs, self._train_procs = self._train_procs, []
+        for p in procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                p.wait()

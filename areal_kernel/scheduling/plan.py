@@ -24,14 +24,17 @@ def make_plan(cfg: ExperimentConfig) -> dict[str, Any]:
             "devices_per_process": 1,
             "devices": actor.world_size,
         },
-        {
-            "role": "rollout",
-            "allocation": str(rollout),
-            "processes": rollout.d,
-            "devices_per_process": rollout.devices_per_replica,
-            "devices": rollout.d * rollout.devices_per_replica,
-        },
     ]
+    if not _offline(cfg):  # SFT/DPO/RM train from a dataset: no inference servers
+        roles.append(
+            {
+                "role": "rollout",
+                "allocation": str(rollout),
+                "processes": rollout.d,
+                "devices_per_process": rollout.devices_per_replica,
+                "devices": rollout.d * rollout.devices_per_replica,
+            }
+        )
     needed = sum(r["devices"] for r in roles)
     notes = []
     if on_cpu and needed > available:
@@ -50,3 +53,9 @@ def make_plan(cfg: ExperimentConfig) -> dict[str, Any]:
         "fits": True if on_cpu else needed <= available,
         "notes": notes,
     }
+
+
+def _offline(cfg: ExperimentConfig) -> bool:
+    from areal_kernel.config.offline import OFFLINE_ALGORITHMS
+
+    return cfg.algorithm.type in OFFLINE_ALGORITHMS

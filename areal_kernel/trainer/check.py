@@ -27,8 +27,10 @@ async def _episodes(rollout: Rollout, records: list[dict]) -> list[Any]:
 def run_check(cfg: ExperimentConfig, n: int = 4) -> int:
     setup_logging(level=cfg.logging.level, json_logs=cfg.logging.json_logs)
     model_dir = resolve_model_dir(cfg)
-    tok = load_tokenizer(model_dir)
+    # Data before the tokenizer: a bad dataset file is the likelier mistake and
+    # its check is cheap, so report it before importing transformers.
     train, evals = load_data(cfg, workflow_required_fields(cfg))
+    tok = load_tokenizer(model_dir)
     print(f"model: {model_dir}")
     print(f"dataset '{cfg.dataset.type}': {len(train)} train / {len(evals)} eval records")
     records = train[:n]

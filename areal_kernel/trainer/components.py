@@ -19,7 +19,14 @@ log = get_logger(__name__)
 
 
 def resolve_model_dir(cfg: ExperimentConfig) -> str:
-    path = get_plugin_manager().hook.areal_resolve_model_path(name_or_path=cfg.model.path)
+    try:
+        path = get_plugin_manager().hook.areal_resolve_model_path(name_or_path=cfg.model.path)
+    except ArealError as e:
+        # Resolvers name the value; the user edits the field, so name it too.
+        msg = str(e)
+        if msg.startswith("model.path"):
+            raise
+        raise type(e)(f"model.path: {msg}") from None
     if not path:
         raise ConfigError(f"model.path: cannot resolve {cfg.model.path!r} to a local model directory")
     return path

@@ -57,23 +57,90 @@ class RecordStream:
         return rec
 
 
+def make_sinks(cfg: ExperimentConfig, run_dir: str, total_steps: int) -> list[Any]:
+    """The metric sinks named in ``logging.sinks`` (shared by every trainer)."""
+    sinks = []
+    for name in cfg.logging.sinks:
+        cls = get_registry().get("metric_sink", name).load()
+        sinks.append(cls(run_dir, total_steps=total_steps) if name == "console" else cls(run_dir))
+    return sinks
+
+
+def write_run_config(cfg: ExperimentConfig, run_dir: str) -> None:
+    os.makedirs(run_dir, exist_ok=True)
+    with open(os.path.join(run_dir, "config.yaml"), "w", encoding="utf-8") as f:
+        yaml.safe_dump(cfg.dump(), f, sort_keys=False)
+
+
+def save_hf_checkpoint(engine: Any, run_dir: str, tag: str, keep_last: int, step: int) -> str:
+    """``engine.save_hf`` into ``<run_dir>/checkpoints/<tag>``, keeping the
+    newest ``keep_last`` ``step<N>`` directories; fires ``areal_on_checkpoint``."""
+    import shutil
+
+    root = os.path.join(run_dir, "checkpoints")
+    path = os.path.join(root, tag)
+    engine.save_hf(path)
+    steps = sorted(
+        (d for d in os.listdir(root) if d.startswith("step") and d[4:].isdigit()), key=lambda d: int(d[4:])
+    )
+    for old in steps[:-keep_last] if len(steps) > keep_last else []:
+        shutil.rmtree(os.path.join(root, old), ignore_errors=True)
+    get_plugin_manager().hook.areal_on_checkpoint(step=step, path=path)
+    return path
+
+
 def _grpo_config(cfg: ExperimentConfig) -> Any:
-    from areal_kernel.algo.grpo import GRPOConfig
+    """The RL step's options from ``algorithm`` (GRPO with the defaults)."""
+    from areal_kernel.algo.rl import RLConfig
 
     a = cfg.algorithm
-    return GRPOConfig(
+    return RLConfig(
+        advantage=a.advantage,
+        loss=a.loss,
         group_size=cfg.rollout.gconfig.n_samples,
+        adv_norm=a.adv_norm,
+        std_normalize=a.std_normalize,
+        gamma=a.gamma,
+        lam=a.lam,
+        reward_scale=a.reward_scale,
+        reward_bias=a.reward_bias,
+        reward_clip=a.reward_clip,
+        overlong_buffer_len=a.overlong_buffer_len,
+        overlong_penalty_factor=a.overlong_penalty_factor,
+        max_new_tokens=cfg.rollout.gconfig.max_new_tokens,
+        advantage_kwargs=a.advantage_kwargs,
         eps_clip=a.eps_clip,
         eps_clip_high=a.eps_clip_high,
+        dual_clip=a.dual_clip,
+        ratio_level=a.ratio_level,
         behav_imp_weight_cap=a.behav_imp_weight_cap,
+        behav_imp_weight_mode=a.behav_imp_weight_mode,
         kl_coef=a.kl_coef,
         kl_estimator=a.kl_estimator,
+        kl_in=a.kl_in,
         entropy_coef=a.entropy_coef,
-        reward_norm="group",
-        std_normalize=a.std_normalize,
+        loss_agg=a.loss_agg,
+        loss_kwargs=a.loss_kwargs,
         recompute_proximal=a.recompute_proximal,
+        prox_interpolate=a.prox_interpolate,
+        ppo_n_minibatches=a.ppo_n_minibatches,
+        value_eps_clip=a.value_eps_clip,
         temperature=cfg.rollout.gconfig.temperature,
     )
+
+
+def _keep_group(rl_cfg: Any) -> Any:
+    """Dynamic-sampling filter: drop a group whose *shaped* rewards are all
+    equal (overlong shaping can separate equal raw rewards)."""
+    from areal_kernel.algo.rl import shaped_rewards
+
+    def keep(group: Any) -> bool:
+        if rl_cfg.overlong_buffer_len is None:
+            return not zero_variance(group)
+        r = shaped_rewards(TrajectoryBatch(list(group.trajectories)), rl_cfg)
+        return not (len(r) > 1 and max(r) - min(r) < 1e-9)
+
+    return keep
 
 
 def _batch_metrics(batch: TrajectoryBatch, version: int) -> dict[str, float]:
@@ -99,6 +166,7 @@ class Trainer:
         self.rollout: Rollout | None = None
         self.train_engine: Any = None
         self.ref_engine: Any = None  # frozen initial policy, only when algorithm.kl_coef > 0
+        self.critic: Any = None  # value model, only for estimators that need values (gae)
         self.transport: Any = None
         self.executor: RolloutExecutor | None = None
         self.sinks: list[Any] = []
@@ -107,9 +175,7 @@ class Trainer:
     # -- set-up ---------------------------------------------------------------
     def setup(self) -> None:
         cfg, reg = self.cfg, get_registry()
-        os.makedirs(self.run_dir, exist_ok=True)
-        with open(os.path.join(self.run_dir, "config.yaml"), "w", encoding="utf-8") as f:
-            yaml.safe_dump(cfg.dump(), f, sort_keys=False)
+        write_run_config(cfg, self.run_dir)
         self.model_dir = resolve_model_dir(cfg)
         self.tokenizer = load_tokenizer(self.model_dir)
         self.train_records, self.eval_records = load_data(cfg, workflow_required_fields(cfg))
@@ -119,9 +185,7 @@ class Trainer:
             train_batch_size=cfg.trainer.batch_size,
             max_steps=cfg.trainer.max_steps,
         )
-        for name in cfg.logging.sinks:
-            cls = reg.get("metric_sink", name).load()
-            self.sinks.append(cls(self.run_dir, total_steps=self.ft.total_train_steps) if name == "console" else cls(self.run_dir))
+        self.sinks = make_sinks(cfg, self.run_dir, self.ft.total_train_steps)
         self.hook.areal_on_run_start(config=cfg, run_dir=self.run_dir)
         log.info("starting inference servers", backend=str(cfg.rollout.allocation), model=self.model_dir)
         self.rollout = Rollout(cfg, self.run_dir, self.model_dir, self.tokenizer).start()
@@ -131,8 +195,15 @@ class Trainer:
         if engine_cfg is not None and hasattr(engine_cfg, "temperature"):
             # Logprob ratios must compare the distribution the sampler used.
             engine_cfg = engine_cfg.model_copy(update={"temperature": cfg.rollout.gconfig.temperature})
+        self.rl_cfg = _grpo_config(cfg)
+        self.estimator = reg.get("advantage_estimator", cfg.algorithm.advantage, platform="").load()
+        self.loss = reg.get("loss", cfg.algorithm.loss, platform="").load()
+        # Each batch takes ppo_n_minibatches optimizer steps: the lr schedule counts them all.
+        opt_steps = self.ft.total_train_steps * cfg.algorithm.ppo_n_minibatches
         self.train_engine = engine_spec.load()(engine_cfg)
-        self.train_engine.initialize(self.model_dir, self.ft.total_train_steps)
+        self.train_engine.initialize(self.model_dir, opt_steps)
+        if getattr(self.estimator, "needs_values", False):
+            self.critic = self._make_critic(engine_cfg, opt_steps)
         if cfg.algorithm.kl_coef > 0:
             # A frozen copy of the initial policy, only ever used for scoring.
             self.ref_engine = engine_spec.load()(engine_cfg)
@@ -157,9 +228,26 @@ class Trainer:
             batch_size=cfg.trainer.batch_size,
             max_staleness=cfg.rollout.max_staleness,
             max_concurrent=cfg.rollout.max_concurrent_rollouts,
-            keep=(lambda g: not zero_variance(g)) if a.dynamic_filter else None,
+            keep=_keep_group(self.rl_cfg) if a.dynamic_filter else None,
             retry_budget=a.filter_retry_budget,
         )
+
+    def _make_critic(self, engine_cfg: Any, opt_steps: int) -> Any:
+        """A value model (same initial weights as the actor) for critic-based estimators."""
+        from areal_kernel.engine.critic import TorchCriticEngine
+        from areal_kernel.engine.config import TorchEngineConfig
+
+        if not isinstance(engine_cfg, TorchEngineConfig) and engine_cfg is not None:
+            raise ArealError(
+                f"algorithm.advantage={self.cfg.algorithm.advantage!r} needs a critic, which is only built on the "
+                f"torch train engine settings (actor.backend is {self.cfg.actor.allocation.backend!r})"
+            )
+        ccfg = TorchEngineConfig.parse(engine_cfg)
+        if self.cfg.algorithm.critic_lr is not None:
+            ccfg = ccfg.model_copy(update={"lr": self.cfg.algorithm.critic_lr})
+        critic = TorchCriticEngine(ccfg)
+        critic.initialize(self.model_dir, opt_steps)
+        return critic
 
     # -- pieces -----------------------------------------------------------------
     def log_metrics(self, step: int, metrics: dict[str, Any]) -> None:
@@ -182,10 +270,9 @@ class Trainer:
 
     # -- the loop ---------------------------------------------------------------
     def train(self) -> dict[str, Any]:
-        from areal_kernel.algo.grpo import grpo_train_step
+        from areal_kernel.algo.rl import rl_train_step
 
         cfg = self.cfg
-        grpo_cfg = _grpo_config(cfg)
         before = self.evaluate()
         print(f"held-out greedy accuracy before training: {before['eval/accuracy']:.3f} (n={before['eval/n']})", flush=True)
         self.log_metrics(0, {"eval/accuracy": before["eval/accuracy"]})
@@ -204,11 +291,15 @@ class Trainer:
             self.hook.areal_on_rollout_batch(step=step, stats={**metrics, "staleness_hist": hist})
             t1 = time.monotonic()
             ref = self.ref_engine.compute_logprobs(batch, only_loss_tokens=True) if self.ref_engine else None
-            train_stats = grpo_train_step(batch, self.train_engine, grpo_cfg, ref_logprobs=ref)
+            train_stats = rl_train_step(
+                batch, self.train_engine, self.rl_cfg, ref_logprobs=ref, critic=self.critic,
+                estimator=self.estimator, loss=self.loss,
+            )  # fmt: skip
             t2 = time.monotonic()
             new_version = self.version + 1
             upd = self.transport.update(new_version)
             self.version = new_version
+            self.train_engine.set_version(new_version)  # token versions are compared with it (prox_interpolate)
             self.executor.set_version(new_version)
             self.hook.areal_on_weight_update(version=new_version, transport=self.transport.name, seconds=time.monotonic() - t2)
             trained_samples += len(batch)
@@ -247,26 +338,14 @@ class Trainer:
                 "train_seconds": elapsed, "samples": trained_samples, "checkpoint": final}
 
     def save_hf(self, tag: str) -> str:
-        root = os.path.join(self.run_dir, "checkpoints")
-        path = os.path.join(root, tag)
-        self.train_engine.save_hf(path)
-        keep = self.cfg.checkpoint.keep_last
-        steps = sorted(
-            (d for d in os.listdir(root) if d.startswith("step") and d[4:].isdigit()), key=lambda d: int(d[4:])
-        )
-        for old in steps[:-keep] if len(steps) > keep else []:
-            import shutil
-
-            shutil.rmtree(os.path.join(root, old), ignore_errors=True)
-        self.hook.areal_on_checkpoint(step=self.version, path=path)
-        return path
+        return save_hf_checkpoint(self.train_engine, self.run_dir, tag, self.cfg.checkpoint.keep_last, self.version)
 
     def close(self, status: str) -> None:
         if self.executor is not None:
             self.executor.stop()
         if self.rollout is not None:
             self.rollout.stop()
-        for engine in (self.train_engine, self.ref_engine):
+        for engine in (self.train_engine, self.ref_engine, self.critic):
             if engine is not None:
                 engine.destroy()
         for sink in self.sinks:
@@ -289,6 +368,13 @@ def _raise_on_sigterm() -> None:
 
 
 def run_training(cfg: ExperimentConfig) -> int:
+    from areal_kernel.config.offline import OFFLINE_ALGORITHMS
+
+    if cfg.algorithm.type in OFFLINE_ALGORITHMS:
+        # SFT / DPO / IPO / RM: no inference server, see trainer/offline.py.
+        from areal_kernel.trainer.offline import run_offline_training
+
+        return run_offline_training(cfg)
     setup_logging(level=cfg.logging.level, json_logs=cfg.logging.json_logs)
     _raise_on_sigterm()
     trainer = Trainer(cfg)

@@ -1,10 +1,9 @@
 import os
 
 import pytest
+from e2e_paths import REPO, EXAMPLE
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-EXAMPLE = os.path.join(REPO, "examples", "grpo_arithmetic.yaml")
 
 
 @pytest.fixture(scope="session")

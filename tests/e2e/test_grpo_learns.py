@@ -3,7 +3,8 @@ goes up (a trend between the first and the last steps, not a value or a time).""
 import json
 import os
 
-from conftest import EXAMPLE
+from e2e_paths import EXAMPLE
+from areal_kernel.testing.trends import sampling_reward_trend
 
 
 def test_grpo_on_smollm2_raises_the_reward(run_areal, smollm2_dir, tmp_path):
@@ -17,9 +18,8 @@ def test_grpo_on_smollm2_raises_the_reward(run_areal, smollm2_dir, tmp_path):
     rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
     steps = [r for r in rows if "perf/step_s" in r]
     assert len(steps) == 6
-    rewards = [r["rollout/reward_mean"] for r in steps]
-    first, last = sum(rewards[:2]) / 2, sum(rewards[-2:]) / 2
-    assert last > first + 0.08, f"no learning trend: per-step sampling reward {rewards}"
+    first, later, rewards = sampling_reward_trend(steps)
+    assert later > first + 0.1, f"no learning trend: per-step sampling reward {rewards}"
     # Asynchronous, but never staler than allowed; weights moved every step.
     assert max(r["rollout/staleness_max"] for r in steps) <= 1
     assert any(r["rollout/staleness_max"] == 1 for r in steps)

@@ -5,7 +5,7 @@ import json
 import os
 
 import pytest
-from conftest import EXAMPLE
+from e2e_paths import EXAMPLE
 
 
 def read_metrics(run_dir):

@@ -34,6 +34,8 @@ def test_plan_reports_roles_and_fit(run_areal):
     assert plan["available_devices"] == os.cpu_count()
     human = run_areal("plan", "/dev/null")
     assert "actor" in human.stdout and "fits: yes" in human.stdout
+    sft = json.loads(run_areal("plan", "/dev/null", "algorithm.type=sft", "--json").stdout)
+    assert [r["role"] for r in sft["roles"]] == ["actor"]  # offline: no inference servers
 
 
 def test_doctor_reports_health(run_areal, plugin_env):

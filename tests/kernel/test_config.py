@@ -80,7 +80,7 @@ def test_bad_override_syntax(override, message):
         ("model.dtype=float16", "model.dtype: Input should be 'float32' or 'bfloat16'"),
         ("rollout.gconfig.top_p=1.5", "rollout.gconfig.top_p: Input should be less than or equal to 1"),
         ("rollout.max_stalenes=2", "rollout.max_stalenes: unknown key; did you mean 'max_staleness'?"),
-        ("experiment_name=a/b", "experiment_name: Value error, must be a non-empty name without '/'"),
+        ("experiment_name=a/b", "experiment_name: must be a non-empty name without '/'"),
         ("dataset.type=file", "dataset.path is required when dataset.type is 'file'"),
         ("actor.backend=torch:x2", "actor.backend: 'torch:x2': unknown dimension 'x'"),
         ("actor.backend=torch:", "actor.backend: 'torch:': nothing after ':'"),

@@ -113,5 +113,6 @@ def test_override_hook_defaults():
 
     hook = get_plugin_manager().hook
     assert hook.areal_select_weight_transport(train_backend="torch", inference_backend="embedded", platform="cpu", mode="disk") == "disk"
-    assert hook.areal_select_weight_transport(train_backend="torch", inference_backend="embedded", platform="cpu", mode="auto") == "broadcast"
+    assert hook.areal_select_weight_transport(train_backend="torch", inference_backend="embedded", platform="cpu", mode="auto") == "disk"
+    assert hook.areal_select_weight_transport(train_backend="torch", inference_backend="embedded", platform="cuda", mode="auto") == "broadcast"
     assert hook.areal_select_scheduler(config=None) == "local"

@@ -107,7 +107,8 @@ class EmbeddedBackend:
             request_timeout_s=r.request_timeout_s,
             retries=r.request_retries,
             schedule_policy=r.schedule_policy,
-            admin_token=self.server_config.admin_token,
+            # The launcher's token: it generates one when binding beyond loopback.
+            admin_token=self.launcher.admin_token if self.launcher is not None else self.server_config.admin_token,
         )
 
     def stop(self) -> None:

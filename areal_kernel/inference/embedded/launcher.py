@@ -40,8 +40,16 @@ class EmbeddedServerConfig(BaseModel):
     attn_implementation: Literal["sdpa", "eager"] = "sdpa"
     seed: int = 0
     startup_timeout_s: float = Field(120.0, gt=0)
-    host: str = "127.0.0.1"
-    admin_token: str | None = None
+    host: str = Field(
+        "127.0.0.1",
+        description="Bind address. Anything but a loopback name needs an admin token (generated when unset).",
+    )
+    port: int | None = Field(
+        None, ge=1, le=65535, description="First server's port (server i uses port+i); unset: a free port each."
+    )
+    admin_token: str | None = Field(
+        None, description="Bearer token for control routes (pause, resume, weight updates, version)."
+    )
     extra_env: dict[str, str] = Field(default_factory=dict)
     stop_grace_s: float = Field(5.0, ge=0)
     port_retries: int = Field(3, ge=0)
@@ -71,16 +79,49 @@ def _healthy(address: str, timeout: float = 2.0) -> bool:
         return False
 
 
+LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
+
+
+def is_loopback(host: str) -> bool:
+    """Only these names count as private; any other address (even 127.0.0.2)
+    is treated as reachable by others and needs an admin token."""
+    return host in LOOPBACK_HOSTS
+
+
+def _port_free(host: str, port: int) -> bool:
+    import socket
+
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
 class EmbeddedLauncher(ServerLauncher):
     """Launch ``n_servers`` embedded servers and wait until they are healthy."""
 
     def __init__(self, config: EmbeddedServerConfig | None = None, run_dir: str | None = None) -> None:
-        self.config = config or EmbeddedServerConfig()
+        config = config or EmbeddedServerConfig()
+        if not is_loopback(config.host) and not config.admin_token:
+            # Reachable from other machines: control routes must not be open.
+            # The token reaches servers through the environment and clients
+            # through ``launcher.admin_token``.
+            import secrets
+
+            config = config.model_copy(update={"admin_token": secrets.token_urlsafe(32)})
+        self.config = config
         self.run_dir = run_dir or tempfile.mkdtemp(prefix="areal-embedded-")
         os.makedirs(self.run_dir, exist_ok=True)
         self._procs: list[_Proc] = []
         self._counter = 0
         atexit.register(self.stop)  # never leave orphan servers behind
+
+    @property
+    def admin_token(self) -> str | None:
+        """What clients must send on control routes (None: routes are open, loopback only)."""
+        return self.config.admin_token
 
     @property
     def servers(self) -> list[ServerInfo]:
@@ -120,7 +161,7 @@ class EmbeddedLauncher(ServerLauncher):
     def _start(self, model_path: str, device_ids: list[int]) -> _Proc:
         idx = self._counter
         self._counter += 1
-        port = find_free_port(self.config.host)
+        port = self.config.port + idx if self.config.port else find_free_port(self.config.host)
         cmd = self._command(model_path, port)
         log_path = os.path.join(self.run_dir, f"server-{idx}.log")
         with open(log_path, "ab") as logf:
@@ -148,6 +189,17 @@ class EmbeddedLauncher(ServerLauncher):
             raise ServerError(f"devices_per_server must be >= 0, got {devices_per_server}")
         if not os.path.isdir(model_path):
             raise ServerError(f"model path {model_path!r} is not a directory (expected an HF model directory)")
+        if self.config.port:
+            # A fixed port was asked for: a clash is the user's to resolve, not
+            # something to retry around. Probe before spawning anything.
+            for i in range(n_servers):
+                port = self.config.port + i
+                if not _port_free(self.config.host, port):
+                    raise ServerError(
+                        f"rollout.embedded.port: {self.config.host}:{port} is already in use by another process"
+                        + (f" (server {i} of {n_servers} uses port+{i})" if n_servers > 1 else "")
+                        + "; choose a free port or leave it unset to pick free ports automatically"
+                    )
         device_sets = [list(range(i * devices_per_server, (i + 1) * devices_per_server)) for i in range(n_servers)]
         # Start all first so they load in parallel, then wait for each.
         pending = [self._start(model_path, d) for d in device_sets]
@@ -168,7 +220,7 @@ class EmbeddedLauncher(ServerLauncher):
         deadline = time.monotonic() + self.config.startup_timeout_s
         while True:
             rc = p.popen.poll()
-            if rc == PORT_IN_USE_EXIT and retries > 0:
+            if rc == PORT_IN_USE_EXIT and retries > 0 and not self.config.port:
                 # Someone took the port between our probe and the server's bind.
                 retries -= 1
                 p = self._start(model_path, p.info.device_ids)

@@ -38,6 +38,8 @@ from typing import Any
 
 PORT_IN_USE_EXIT = 98
 ADMIN_TOKEN_ENV = "AREAL_EMBEDDED_ADMIN_TOKEN"
+# Same set as launcher.LOOPBACK_HOSTS (kept here so the server imports nothing of the launcher).
+LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
 # Routes that change server state; guarded by the admin token when one is set.
 CONTROL_ROUTES = frozenset(
     {
@@ -79,6 +81,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--max-batch-size must be >= 1")
     if args.admin_token is None:
         args.admin_token = os.environ.get(ADMIN_TOKEN_ENV) or None
+    if args.host not in LOOPBACK_HOSTS and not args.admin_token:
+        # Safe default: open control routes only where nobody else can reach them.
+        p.error(
+            f"--host {args.host} is not a loopback address ({', '.join(sorted(LOOPBACK_HOSTS))}); "
+            f"control routes then need --admin-token or {ADMIN_TOKEN_ENV}"
+        )
     return args
 
 

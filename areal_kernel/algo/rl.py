@@ -1,0 +1,285 @@
+"""One RL actor update with the estimator and loss chosen by name.
+
+``rl_train_step``: shaped rewards -> (KL-in-reward token penalties) ->
+(critic values) -> registered advantage estimator -> per-token advantages ->
+one or more ``train_batch`` calls with the registered policy loss -> (critic
+update). The defaults reproduce plain GRPO with the decoupled PPO loss.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Literal
+
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_validator
+
+from areal_kernel.algo.advantages import overlong_penalty, shape_rewards
+from areal_kernel.algo.estimators import to_token_rows
+from areal_kernel.api.engine import TrainEngine
+from areal_kernel.api.io import TrajectoryBatch
+from areal_kernel.errors import ConfigError, DataError
+
+
+class RLConfig(BaseModel):
+    """Options of the RL actor (and critic) update."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    advantage: str = Field("grpo", description="registered advantage estimator")
+    loss: str = Field("ppo", description="registered policy loss")
+    group_size: int = Field(8, ge=1, description="samples per prompt (used by workflows to build groups)")
+    # advantages
+    adv_norm: Literal["group", "batch", "none"] | None = Field(
+        None,
+        validation_alias=AliasChoices("adv_norm", "reward_norm"),
+        description="normalisation level; None = the estimator's default",
+    )
+    std_normalize: bool = True
+    adv_eps: float = Field(1e-6, gt=0)
+    gamma: float = Field(1.0, ge=0, le=1)
+    lam: float = Field(1.0, ge=0, le=1)
+    reward_scale: float = 1.0
+    reward_bias: float = 0.0
+    reward_clip: float | None = Field(None, gt=0)
+    overlong_buffer_len: int | None = Field(None, ge=1, description="DAPO soft overlong punishment window (tokens)")
+    overlong_penalty_factor: float = Field(1.0, ge=0)
+    max_new_tokens: int | None = Field(None, ge=1, description="generation limit (needed for overlong shaping)")
+    advantage_kwargs: dict[str, Any] = Field(default_factory=dict)
+    # policy loss
+    eps_clip: float = Field(0.2, ge=0)
+    eps_clip_high: float | None = Field(None, ge=0, description="upper clip (DAPO clip-higher); None = eps_clip")
+    dual_clip: float | None = Field(None, gt=1)
+    ratio_level: Literal["token", "sequence"] = "token"
+    behav_imp_weight_cap: float | None = Field(
+        None, gt=0, description="cap on the behaviour importance weight; None = no cap"
+    )
+    behav_imp_weight_mode: Literal["mask", "clamp"] = "mask"
+    kl_coef: float = Field(0.0, ge=0)
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    kl_in: Literal["loss", "reward"] = "loss"
+    entropy_coef: float = 0.0
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
+    loss_kwargs: dict[str, Any] = Field(default_factory=dict)
+    recompute_proximal: bool = Field(
+        False, description="score the batch with the current weights as proximal policy (decoupled PPO)"
+    )
+    prox_interpolate: bool = Field(
+        False, description="approximate the proximal logprobs by version interpolation instead of recomputing"
+    )
+    ppo_n_minibatches: int = Field(1, ge=1, description="optimizer steps per batch")
+    # critic
+    value_eps_clip: float | None = Field(0.2, gt=0)
+    temperature: float = Field(1.0, gt=0, description="must equal the train engine's and the sampler's temperature")
+
+    @model_validator(mode="after")
+    def _checks(self) -> "RLConfig":
+        if self.recompute_proximal and self.prox_interpolate:
+            raise ValueError("recompute_proximal and prox_interpolate are alternatives; enable at most one")
+        if self.overlong_buffer_len is not None and self.max_new_tokens is None:
+            raise ValueError("overlong_buffer_len needs max_new_tokens (the generation limit)")
+        return self
+
+
+def kl_token_value(log_ratio: float, estimator: str) -> float:
+    """Python twin of ``losses.kl_penalty`` for the KL-in-reward penalty."""
+    if estimator == "k1":
+        return log_ratio
+    if estimator == "k2":
+        return 0.5 * log_ratio * log_ratio
+    return math.exp(-log_ratio) - 1.0 + log_ratio
+
+
+def prox_interpolation_alpha(
+    versions: list[int], loss_mask: list[int], v_prox: float, v_theta: float
+) -> list[float]:
+    """Interpolation weight per token for the proximal-logprob approximation.
+
+    A token sampled by version ``v_b`` has behaviour logprob ``old``; the
+    policy being trained is at (possibly fractional) version ``v_theta`` with
+    logprob ``cur``; the proximal policy is version ``v_prox``. Treating the
+    log-probability as linear in the version between ``v_b`` and ``v_theta``:
+    ``prox = old + alpha * (cur - old)``, ``alpha = (v_prox - v_b) / (v_theta - v_b)``
+    clamped to [0, 1]; ``alpha = 1`` when ``v_theta <= v_b`` (nothing to
+    interpolate: the current policy is the proximal one). 0 off loss tokens.
+    """
+    out = []
+    for v, m in zip(versions, loss_mask):
+        if not m:
+            out.append(0.0)
+        elif v_theta <= v:
+            out.append(1.0)
+        else:
+            out.append(min(1.0, max(0.0, (v_prox - v) / (v_theta - v))))
+    return out
+
+
+def _load(kind: str, name: str) -> Any:
+    from areal_kernel.plugins import get_registry
+
+    return get_registry().get(kind, name, platform="").load()
+
+
+def loss_options(cfg: RLConfig) -> dict[str, Any]:
+    """Keyword options passed to the registered loss (plus ``cfg.loss_kwargs``)."""
+    opts = dict(
+        eps_clip=cfg.eps_clip,
+        eps_clip_high=cfg.eps_clip_high,
+        dual_clip=cfg.dual_clip,
+        ratio_level=cfg.ratio_level,
+        behav_imp_weight_cap=cfg.behav_imp_weight_cap,
+        behav_imp_weight_mode=cfg.behav_imp_weight_mode,
+        kl_coef=cfg.kl_coef if cfg.kl_in == "loss" else 0.0,
+        kl_estimator=cfg.kl_estimator,
+        entropy_coef=cfg.entropy_coef,
+        loss_agg=cfg.loss_agg,
+    )
+    opts.update(cfg.loss_kwargs)
+    return opts
+
+
+def bind_loss(loss: Callable[..., Any], opts: dict[str, Any]) -> Callable[[Any, Any, dict[str, Any]], Any]:
+    """``loss(logprobs, data, entropy=..., **opts)`` as a ``train_batch`` loss_fn."""
+
+    def loss_fn(logprobs: Any, entropy: Any, data: dict[str, Any]) -> Any:
+        return loss(logprobs, data, entropy=entropy, **opts)
+
+    loss_fn.needs_entropy_grad = opts.get("entropy_coef", 0.0) != 0.0  # type: ignore[attr-defined]
+    return loss_fn
+
+
+def shaped_rewards(batch: TrajectoryBatch, cfg: RLConfig) -> list[float]:
+    """Rewards after scale/bias/clip and the DAPO overlong penalty."""
+    trajs = batch.trajectories
+    out = shape_rewards([t.reward for t in trajs], scale=cfg.reward_scale, bias=cfg.reward_bias, clip=cfg.reward_clip)
+    if cfg.overlong_buffer_len is not None:
+        pen = overlong_penalty(
+            [t.n_generated for t in trajs], cfg.max_new_tokens, cfg.overlong_buffer_len, cfg.overlong_penalty_factor
+        )
+        out = [r + p for r, p in zip(out, pen)]
+    return out
+
+
+def compute_advantages(
+    batch: TrajectoryBatch,
+    cfg: RLConfig,
+    *,
+    estimator: Callable[..., Any] | None = None,
+    ref_logprobs: list[list[float]] | None = None,
+    values: list[list[float]] | None = None,
+) -> tuple[list[list[float]], list[list[float]] | None]:
+    """Per-token advantages (and critic returns, for critic-based estimators)."""
+    est = estimator if estimator is not None else _load("advantage_estimator", cfg.advantage)
+    trajs = batch.trajectories
+    masks = [t.loss_mask for t in trajs]
+    token_rewards = None
+    if cfg.kl_in == "reward" and cfg.kl_coef > 0:
+        if ref_logprobs is None:
+            raise ConfigError(f"kl_coef={cfg.kl_coef} with kl_in='reward' needs ref_logprobs")
+        token_rewards = [
+            [-cfg.kl_coef * kl_token_value(o - r, cfg.kl_estimator) if m else 0.0 for o, r, m in zip(t.logprobs, ref, t.loss_mask)]
+            for t, ref in zip(trajs, ref_logprobs)
+        ]
+    gids = [t.group_id or f"__single_{i}" for i, t in enumerate(trajs)]
+    result = est(
+        shaped_rewards(batch, cfg),
+        gids,
+        loss_masks=masks,
+        token_rewards=token_rewards,
+        values=values,
+        gamma=cfg.gamma,
+        lam=cfg.lam,
+        norm=cfg.adv_norm,
+        std_normalize=cfg.std_normalize,
+        eps=cfg.adv_eps,
+        **cfg.advantage_kwargs,
+    )
+    return to_token_rows(result, masks, cfg.advantage)
+
+
+def _split(n: int, parts: int) -> list[list[int]]:
+    base, extra = divmod(n, parts)
+    out, start = [], 0
+    for k in range(parts):
+        size = base + (1 if k < extra else 0)
+        out.append(list(range(start, start + size)))
+        start += size
+    return out
+
+
+def rl_train_step(
+    batch: TrajectoryBatch,
+    engine: TrainEngine,
+    cfg: RLConfig,
+    *,
+    ref_logprobs: list[list[float]] | None = None,
+    critic: Any = None,
+    estimator: Callable[..., Any] | None = None,
+    loss: Callable[..., Any] | None = None,
+) -> dict[str, Any]:
+    """Advantages, then ``cfg.ppo_n_minibatches`` optimizer steps of the actor
+    (and one critic step when the estimator uses values). ``estimator`` /
+    ``loss`` default to the registry entries ``cfg.advantage`` / ``cfg.loss``.
+    ``ref_logprobs`` is required when ``cfg.kl_coef > 0``; ``critic`` (with
+    ``compute_values`` and ``train_values``) when the estimator has
+    ``needs_values``. Returns the actor's stats (averaged over minibatches),
+    ``critic_*`` stats, ``reward`` (raw batch mean) and ``adv_abs`` (mean over
+    sequences of the mean |advantage| on their loss tokens)."""
+    if len(batch) == 0:
+        raise DataError("RL step got an empty batch")
+    engine_temp = getattr(engine, "temperature", None)
+    if engine_temp is not None and abs(float(engine_temp) - cfg.temperature) > 1e-9:
+        raise ConfigError(
+            f"temperature={cfg.temperature} differs from the train engine's temperature={engine_temp}: "
+            "logprob ratios would compare different distributions"
+        )
+    if cfg.kl_coef > 0 and ref_logprobs is None:
+        raise ConfigError(f"kl_coef={cfg.kl_coef} needs ref_logprobs (scores of a reference model)")
+    if cfg.ppo_n_minibatches > len(batch):
+        raise ConfigError(f"ppo_n_minibatches={cfg.ppo_n_minibatches} exceeds the batch's {len(batch)} sequences")
+    est = estimator if estimator is not None else _load("advantage_estimator", cfg.advantage)
+    loss_impl = loss if loss is not None else _load("loss", cfg.loss)
+
+    values = None
+    if getattr(est, "needs_values", False):
+        if critic is None:
+            raise ConfigError(f"advantage estimator '{cfg.advantage}' needs a critic (values), none was given")
+        values = critic.compute_values(batch)
+    adv, returns = compute_advantages(batch, cfg, estimator=est, ref_logprobs=ref_logprobs, values=values)
+
+    trajs = batch.trajectories
+    prox_all = engine.compute_logprobs(batch, only_loss_tokens=True) if cfg.recompute_proximal else None
+    v_prox = float(engine.get_version()) if hasattr(engine, "get_version") else 0.0
+    loss_fn = bind_loss(loss_impl, loss_options(cfg))
+    n_mb = cfg.ppo_n_minibatches
+    per_mb: list[dict[str, Any]] = []
+    for k, idx in enumerate(_split(len(trajs), n_mb)):
+        sub = TrajectoryBatch([trajs[i] for i in idx])
+        extra: dict[str, list[list[float]]] = {"advantages": [adv[i] for i in idx]}
+        if prox_all is not None:
+            extra["prox_logprobs"] = [prox_all[i] for i in idx]
+        elif cfg.prox_interpolate:
+            # Minibatch k trains weights that are k/n of the way to the next version.
+            v_theta = v_prox + k / n_mb
+            extra["prox_alpha"] = [
+                prox_interpolation_alpha(trajs[i].versions, trajs[i].loss_mask, v_prox, v_theta) for i in idx
+            ]
+        if ref_logprobs is not None:
+            extra["ref_logprobs"] = [ref_logprobs[i] for i in idx]
+        per_mb.append(dict(engine.train_batch(sub, loss_fn, extra)))
+
+    stats: dict[str, Any] = {}
+    for key in per_mb[0]:
+        vals = [s[key] for s in per_mb if isinstance(s.get(key), (int, float))]
+        if not vals:
+            continue
+        stats[key] = max(vals) if key.endswith("_max") else (min(vals) if key.endswith("_min") else sum(vals) / len(vals))
+    if critic is not None and returns is not None:
+        cstats = critic.train_values(batch, returns, values, value_eps_clip=cfg.value_eps_clip)
+        stats.update({f"critic_{k}": v for k, v in cstats.items()})
+    rewards = [t.reward for t in trajs]
+    stats["reward"] = sum(rewards) / len(rewards)
+    abs_means = []
+    for row, t in zip(adv, trajs):
+        n = sum(1 for m in t.loss_mask if m)
+        abs_means.append(sum(abs(a) for a in row) / n if n else 0.0)
+    stats["adv_abs"] = sum(abs_means) / len(abs_means)
+    return stats

@@ -1,0 +1,21 @@
+"""Learning-trend checks shared by end-to-end tests (kernel and plugins)."""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+
+def sampling_reward_trend(step_rows: Sequence[dict[str, Any]]) -> tuple[float, float, list[float]]:
+    """``(first, later, rewards)`` from a run's per-step metrics rows.
+
+    ``first`` is step 1's ``rollout/reward_mean`` (every sample drawn from the
+    initial weights); ``later`` is the mean over steps 3 to the end. A
+    two-step window at each end is too noisy to assert on: a step's window
+    holds only a handful of prompt groups, so which problems it happened to
+    draw moves its mean by +-0.15, and with staleness 1 step 2 still samples
+    mostly from the initial weights.
+    """
+    rewards = [float(r["rollout/reward_mean"]) for r in step_rows]
+    if len(rewards) < 3:
+        raise ValueError(f"need at least 3 steps for a trend, got {len(rewards)}")
+    tail = rewards[2:]
+    return rewards[0], sum(tail) / len(tail), rewards

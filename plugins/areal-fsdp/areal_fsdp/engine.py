@@ -1,0 +1,558 @@
+"""``FSDPTrainEngine``: the controller-side face of N FSDP rank processes.
+
+It implements the kernel's ``TrainEngine`` API in the controller process
+(which imports torch but never holds the model), and drives the ranks
+(``areal_fsdp.rank``) over a private control socket: every call is sent to
+every rank, each with its share of the batch, and the answers are merged.
+
+Why this shape: the kernel's trainer is a single controller that calls
+``train_batch`` / ``compute_logprobs`` / ``send_weights`` on one object; the
+ranks are real processes with the torch.distributed environment, started by
+the scheduler (``LocalScheduler.start_train_ranks``), so the same engine
+works under any scheduler that can start ranks.
+
+Data parallelism: a batch is split into N parts balanced by tokens (whole
+GRPO groups stay together when prompt sharing is on and there are enough
+groups). Losses follow the kernel's loss contract: each micro-batch returns
+its share of the *batch* loss (normalised by ``batch_loss_tokens`` /
+``batch_n_seqs`` of the whole batch), the ranks sum their gradients (FSDP's
+averaging is turned off), so a step equals the single-process step however
+the batch is split across ranks and micro-batches.
+
+Failure handling: a rank that raises reports its traceback; if the other
+ranks also answer, the engine stays usable and the error is re-raised
+(same type for kernel errors). If a rank dies or the others hang in a
+collective, every rank is stopped and the engine refuses further calls.
+"""
+from __future__ import annotations
+
+import json
+import multiprocessing.connection as mpc
+import os
+import pickle
+import secrets
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from collections import deque
+from typing import Any, Callable
+
+from areal_kernel.api.engine import TrainEngine, WeightUpdateMeta
+from areal_kernel.api.io import TrajectoryBatch
+from areal_kernel.config.allocation import Allocation, parse_allocation
+from areal_kernel.engine.torch_engine import TorchTrainEngine, _atomic_replace_dir, _tmp_dir_beside
+from areal_kernel.errors import ArealError, ConfigError, DataError
+from areal_kernel.logging import get_logger
+
+from areal_fsdp import context
+from areal_fsdp.config import FSDPEngineConfig
+from areal_fsdp.rank import AUTHKEY_ENV, CONTROL_ENV
+
+log = get_logger(__name__)
+_STATE_FORMAT = 1
+_ERROR_GRACE_S = 20.0  # after one rank failed, how long the others get to answer
+
+
+class RankError(ArealError):
+    """A rank process failed (its traceback is in the message)."""
+
+
+def _tail(path: str, n: int = 30) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return "".join(deque(f, maxlen=n))
+    except OSError as e:
+        return f"(no log: {e})"
+
+
+class FSDPTrainEngine(TrainEngine):
+    """FSDP2 train engine over ``world_size`` rank processes.
+
+    ``allocation``: ``"fsdp:d2"`` (or an ``Allocation``); ``world_size`` is a
+    shortcut for ``fsdp:d<world_size>``. Without either, the allocation of the
+    run being trained (``actor.backend`` of ``areal train``'s config) is used,
+    else one rank.
+    """
+
+    def __init__(
+        self,
+        config: FSDPEngineConfig | dict[str, Any] | None = None,
+        allocation: Allocation | str | None = None,
+        *,
+        world_size: int | None = None,
+        log_dir: str | None = None,
+    ) -> None:
+        self.config = FSDPEngineConfig.parse(config)
+        run_cfg, run_dir = context.current_run()
+        from_run = False
+        if allocation is None and world_size is not None:
+            allocation = f"fsdp:d{int(world_size)}"
+        if allocation is None and run_cfg is not None and run_cfg.actor.allocation.backend == "fsdp":
+            allocation = run_cfg.actor.allocation
+            from_run = True
+        self.allocation = parse_allocation(allocation) if isinstance(allocation, str) else (allocation or parse_allocation("fsdp"))
+        if (self.allocation.t, self.allocation.p, self.allocation.c) != (1, 1, 1):
+            raise ConfigError(
+                f"actor.backend: {self.allocation} asks for tensor/pipeline/context parallelism, which the fsdp "
+                "engine does not do; use data-parallel dims only (e.g. 'fsdp:d2')"
+            )
+        self.world_size = self.allocation.world_size
+        self._run_cfg = run_cfg if from_run else None
+        self.log_dir = log_dir or (os.path.join(run_dir, "fsdp-ranks") if run_dir and self._run_cfg else None)
+        self.model_path: str | None = None
+        self.total_train_steps = 0
+        self._step = 0
+        self._version = 0
+        self._transfer_meta: list[dict[str, Any]] = []
+        self._scheduler: Any = None
+        self._procs: list[Any] = []
+        self._conns: list[Any] = []
+        self._broken: str | None = None
+        self._lock = threading.Lock()
+
+    # ----------------------------------------------------------- properties
+    @property
+    def temperature(self) -> float:
+        return self.config.temperature
+
+    @property
+    def step(self) -> int:
+        return self._step
+
+    def current_lr(self) -> float:
+        return TorchTrainEngine.current_lr(self)  # type: ignore[arg-type]  # needs config/_step/total_train_steps only
+
+    # ---------------------------------------------------------- rank control
+    def _make_scheduler(self) -> Any:
+        from areal_kernel.plugins import get_plugin_manager, get_registry
+
+        cfg = self._run_cfg
+        if cfg is None:
+            # Used outside `areal train` (tests, scripts): the local scheduler
+            # with an actor allocation of this engine's shape.
+            from areal_kernel.config.models import ExperimentConfig
+
+            cfg = ExperimentConfig.model_validate({"actor": {"backend": str(self.allocation)}})
+            name = "local"
+        else:
+            name = cfg.scheduler.type
+            if name == "auto":
+                name = get_plugin_manager().hook.areal_select_scheduler(config=cfg) or "local"
+        sched = get_registry().get("scheduler", name).load()(cfg)
+        if not hasattr(sched, "start_train_ranks"):
+            raise ConfigError(
+                f"scheduler.type: scheduler '{name}' cannot start train-engine ranks (it has no "
+                "start_train_ranks); the fsdp engine needs one that does, e.g. 'local'"
+            )
+        return sched
+
+    def _start_ranks(self) -> None:
+        authkey = secrets.token_bytes(16)
+        listener = mpc.Listener(("127.0.0.1", 0), authkey=authkey)
+        host, port = listener.address
+        log_dir = self.log_dir or tempfile.mkdtemp(prefix="areal-fsdp-")
+        self.log_dir = log_dir
+        plugin_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env = {
+            CONTROL_ENV: f"{host}:{port}",
+            AUTHKEY_ENV: authkey.hex(),  # environment, not argv: argv is world-readable
+            "PYTHONPATH": os.pathsep.join(p for p in (plugin_root, os.environ.get("PYTHONPATH", "")) if p),
+        }
+        argv = [
+            sys.executable, "-m", "areal_fsdp.rank",
+            "--parent-pid", str(os.getpid()),
+            "--dist-timeout-s", str(self.config.dist_timeout_s),
+        ]  # fmt: skip
+        self._scheduler = self._make_scheduler()
+        self._procs = self._scheduler.start_train_ranks(argv, log_dir, env)
+        if len(self._procs) != self.world_size:
+            self._stop_ranks()
+            raise ArealError(f"the scheduler started {len(self._procs)} ranks, expected {self.world_size}")
+        conns: dict[int, Any] = {}
+        accepted: list[Any] = []
+
+        def accept() -> None:
+            try:
+                for _ in range(self.world_size):
+                    accepted.append(listener.accept())
+            except Exception:  # noqa: BLE001 - the listener is closed on timeout
+                pass
+
+        t = threading.Thread(target=accept, daemon=True)
+        t.start()
+        deadline = time.monotonic() + self.config.startup_timeout_s
+        try:
+            while len(conns) < self.world_size:
+                while accepted:
+                    c = accepted.pop()
+                    if c.poll(5):
+                        tag, rank, _pid = pickle.loads(c.recv_bytes())
+                        conns[int(rank)] = c
+                self._check_alive("while starting")
+                if time.monotonic() > deadline:
+                    raise RankError(
+                        f"fsdp ranks did not connect within {self.config.startup_timeout_s:.0f}s "
+                        f"(actor.fsdp.startup_timeout_s); logs in {log_dir}"
+                    )
+                time.sleep(0.05)
+        except BaseException:
+            listener.close()
+            self._stop_ranks()
+            raise
+        listener.close()
+        self._conns = [conns[r] for r in range(self.world_size)]
+
+    def _check_alive(self, when: str) -> None:
+        for r, p in enumerate(self._procs):
+            rc = p.poll()
+            if rc is not None:
+                log_path = os.path.join(self.log_dir or ".", f"rank-{r}.log")
+                self._stop_ranks()
+                self._broken = f"rank {r} exited with code {rc}"
+                raise RankError(
+                    f"fsdp rank {r} exited with code {rc} {when}; log {log_path}:\n{_tail(log_path)}"
+                )
+
+    def _stop_ranks(self) -> None:
+        for c in self._conns:
+            try:
+                c.close()
+            except OSError:
+                pass
+        self._conns = []
+        if self._scheduler is not None:
+            self._scheduler.stop()
+        else:
+            for p in self._procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+        self._procs = []
+
+    def _call(self, cmd: str, kwargs: dict[str, Any] | list[dict[str, Any]] | None = None) -> list[Any]:
+        """Run ``cmd`` on every rank (``kwargs`` per rank when a list) and
+        return the answers in rank order."""
+        import cloudpickle
+
+        if self._broken:
+            raise ArealError(f"the fsdp engine is unusable ({self._broken}); create a new one")
+        if not self._conns:
+            raise ArealError("FSDPTrainEngine is not initialized: call initialize(model_path, total_train_steps)")
+        per_rank = kwargs if isinstance(kwargs, list) else [kwargs or {}] * self.world_size
+        with self._lock:
+            for c, kw in zip(self._conns, per_rank):
+                c.send_bytes(cloudpickle.dumps((cmd, kw)))
+            return self._collect(cmd)
+
+    def _collect(self, cmd: str) -> list[Any]:
+        results: list[Any] = [None] * self.world_size
+        pending = {c: r for r, c in enumerate(self._conns)}
+        errors: list[tuple[int, Any]] = []
+        first_error_at: float | None = None
+        while pending:
+            ready = mpc.wait(list(pending), timeout=1.0)
+            for c in ready:
+                r = pending.pop(c)
+                try:
+                    status, payload = pickle.loads(c.recv_bytes())
+                except (EOFError, OSError):
+                    self._check_alive(f"during {cmd!r}")
+                    self._stop_ranks()
+                    self._broken = f"rank {r} closed its channel"
+                    raise RankError(f"fsdp rank {r} closed its control channel during {cmd!r}") from None
+                if status == "ok":
+                    results[r] = payload
+                else:
+                    errors.append((r, payload))
+                    first_error_at = first_error_at or time.monotonic()
+            if not ready:
+                self._check_alive(f"during {cmd!r}")
+            if pending and first_error_at is not None and time.monotonic() - first_error_at > _ERROR_GRACE_S:
+                # The ranks still running wait in a collective for the failed one.
+                self._stop_ranks()
+                self._broken = f"rank {errors[0][0]} failed during {cmd!r}"
+                break
+        if errors:
+            r, (exc, text, tb) = errors[0]
+            if isinstance(exc, ArealError):
+                raise exc
+            raise RankError(f"fsdp rank {r} failed during {cmd!r}: {text}\n{tb}")
+        return results
+
+    # ---------------------------------------------------------------- setup
+    def initialize(self, model_path: str, total_train_steps: int) -> None:
+        if not os.path.isfile(os.path.join(model_path, "config.json")):
+            raise ConfigError(
+                f"model_path {model_path!r} is not an HF model directory (no config.json); "
+                "pass a local directory written by save_pretrained"
+            )
+        if total_train_steps < 1:
+            raise ConfigError(f"total_train_steps must be >= 1, got {total_train_steps}")
+        if self._conns:
+            raise ArealError("FSDPTrainEngine.initialize was already called")
+        self._start_ranks()
+        try:
+            self._call("create", {"config": self.config.model_dump()})
+            out = self._call("initialize", {"model_path": model_path, "total_train_steps": total_train_steps})
+        except BaseException:
+            self._stop_ranks()
+            raise
+        self._transfer_meta = out[0]["transfer_meta"]
+        self.model_path = os.path.abspath(model_path)
+        self.total_train_steps = int(total_train_steps)
+        self._step = 0
+        log.info("fsdp engine ready", ranks=self.world_size, logs=self.log_dir, wrapped_blocks=out[0]["wrapped_blocks"])
+
+    # -------------------------------------------------------------- batching
+    def _partition(self, batch: TrajectoryBatch) -> list[list[int]]:
+        """Trajectory indices per rank, balanced by tokens (largest first onto
+        the least-loaded rank). Whole groups stay on one rank when prompt
+        sharing is on and there are at least as many groups as ranks."""
+        trajs = batch.trajectories
+        units: list[list[int]]
+        if getattr(self.config, "share_prompts", False):
+            by_group: dict[str, list[int]] = {}
+            for i, t in enumerate(trajs):
+                by_group.setdefault(t.group_id or f"__single_{i}", []).append(i)
+            units = list(by_group.values())
+            if len(units) < self.world_size:
+                units = [[i] for i in range(len(trajs))]
+        else:
+            units = [[i] for i in range(len(trajs))]
+        size = [sum(len(trajs[i].input_ids) for i in u) for u in units]
+        order = sorted(range(len(units)), key=lambda k: (-size[k], units[k][0]))
+        loads = [0] * self.world_size
+        parts: list[list[int]] = [[] for _ in range(self.world_size)]
+        for k in order:
+            r = min(range(self.world_size), key=lambda j: (loads[j], j))
+            parts[r].extend(units[k])
+            loads[r] += size[k]
+        return [sorted(p) for p in parts]
+
+    @staticmethod
+    def _sub(batch: TrajectoryBatch, idx: list[int]) -> TrajectoryBatch:
+        return TrajectoryBatch([batch.trajectories[i] for i in idx])
+
+    def _score(self, batch: TrajectoryBatch, only_loss_tokens: bool, with_entropy: bool) -> tuple[list, list | None]:
+        TorchTrainEngine._check_batch(self, batch, None)  # type: ignore[arg-type]  # uses no engine state
+        parts = self._partition(batch)
+        answers = self._call(
+            "score_part",
+            [{"part": self._sub(batch, p), "only_loss_tokens": only_loss_tokens, "with_entropy": with_entropy} for p in parts],
+        )
+        lps: list[list[float]] = [[] for _ in range(len(batch))]
+        ents: list[list[float]] = [[] for _ in range(len(batch))]
+        for p, (lp, ent) in zip(parts, answers):
+            for k, i in enumerate(p):
+                lps[i] = lp[k]
+                if with_entropy:
+                    ents[i] = ent[k]
+        return lps, (ents if with_entropy else None)
+
+    def compute_logprobs(self, batch: TrajectoryBatch, only_loss_tokens: bool = False) -> list[list[float]]:
+        """Per-token logprobs under the current weights (see ``TorchTrainEngine``)."""
+        return self._score(batch, only_loss_tokens, False)[0]
+
+    def compute_logprobs_and_entropy(self, batch: TrajectoryBatch) -> tuple[list[list[float]], list[list[float]]]:
+        lps, ents = self._score(batch, False, True)
+        return lps, ents  # type: ignore[return-value]
+
+    def train_batch(
+        self,
+        batch: TrajectoryBatch,
+        loss_fn: Callable[..., Any],
+        extra: dict[str, list[list[float]]] | None = None,
+    ) -> dict[str, float]:
+        """One optimizer step over ``batch`` on all ranks; the loss contract and
+        the returned keys are those of ``TorchTrainEngine.train_batch``. Sums
+        (loss, stats, entropy) are reduced over ranks, ``*_max``/``*_min``
+        stats by max/min; ``grad_norm`` is the global norm of the sharded
+        gradients before clipping."""
+        t0 = time.perf_counter()
+        TorchTrainEngine._check_batch(self, batch, extra)  # type: ignore[arg-type]
+        trajs = batch.trajectories
+        n_loss_tokens = sum(int(sum(1 for m in t.loss_mask if m)) for t in trajs)
+        if n_loss_tokens == 0:
+            raise DataError("the batch has no loss tokens (every loss_mask is 0): nothing to train on")
+        parts = self._partition(batch)
+        kwargs = [
+            {
+                "part": self._sub(batch, p),
+                "global_index": p,
+                "loss_fn": loss_fn,
+                "extra": {k: [rows[i] for i in p] for k, rows in (extra or {}).items()},
+                "batch_loss_tokens": n_loss_tokens,
+                "batch_n_seqs": len(trajs),
+            }
+            for p in parts
+        ]
+        answers = self._call("train_part", kwargs)
+        self._step += 1
+        stats: dict[str, float] = {}
+        for a in answers:
+            TorchTrainEngine._merge_stats(stats, a["stats"])
+        first = answers[0]
+        out = dict(stats)
+        out.update(
+            loss=sum(a["loss"] for a in answers),
+            grad_norm=first["grad_norm"],
+            lr=first["lr"],
+            skipped=first["skipped"],
+            entropy=sum(a["entropy_sum"] for a in answers) / n_loss_tokens,
+            n_seqs=float(len(trajs)),
+            n_tokens=float(batch.n_tokens),
+            n_loss_tokens=float(n_loss_tokens),
+            n_mbs=sum(a["n_mbs"] for a in answers),
+            n_model_tokens=sum(a["n_model_tokens"] for a in answers),
+            n_ranks=float(self.world_size),
+            step_time_s=time.perf_counter() - t0,
+        )
+        return out
+
+    # --------------------------------------------------------------- weights
+    def named_weights_for_transfer(self) -> list[tuple[str, Any]]:
+        """``(HF name, tensor)`` in send order, as the single-process engine
+        lists them, but as *meta* tensors (shape and dtype, no data): the
+        weights live sharded in the ranks. Enough for ``tensor_meta`` and
+        byte counts; the data travels with ``send_weights``."""
+        import torch
+
+        from areal_kernel.weights.broadcast import parse_dtype
+
+        self._require_init()
+        return [
+            (m["name"], torch.empty(m["shape"], dtype=parse_dtype(m["dtype"]), device="meta"))
+            for m in self._transfer_meta
+        ]
+
+    def weight_transfer_meta(self) -> list[dict[str, Any]]:
+        self._require_init()
+        return [dict(m) for m in self._transfer_meta]
+
+    def full_weights(self) -> dict[str, Any]:
+        """Gather every weight into this process (small models, tests)."""
+        return dict(self._call("full_weights")[0])
+
+    def _require_init(self) -> None:
+        if not self._conns:
+            raise ArealError("FSDPTrainEngine is not initialized: call initialize(model_path, total_train_steps)")
+
+    def save_hf(self, path: str, max_shard_bytes: int | None = None) -> None:
+        """Write an HF directory (config, safetensors in files of at most
+        ``max_shard_bytes``, default ``export_shard_mb``, tokenizer files),
+        atomically: rank 0 gathers and writes one file at a time into a
+        temporary sibling that is renamed onto ``path`` once complete."""
+        self._require_init()
+        shard_bytes = int(max_shard_bytes or (self.config.export_shard_mb << 20))
+        if shard_bytes <= 0:
+            raise ConfigError(f"max_shard_bytes must be > 0, got {max_shard_bytes}")
+        tmp = _tmp_dir_beside(path)
+        try:
+            self._call("export_hf", {"tmp_dir": tmp, "shard_bytes": shard_bytes})
+            _atomic_replace_dir(tmp, os.path.abspath(path))
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+
+    def init_weight_group(
+        self,
+        master_addr: str,
+        master_port: int,
+        world_size: int,
+        rank: int = 0,
+        group_name: str = "areal_weights",
+        backend: str | None = None,
+        timeout_s: float = 300,
+    ) -> None:
+        """Rank 0 joins the weight-broadcast group as the sender (the servers
+        are ranks 1..n); the other ranks only help gather."""
+        self._call(
+            "init_weight_group",
+            dict(master_addr=master_addr, master_port=master_port, world_size=world_size, rank=rank,
+                 group_name=group_name, backend=backend, timeout_s=timeout_s),
+        )  # fmt: skip
+
+    def send_weights(self, meta: WeightUpdateMeta) -> None:
+        self._require_init()
+        if meta.kind == "disk":
+            if not meta.path:
+                raise ConfigError("WeightUpdateMeta.path is required for kind='disk'")
+            self.save_hf(meta.path)
+        elif meta.kind == "broadcast":
+            if "group" in meta.extra:
+                raise ConfigError(
+                    "WeightUpdateMeta.extra['group'] cannot be used with the fsdp engine (the group lives in "
+                    "rank 0's process): call engine.init_weight_group(...) instead"
+                )
+            self._call("broadcast_weights", {"bucket_bytes": meta.bucket_bytes})
+        else:
+            raise ConfigError(f"WeightUpdateMeta.kind={meta.kind!r} is not supported; valid: 'disk', 'broadcast'")
+
+    # ------------------------------------------------------------ checkpoint
+    def save_state(self, path: str) -> None:
+        """Model and optimizer as a ``torch.distributed.checkpoint`` (each rank
+        writes its shards), per-rank RNG states, and the step/version in
+        ``engine_state.json``; written atomically."""
+        self._require_init()
+        tmp = _tmp_dir_beside(path)
+        try:
+            self._call("dcp_save", {"tmp_dir": tmp})
+            meta = {
+                "format": _STATE_FORMAT,
+                "engine": "fsdp",
+                "step": self._step,
+                "version": self.get_version(),
+                "total_train_steps": self.total_train_steps,
+                "world_size": self.world_size,
+                "param_names": [m["name"] for m in self._transfer_meta],
+                "config": self.config.model_dump(),
+            }
+            with open(os.path.join(tmp, "engine_state.json"), "w") as f:
+                json.dump(meta, f, indent=1)
+            _atomic_replace_dir(tmp, os.path.abspath(path))
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+
+    def load_state(self, path: str) -> None:
+        """Restore what ``save_state`` wrote (any rank count: DCP reshards)."""
+        self._require_init()
+        meta_path = os.path.join(path, "engine_state.json")
+        if not os.path.isfile(meta_path):
+            raise DataError(f"{path!r} is not an engine checkpoint (no engine_state.json)")
+        with open(meta_path) as f:
+            meta = json.load(f)
+        if meta.get("format") != _STATE_FORMAT or meta.get("engine") != "fsdp":
+            raise DataError(
+                f"{meta_path}: not an fsdp engine checkpoint of format {_STATE_FORMAT} "
+                f"(engine={meta.get('engine')!r}, format={meta.get('format')!r})"
+            )
+        if meta["param_names"] != [m["name"] for m in self._transfer_meta]:
+            raise DataError(f"{path!r} was saved from a different model architecture (parameter names differ)")
+        self._call("dcp_load", {"path": os.path.abspath(path), "step": int(meta["step"])})
+        self._step = int(meta["step"])
+        self._version = int(meta["version"])
+
+    def destroy(self) -> None:
+        """Stop the rank processes (politely first, then their process groups)."""
+        if self._conns and not self._broken:
+            try:
+                import cloudpickle
+
+                for c in self._conns:
+                    c.send_bytes(cloudpickle.dumps(("shutdown", {})))
+                deadline = time.monotonic() + 10
+                for p in self._procs:
+                    p.wait(max(0.1, deadline - time.monotonic()))
+            except Exception:  # noqa: BLE001 - the kill below handles stragglers
+                pass
+        self._stop_ranks()
+
+    def __del__(self) -> None:  # last resort: never leave ranks behind
+        try:
+            if self._procs:
+                self._stop_ranks()
+        except Exception:  # noqa: BLE001
+            pass

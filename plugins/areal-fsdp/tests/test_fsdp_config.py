@@ -1,0 +1,88 @@
+"""``actor.fsdp`` validation, allocation handling and the light entry point (no ranks started)."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from areal_kernel.errors import ConfigError
+
+
+def _cfg(actor: dict):
+    from areal_kernel.config.models import ExperimentConfig
+
+    return ExperimentConfig.model_validate({"actor": actor})
+
+
+def test_fsdp_section_is_validated_by_the_plugin_model():
+    from areal_fsdp.config import FSDPEngineConfig
+
+    cfg = _cfg({"backend": "fsdp:d2", "fsdp": {"lr": 1e-5, "reshard_after_forward": False,
+                                               "mixed_precision": {"param_dtype": "bfloat16", "reduce_dtype": "float32"},
+                                               "wrap_policy": "root", "gradient_checkpointing": True}})  # fmt: skip
+    assert cfg.actor.allocation.world_size == 2
+    pc = cfg.actor.plugin_config
+    assert isinstance(pc, FSDPEngineConfig)
+    assert pc.mixed_precision.param_dtype == "bfloat16" and pc.wrap_policy == "root" and not pc.reshard_after_forward
+
+
+@pytest.mark.parametrize(
+    "section, needle",
+    [
+        ({"reshard": True}, "actor.fsdp.reshard: unknown key"),
+        ({"mixed_precision": {"param_dtype": "fp8"}}, "actor.fsdp.mixed_precision.param_dtype"),
+        ({"wrap_policy": "layers"}, "actor.fsdp.wrap_policy"),
+        ({"max_tokens_per_mb": 0}, "actor.fsdp.max_tokens_per_mb"),
+    ],
+)
+def test_bad_settings_name_the_field(section, needle):
+    with pytest.raises(ConfigError) as e:
+        _cfg({"backend": "fsdp:d2", "fsdp": section})
+    assert needle in str(e.value)
+
+
+def test_torch_settings_under_fsdp_backend_point_to_the_right_section():
+    with pytest.raises(ConfigError, match="go under actor.fsdp"):
+        _cfg({"backend": "fsdp:d2", "torch": {"lr": 1e-5}})
+
+
+def test_model_parallel_dims_are_refused():
+    from areal_fsdp.engine import FSDPTrainEngine
+
+    with pytest.raises(ConfigError, match="fsdp:d2t2.*data-parallel dims only"):
+        FSDPTrainEngine({}, allocation="fsdp:d2t2")
+    assert FSDPTrainEngine({}, world_size=3).world_size == 3
+    assert FSDPTrainEngine({}, allocation="fsdp:d4").world_size == 4
+
+
+def test_engine_takes_the_allocation_of_the_run():
+    from areal_fsdp import context
+    from areal_fsdp.engine import FSDPTrainEngine
+
+    try:
+        context.set_run(_cfg({"backend": "fsdp:d3"}), "/tmp/run")
+        e = FSDPTrainEngine({})
+        assert e.world_size == 3 and e.log_dir == "/tmp/run/fsdp-ranks"
+        assert FSDPTrainEngine({}, world_size=2).world_size == 2  # explicit wins
+    finally:
+        context.clear()
+
+
+def test_entry_point_module_is_light():
+    code = "import sys, areal_fsdp.plugin, areal_fsdp.config; assert 'torch' not in sys.modules, 'torch imported'"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_registered_under_fsdp():
+    from areal_kernel.plugins import get_registry
+
+    spec = get_registry().get("train_engine", "fsdp")
+    assert spec.target == "areal_fsdp.engine:FSDPTrainEngine" and "broadcast_export" in spec.capabilities
+
+
+def test_local_scheduler_plans_one_process_per_rank():
+    from areal_kernel.scheduling.local import LocalScheduler
+
+    assert LocalScheduler(_cfg({"backend": "fsdp:d2"})).device_plan()["actor"] == [[], []]

@@ -1,0 +1,68 @@
+"""The ``rollout.sglang`` config section (validated by the kernel against this model)."""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+# Flags the launcher sets itself; passing them again through extra_args would
+# silently fight the launcher (SGLang's argparse keeps the last one).
+MANAGED_FLAGS = frozenset({
+    "--model-path", "--model", "--host", "--port", "--tp-size", "--tensor-parallel-size", "--dtype",
+    "--context-length", "--mem-fraction-static", "--attention-backend", "--disable-radix-cache",
+    "--random-seed", "--weight-version", "--api-key", "--enable-memory-saver", "--skip-server-warmup",
+    "--log-level", "--base-gpu-id",
+})
+
+
+class SGLangServerConfig(BaseModel):
+    """Settings of SGLang servers (``rollout.sglang``). ``None`` leaves SGLang's own default."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model_path: str | None = Field(
+        None, description="Serve this path/hub id instead of the resolved model.path (e.g. a pre-converted checkpoint)."
+    )
+    dtype: Literal["auto", "half", "float16", "bfloat16", "float", "float32"] | None = Field(
+        None, description="--dtype; default: model.dtype of the run."
+    )
+    context_length: int | None = Field(None, ge=1, description="--context-length")
+    mem_fraction_static: float | None = Field(None, gt=0, lt=1, description="--mem-fraction-static")
+    tp_size: int | None = Field(
+        None, ge=1, description="--tp-size; default: devices per server from rollout.backend (e.g. sglang:d2t4 -> 4)."
+    )
+    attention_backend: str | None = Field(None, min_length=1, description="--attention-backend (e.g. flashinfer, fa3, triton)")
+    radix_cache: bool = Field(True, description="false adds --disable-radix-cache")
+    seed: int | None = Field(None, ge=0, description="--random-seed; default: the experiment seed.")
+    log_level: Literal["debug", "info", "warning", "error", "critical"] = "info"
+    skip_server_warmup: bool = False
+    enable_memory_saver: bool = Field(
+        False, description="--enable-memory-saver: needed for release/resume_memory_occupation (colocated setups)."
+    )
+    api_key: str | None = Field(None, description="--api-key; the client sends it as a Bearer token.")
+    pause_mode: Literal["abort", "retract", "in_place"] = Field(
+        "abort",
+        description="/pause_generation mode for weight updates. 'abort' returns partial outputs that the client "
+        "resumes on the new weights; 'retract'/'in_place' keep requests inside SGLang.",
+    )
+    extra_args: list[str] = Field(default_factory=list, description="Appended verbatim to the launch command.")
+    extra_env: dict[str, str] = Field(default_factory=dict)
+    python: str | None = Field(None, description="Interpreter that has sglang installed; default: this one.")
+    host: str = "127.0.0.1"
+    startup_timeout_s: float = Field(900.0, gt=0, description="Model load + CUDA graph capture can take minutes.")
+    stop_grace_s: float = Field(15.0, ge=0)
+    port_retries: int = Field(2, ge=0, description="Relaunch on a new port when the chosen one was taken.")
+
+    @field_validator("extra_args")
+    @classmethod
+    def _no_managed_flags(cls, v: list[str]) -> list[str]:
+        for a in v:
+            if not isinstance(a, str):
+                raise ValueError(f"every extra argument must be a string, got {a!r}")
+            flag = a.split("=", 1)[0]
+            if flag in MANAGED_FLAGS:
+                raise ValueError(
+                    f"{flag} is set by the launcher; use the matching rollout.sglang field instead "
+                    f"(managed flags: {', '.join(sorted(MANAGED_FLAGS))})"
+                )
+        return v

@@ -1,0 +1,157 @@
+"""SGLang's native HTTP API as the kernel's generic client sees it.
+
+Bodies follow the request classes of ``sglang.srt.managers.io_struct`` (the
+tests check every body below against the classes of the pinned release).
+SGLang carries weight versions as strings; the kernel counts them as ints,
+so versions travel as ``str(int)`` and come back through ``int()``.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from areal_kernel.api.io import GenerationConfig, StopReason
+from areal_kernel.errors import ServerError
+from areal_kernel.inference.wire import GenerateChunk, HttpCall, ServerProtocol
+
+_FINISH = {"stop": StopReason.STOP, "length": StopReason.LENGTH, "abort": StopReason.ABORT}
+PAUSE_MODES = ("abort", "retract", "in_place")
+# Loading weights can take minutes on big models: never the generation timeout.
+WEIGHT_CALL_TIMEOUT_S = 1800.0
+
+
+def _version_str(version: int) -> str:
+    return str(int(version))
+
+
+def parse_version(raw: Any) -> int | None:
+    """SGLang's ``weight_version`` ("default" until someone sets one) as an int, or None."""
+    if isinstance(raw, int) and not isinstance(raw, bool):
+        return raw
+    if isinstance(raw, str) and raw.strip().lstrip("-").isdigit():
+        return int(raw)
+    return None
+
+
+def sampling_params(gconfig: GenerationConfig, max_new_tokens: int) -> dict[str, Any]:
+    """SGLang ``SamplingParams`` keys. Greedy is temperature 0 in SGLang; top_k -1 disables."""
+    return {
+        "max_new_tokens": int(max_new_tokens),
+        "temperature": 0.0 if gconfig.greedy else float(gconfig.temperature),
+        "top_p": float(gconfig.top_p),
+        "top_k": int(gconfig.top_k) if gconfig.top_k and gconfig.top_k > 0 else -1,
+        "stop_token_ids": [int(t) for t in gconfig.stop_token_ids],
+        # The kernel decides about stopping from token ids; no text-level trimming.
+        "no_stop_trim": True,
+        "skip_special_tokens": False,
+    }
+
+
+class SGLangProtocol(ServerProtocol):
+    health_path = "/health"
+
+    def __init__(self, pause_mode: str = "abort") -> None:
+        if pause_mode not in PAUSE_MODES:
+            raise ServerError(f"pause mode {pause_mode!r} is not one of SGLang's: {', '.join(PAUSE_MODES)}")
+        self.pause_mode = pause_mode
+
+    # -- generation ----------------------------------------------------------
+    def generate(self, rid: str, input_ids: list[int], gconfig: GenerationConfig, max_new_tokens: int) -> HttpCall:
+        return HttpCall(
+            "POST",
+            "/generate",
+            {
+                "rid": rid,
+                "input_ids": [int(t) for t in input_ids],
+                "sampling_params": sampling_params(gconfig, max_new_tokens),
+                "return_logprob": True,
+                "stream": False,
+            },
+        )
+
+    def parse_generate(self, data: Any) -> GenerateChunk:
+        try:
+            if isinstance(data, list):  # a batch answer; we only ever send one prompt
+                (data,) = data
+            meta = data["meta_info"]
+            ids = [int(x) for x in data["output_ids"]]
+            entries = meta["output_token_logprobs"] or []
+            lps = [float(e[0]) for e in entries]
+            lp_ids = [int(e[1]) for e in entries]
+            fr = meta["finish_reason"]
+            kind = fr.get("type") if isinstance(fr, dict) else fr
+            reason = _FINISH[kind]
+        except (KeyError, TypeError, ValueError, IndexError) as e:
+            raise ServerError(f"SGLang answered /generate with an unexpected body ({type(e).__name__}: {e}): {str(data)[:300]}") from None
+        if lp_ids != ids:
+            raise ServerError(
+                f"SGLang's output_token_logprobs do not match output_ids ({len(lp_ids)} vs {len(ids)} tokens); "
+                "was the request sent with return_logprob?"
+            )
+        extra = {"finish_reason": fr}
+        if isinstance(fr, dict) and reason == StopReason.STOP and fr.get("matched") is not None:
+            extra["matched"] = fr["matched"]
+        return GenerateChunk(ids, lps, reason, version=parse_version(meta.get("weight_version")), extra=extra)
+
+    # -- pause / resume ------------------------------------------------------
+    def pause(self, mode: str | None = None) -> HttpCall:
+        """The kernel's client always asks for "abort"; the configured mode
+        (rollout.sglang.pause_mode) applies then, an explicit other mode wins."""
+        if mode is None or mode == "abort":
+            mode = self.pause_mode
+        if mode not in PAUSE_MODES:
+            raise ServerError(f"pause mode {mode!r} is not one of SGLang's: {', '.join(PAUSE_MODES)}")
+        return HttpCall("POST", "/pause_generation", {"mode": mode})
+
+    def resume(self) -> HttpCall:
+        return HttpCall("POST", "/continue_generation", {})
+
+    # -- weights -------------------------------------------------------------
+    def update_weights_from_disk(self, path: str, version: int) -> HttpCall:
+        return HttpCall(
+            "POST",
+            "/update_weights_from_disk",
+            {"model_path": path, "weight_version": _version_str(version), "flush_cache": True, "abort_all_requests": False},
+            timeout_s=WEIGHT_CALL_TIMEOUT_S,
+        )
+
+    def init_weight_group(
+        self, master_addr: str, master_port: int, world_size: int, rank: int, group_name: str, backend: str
+    ) -> HttpCall:
+        # SGLang's rank_offset: this server's TP ranks are rank_offset .. rank_offset + tp - 1.
+        return HttpCall(
+            "POST",
+            "/init_weights_update_group",
+            {"master_address": master_addr, "master_port": int(master_port), "rank_offset": int(rank),
+             "world_size": int(world_size), "group_name": group_name, "backend": backend},
+            timeout_s=WEIGHT_CALL_TIMEOUT_S,
+        )
+
+    def update_weights_from_distributed(
+        self, tensors: list[dict[str, Any]], version: int, bucket_bytes: int, group_name: str
+    ) -> HttpCall:
+        # SGLang receives one broadcast per listed tensor, in this order.
+        return HttpCall(
+            "POST",
+            "/update_weights_from_distributed",
+            {"names": [t["name"] for t in tensors], "dtypes": [str(t["dtype"]) for t in tensors],
+             "shapes": [[int(x) for x in t["shape"]] for t in tensors], "group_name": group_name,
+             "weight_version": _version_str(version), "flush_cache": True},
+            timeout_s=WEIGHT_CALL_TIMEOUT_S,
+        )
+
+    def set_version(self, version: int) -> HttpCall:
+        return HttpCall("POST", "/update_weight_version", {"new_version": _version_str(version), "abort_all_requests": False})
+
+    # -- SGLang-only control calls ----------------------------------------------
+    def flush_cache(self) -> HttpCall:
+        return HttpCall("POST", "/flush_cache", None)
+
+    def abort_request(self, rid: str | None = None) -> HttpCall:
+        body: dict[str, Any] = {"abort_all": True} if rid is None else {"rid": rid, "abort_all": False}
+        return HttpCall("POST", "/abort_request", body)
+
+    def release_memory(self, tags: list[str] | None = None) -> HttpCall:
+        return HttpCall("POST", "/release_memory_occupation", {"tags": list(tags)} if tags else {}, timeout_s=WEIGHT_CALL_TIMEOUT_S)
+
+    def resume_memory(self, tags: list[str] | None = None) -> HttpCall:
+        return HttpCall("POST", "/resume_memory_occupation", {"tags": list(tags)} if tags else {}, timeout_s=WEIGHT_CALL_TIMEOUT_S)

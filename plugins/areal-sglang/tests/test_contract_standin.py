@@ -1,0 +1,49 @@
+"""The kernel's inference-engine contract against STAND-IN SGLang servers
+(sglang_standin.py; no real SGLang runs here), launched through SGLangBackend
+from a validated config, with every request checked by SGLang's own classes."""
+from __future__ import annotations
+
+import pytest
+
+from areal_kernel.testing.contracts import InferenceEngineContract
+
+from sglang_testutil import STANDIN_PREFIX
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def contract_model_dir(model_dir):
+    return model_dir
+
+
+@pytest.fixture(scope="module")
+def contract_alt_model_dir(alt_model_dir):
+    return alt_model_dir
+
+
+@pytest.fixture(scope="module")
+def backend(model_dir, oracle_url, tmp_path_factory):
+    from areal_kernel.config import validate_config
+    from areal_sglang.backend import SGLangBackend
+
+    cfg = validate_config({"rollout": {"backend": "sglang:d2", "sglang": {
+        "startup_timeout_s": 120, "extra_env": {"AREAL_SGLANG_ORACLE_URL": oracle_url}}}})
+    b = SGLangBackend(cfg, launch_prefix=STANDIN_PREFIX)
+    addresses = b.launch(model_dir, [[], []], str(tmp_path_factory.mktemp("contract")))
+    assert len(addresses) == 2
+    yield b, addresses
+    b.stop()
+
+
+@pytest.fixture
+def inference_engine(backend):
+    b, addresses = backend
+    engine = b.make_client(addresses)
+    engine.set_version(0)  # the contract starts at version 0 (also on the servers, via /update_weight_version)
+    yield engine
+    engine.destroy()
+
+
+class TestSGLangStandInContract(InferenceEngineContract):
+    pass

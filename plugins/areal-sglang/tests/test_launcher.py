@@ -1,0 +1,78 @@
+"""The launcher for real: processes, ports, health wait, log tail on failure,
+process-group stop, device placement through the platform layer."""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+from areal_kernel.errors import ServerError
+from areal_sglang.config import SGLangServerConfig
+from areal_sglang.launcher import SGLangLauncher, build_command
+
+from sglang_testutil import STANDIN_PREFIX, standin_state
+
+
+def test_server_that_exits_at_once_fails_with_its_log_tail(tmp_path, model_dir):
+    crash = [sys.executable, "-c", "import sys; print('RuntimeError: no CUDA GPUs are available'); sys.exit(3)"]
+    lau = SGLangLauncher(SGLangServerConfig(startup_timeout_s=60), run_dir=str(tmp_path), launch_prefix=crash)
+    with pytest.raises(ServerError) as e:
+        lau.launch(model_dir, n_servers=1, devices_per_server=0)
+    msg = str(e.value)
+    assert "exited with code 3 before becoming healthy" in msg
+    assert "RuntimeError: no CUDA GPUs are available" in msg  # the log tail
+    assert "--model-path" in msg and "sglang-0.log" in msg
+    assert lau.servers == []
+
+
+def test_server_that_never_gets_healthy_times_out_and_is_killed(tmp_path, model_dir):
+    hang = [sys.executable, "-c", "import time, sys; print('loading...', flush=True); time.sleep(600)"]
+    lau = SGLangLauncher(SGLangServerConfig(startup_timeout_s=1.5, stop_grace_s=1), run_dir=str(tmp_path), launch_prefix=hang)
+    with pytest.raises(ServerError, match=r"not healthy after 2 s \(rollout.sglang.startup_timeout_s\)[\s\S]*loading"):
+        lau.launch(model_dir, n_servers=1, devices_per_server=0)
+
+
+def test_missing_interpreter_is_a_clear_error(tmp_path, model_dir):
+    lau = SGLangLauncher(SGLangServerConfig(python="/nonexistent/python"), run_dir=str(tmp_path))
+    with pytest.raises(ServerError, match="rollout.sglang.python"):
+        lau.launch(model_dir, n_servers=1, devices_per_server=0)
+
+
+@pytest.mark.slow
+def test_argv_rejected_by_sglang_parser_surfaces_in_the_error(tmp_path, model_dir, oracle_url):
+    """The stand-in refuses to start when SGLang's own parser rejects its argv,
+    as `python -m sglang.launch_server` would; the launcher shows why."""
+    cfg = SGLangServerConfig(startup_timeout_s=60, extra_args=["--radix-cache-off"],
+                             extra_env={"AREAL_SGLANG_ORACLE_URL": oracle_url})
+    lau = SGLangLauncher(cfg, run_dir=str(tmp_path), launch_prefix=STANDIN_PREFIX)
+    with pytest.raises(ServerError, match=r"exited with code 2[\s\S]*unrecognized arguments: --radix-cache-off"):
+        lau.launch(model_dir, n_servers=1, devices_per_server=0)
+
+
+@pytest.mark.slow
+def test_stop_takes_down_the_whole_process_group(tmp_path, model_dir, launch_standins):
+    lau, infos = launch_standins(model_dir, n=2)
+    assert len({i.address for i in infos}) == 2 and all(standin_state(i.address)["version"] == "0" for i in infos)
+    lau.stop()
+    for info in infos:
+        with pytest.raises(ProcessLookupError):
+            os.killpg(info.pid, 0)
+
+
+def test_devices_go_through_the_platform_visible_devices_variable(monkeypatch, tmp_path):
+    import areal_kernel.platforms as platforms
+    from areal_kernel.platforms.base import CudaPlatform
+
+    monkeypatch.setattr(platforms, "current_platform", lambda: CudaPlatform())
+    lau = SGLangLauncher(SGLangServerConfig(extra_env={"X": "1"}), run_dir=str(tmp_path))
+    env = lau._env([2, 3])
+    assert env["CUDA_VISIBLE_DEVICES"] == "2,3" and env["X"] == "1"
+
+
+def test_tp_size_follows_the_allocation_and_is_checked(tmp_path, model_dir):
+    cmd = build_command(SGLangServerConfig(), model_dir, 1, dtype="auto", tp_size=4, seed=0)
+    assert cmd[cmd.index("--tp-size") + 1] == "4"
+    lau = SGLangLauncher(SGLangServerConfig(tp_size=4), run_dir=str(tmp_path))
+    with pytest.raises(ServerError, match=r"tp_size=4 needs 4 devices per server.*sglang:d1t4"):
+        lau.launch(model_dir, n_servers=1, devices_per_server=2)

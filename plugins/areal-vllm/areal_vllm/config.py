@@ -1,0 +1,95 @@
+"""The ``rollout.vllm`` config section (pydantic; no vLLM import).
+
+Example::
+
+    rollout:
+      backend: vllm:d1t1
+      vllm:
+        max_model_len: 2048
+        kv_cache_space_gb: 1
+        extra_args: ["--max-num-seqs", "64"]
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+# Flags the launcher sets itself: giving them again through ``extra_args``
+# would silently fight the validated fields, so they are rejected.
+MANAGED_FLAGS = (
+    "--model",
+    "--host",
+    "--port",
+    "--dtype",
+    "--max-model-len",
+    "--seed",
+    "--tensor-parallel-size",
+    "-tp",
+    "--worker-extension-cls",
+    "--weight-transfer-config",
+    "--enable-scale-out",
+    "--gpu-memory-utilization",
+    "--enforce-eager",
+    "--max-num-seqs",
+    "--enable-prefix-caching",
+    "--no-enable-prefix-caching",
+    "--logprobs-mode",
+)
+
+
+class VLLMServerConfig(BaseModel):
+    """Settings of vLLM inference servers (``rollout.vllm``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] | None = Field(
+        None, description="Server weights dtype; default: model.dtype (float32 on CPUs without fast bf16)."
+    )
+    max_model_len: int = Field(2048, ge=16, description="Context length (prompt + output) per request.")
+    tensor_parallel_size: int | None = Field(
+        None, ge=1, description="Devices per server; default: the 't' of rollout.backend (vllm:d2t2 -> 2)."
+    )
+    seed: int = 0
+    enforce_eager: bool = Field(True, description="Skip graph capture/compilation (fast start; required on CPU here).")
+    gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="GPU/NPU only: share of device memory vLLM may use.")
+    kv_cache_space_gb: float = Field(1.0, gt=0, description="CPU only: KV cache size (VLLM_CPU_KVCACHE_SPACE).")
+    max_num_seqs: int | None = Field(None, ge=1, description="Max concurrent sequences per server (vLLM default if unset).")
+    enable_prefix_caching: bool | None = Field(None, description="vLLM default if unset.")
+    logprobs_mode: Literal["processed_logprobs", "raw_logprobs"] = Field(
+        "processed_logprobs",
+        description="Which logprobs vLLM returns. processed_logprobs = log_softmax(logits / temperature), the "
+        "kernel's convention for behaviour logprobs (the train engine recomputes with the same temperature); "
+        "note vLLM also renormalises them over the top-k/top-p set when those are enabled.",
+    )
+    cpu_bind_cores: bool = Field(
+        True,
+        description="CPU, several servers: pin server i to its own cores (VLLM_CPU_OMP_THREADS_BIND) so they do not fight.",
+    )
+    weight_transfer_backend: str = Field(
+        "areal",
+        description="vLLM weight-transfer engine for in-memory updates ('areal': registered by this plugin's worker "
+        "extension; speaks the kernel's bucket format over gloo on CPU, the platform backend elsewhere).",
+    )
+    offline: bool = Field(True, description="HF_HUB_OFFLINE=1 for the server (the model is a local directory).")
+    host: str = "127.0.0.1"
+    startup_timeout_s: float = Field(600.0, gt=0, description="vLLM on a busy CPU can take minutes to load.")
+    stop_grace_s: float = Field(10.0, ge=0)
+    port_retries: int = Field(3, ge=0, description="Restarts when the chosen port was taken before the server bound it.")
+    extra_args: list[str] = Field(
+        default_factory=list, description="Passed through to the vLLM server command line (flags the launcher sets are rejected)."
+    )
+    extra_env: dict[str, str] = Field(default_factory=dict, description="Added to the server environment.")
+
+    @field_validator("extra_args")
+    @classmethod
+    def _no_managed_flags(cls, v: list[str]) -> list[str]:
+        for arg in v:
+            flag = arg.split("=", 1)[0]
+            if flag in MANAGED_FLAGS:
+                raise ValueError(
+                    f"{flag} is set by areal-vllm from its own fields (dtype, max_model_len, seed, "
+                    f"tensor_parallel_size, enforce_eager, gpu_memory_utilization, max_num_seqs, "
+                    f"enable_prefix_caching, logprobs_mode); set that field instead of passing it in extra_args"
+                )
+        return v

@@ -1,0 +1,213 @@
+"""vLLM's HTTP routes as the kernel's generic client sees them (no vLLM import).
+
+Everything goes through vLLM's own routes:
+
+- generation: ``POST /inference/v1/generate`` (``--enable-scale-out``): token
+  ids in; ids, per-token logprobs and ``weight_versions`` spans out;
+- ``POST /pause?mode=abort|keep|wait``, ``POST /resume`` (dev mode);
+- disk update: ``POST /collective_rpc`` ``reload_weights`` (vLLM's in-place
+  reload), then ``/reset_prefix_cache`` and ``/update_weight_version``;
+- in-memory update: ``/init_weight_transfer_engine``, ``/start_weight_update``,
+  ``/update_weights``, ``/finish_weight_update`` (with the new version), served by
+  the transfer engine our worker extension registers.
+
+Some kernel operations are several vLLM calls; the protocol describes them as
+a list of ``HttpCall`` run in order, and ``VLLMInferenceEngine`` (a thin
+subclass of the kernel's ``RemoteInferenceEngine``) runs such sequences. All
+retries, affinity, failover and interruption logic stay the kernel's.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+from typing import Any, Sequence
+
+from areal_kernel.api.engine import WeightUpdateMeta
+from areal_kernel.api.io import GenerationConfig, StopReason
+from areal_kernel.errors import ServerError
+from areal_kernel.inference.client import RemoteInferenceEngine
+from areal_kernel.inference.wire import GenerateChunk, HttpCall, ServerProtocol
+
+PAUSE_MODES = ("abort", "keep", "wait")
+_FINISH = {"stop": StopReason.STOP, "length": StopReason.LENGTH, "abort": StopReason.ABORT}
+# Loading weights may take a while on big models; None would mean the client default.
+_LOAD_TIMEOUT_S = 1800.0
+
+
+def parse_version(v: Any) -> int | None:
+    """vLLM weight versions are strings ("default" until one is set); ours are ints."""
+    if isinstance(v, int) and not isinstance(v, bool):
+        return v
+    if isinstance(v, str) and v.strip().lstrip("-").isdigit():
+        return int(v)
+    return None
+
+
+class VLLMProtocol(ServerProtocol):
+    health_path = "/health"
+
+    def __init__(self, tp_size: int = 1) -> None:
+        # Every worker of a server joins the weight group (ranks are per worker).
+        self.tp_size = tp_size
+
+    # -- generation ----------------------------------------------------------------
+    def sampling_params(self, gconfig: GenerationConfig, max_new_tokens: int) -> dict[str, Any]:
+        sp: dict[str, Any] = {
+            "max_tokens": max_new_tokens,
+            "temperature": 0.0 if gconfig.greedy else gconfig.temperature,
+            "top_p": gconfig.top_p,
+            # 0 = disabled in vLLM; the kernel uses -1 (or 0) for the same.
+            "top_k": gconfig.top_k if gconfig.top_k > 0 else 0,
+            # logprobs=0: the sampled token's own logprob only (raw model
+            # distribution: vLLM's default logprobs_mode is raw_logprobs).
+            "logprobs": 0,
+            # Stop only where the kernel says so (the workflow passes EOS in
+            # stop_token_ids), exactly like the embedded server.
+            "ignore_eos": True,
+            "stop_token_ids": list(gconfig.stop_token_ids),
+            "detokenize": False,
+        }
+        return sp
+
+    def generate(self, rid: str, input_ids: list[int], gconfig: GenerationConfig, max_new_tokens: int) -> HttpCall:
+        return HttpCall(
+            "POST",
+            "/inference/v1/generate",
+            {
+                "request_id": rid,
+                "token_ids": list(input_ids),
+                "sampling_params": self.sampling_params(gconfig, max_new_tokens),
+                "output_mode": "tokens",
+            },
+        )
+
+    def parse_generate(self, data: Any) -> GenerateChunk:
+        try:
+            choice = data["choices"][0]
+            reason = _FINISH[choice.get("finish_reason") or "stop"]
+            ids = [int(x) for x in (choice.get("token_ids") or [])]
+            content = (choice.get("logprobs") or {}).get("content") or []
+            lps = [float(c["logprob"]) for c in content]
+            lp_ids = [int(c["token_id"]) for c in content]
+        except (KeyError, TypeError, ValueError, IndexError) as e:
+            raise ServerError(f"vLLM answered /inference/v1/generate with an unexpected body ({e}): {str(data)[:300]}") from None
+        if len(ids) != len(lps):
+            raise ServerError(f"vLLM returned {len(ids)} tokens but {len(lps)} logprobs (was logprobs requested?)")
+        if lp_ids != ids:
+            raise ServerError("vLLM logprob entries do not match the returned token ids")
+        versions = self.token_versions(choice.get("weight_versions"), len(ids))
+        # The kernel client stamps one version per chunk; after an abort-mode
+        # pause every chunk comes from one version. A chunk spanning a version
+        # change (keep-mode pause) carries its per-token versions in extra.
+        known = [v for v in versions if v is not None]
+        version = known[-1] if known else None
+        extra = {"versions": versions} if len(set(versions)) > 1 else {}
+        return GenerateChunk(ids, lps, reason, version=version, extra=extra)
+
+    @staticmethod
+    def token_versions(spans: Any, n: int) -> list[int | None]:
+        """Per-token versions from vLLM's ``weight_versions`` spans ``[{version, start, end}]``."""
+        out: list[int | None] = [None] * n
+        for s in spans or []:
+            v = parse_version(s.get("version"))
+            for i in range(max(0, int(s["start"])), min(n, int(s["end"]))):
+                out[i] = v
+        return out
+
+    # -- pause / resume ------------------------------------------------------------
+    def pause(self, mode: str = "abort") -> HttpCall:
+        if mode not in PAUSE_MODES:
+            raise ServerError(f"pause mode {mode!r} is not valid; valid: {', '.join(PAUSE_MODES)}")
+        return HttpCall("POST", f"/pause?mode={mode}", {})
+
+    def resume(self) -> HttpCall:
+        return HttpCall("POST", "/resume", {})
+
+    # -- weights ---------------------------------------------------------------------
+    def set_version(self, version: int) -> HttpCall:
+        return HttpCall("POST", "/update_weight_version", {"new_version": str(version)})
+
+    def update_weights_from_disk(self, path: str, version: int) -> list[HttpCall]:  # type: ignore[override]
+        return [
+            HttpCall(
+                "POST",
+                "/collective_rpc",
+                {"method": "reload_weights", "kwargs": {"weights_path": path, "is_checkpoint_format": True}},
+                timeout_s=_LOAD_TIMEOUT_S,
+            ),
+            # A tied LM head keeps stale prepacked weights after a reload on
+            # CPU; our worker extension rebuilds them (see areal_vllm.transfer).
+            HttpCall("POST", "/collective_rpc", {"method": "areal_refresh_tied_lm_heads"}),
+            HttpCall("POST", "/reset_prefix_cache", {}),
+            self.set_version(version),
+        ]
+
+    def init_weight_group(
+        self, master_addr: str, master_port: int, world_size: int, rank: int, group_name: str, backend: str
+    ) -> HttpCall:
+        # ``rank`` is the first rank of this server; its tp workers take rank..rank+tp-1.
+        return HttpCall(
+            "POST",
+            "/init_weight_transfer_engine",
+            {"init_info": {"master_addr": master_addr, "master_port": master_port, "world_size": world_size,
+                           "rank_offset": rank, "group_name": group_name, "backend": backend}},
+            timeout_s=_LOAD_TIMEOUT_S,
+        )  # fmt: skip
+
+    def update_weights_from_distributed(  # type: ignore[override]
+        self, tensors: list[dict[str, Any]], version: int, bucket_bytes: int, group_name: str
+    ) -> list[HttpCall]:
+        return [
+            HttpCall("POST", "/start_weight_update", {}),
+            HttpCall(
+                "POST",
+                "/update_weights",
+                {"update_info": {"tensors": tensors, "bucket_bytes": bucket_bytes}},
+                timeout_s=_LOAD_TIMEOUT_S,
+            ),
+            HttpCall("POST", "/finish_weight_update", {"weight_version": str(version)}, timeout_s=_LOAD_TIMEOUT_S),
+            HttpCall("POST", "/reset_prefix_cache", {}),
+        ]
+
+
+class VLLMInferenceEngine(RemoteInferenceEngine):
+    """The kernel's remote client, plus: a protocol step may be a sequence of
+    calls (run in order on one server), and weight-group ranks count every
+    tensor-parallel worker of a server."""
+
+    protocol: VLLMProtocol
+
+    def _control(self, server: Any, call: HttpCall | Sequence[HttpCall]) -> Any:
+        if isinstance(call, HttpCall):
+            return super()._control(server, call)
+        out = None
+        for c in call:
+            out = super()._control(server, c)
+        return out
+
+    def init_weight_group_async(
+        self, master_addr: str, master_port: int, group_name: str, backend: str
+    ) -> list[concurrent.futures.Future]:
+        tp = max(1, self.protocol.tp_size)
+        world = 1 + tp * len(self.servers)
+        return [
+            self._pool.submit(
+                self._control, s, self.protocol.init_weight_group(master_addr, master_port, world, 1 + i * tp, group_name, backend)
+            )
+            for i, s in enumerate(self.servers)
+        ]
+
+    def update_weights(self, meta: WeightUpdateMeta) -> None:
+        if meta.kind == "disk" and not meta.path:
+            raise ServerError("disk weight update needs a path (WeightUpdateMeta.path)")
+        super().update_weights(meta)
+
+    def set_version(self, version: int) -> None:
+        """Record ``version`` here *and* label the servers' weights with it, so
+        tokens generated from now on carry it in ``weight_versions``."""
+        self._control_all(lambda s: self.protocol.set_version(version))
+        super().set_version(version)
+
+    def server_versions(self) -> list[int | None]:
+        """Each server's current weight version (``GET /weight_info``)."""
+        call = HttpCall("GET", "/weight_info")
+        return [parse_version(self._control(s, call).get("weight_version")) for s in self.servers]

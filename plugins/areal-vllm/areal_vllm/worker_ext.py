@@ -1,0 +1,38 @@
+"""vLLM worker extension (``--worker-extension-cls areal_vllm.worker_ext.AReaLWorkerExtension``).
+
+vLLM imports this module in every worker process before it builds the
+worker, so registering our weight-transfer engine here (through vLLM's public
+factory, lazily by module path) makes ``--weight-transfer-config
+'{"backend": "areal"}'`` resolve when the model is loaded. Nothing of vLLM is
+patched.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+from areal_vllm.transfer import ENGINE_NAME
+
+if ENGINE_NAME not in WeightTransferEngineFactory._registry:
+    # (_registry is read only to stay idempotent: register_engine raises on a
+    # second registration, and the module may be imported more than once.)
+    WeightTransferEngineFactory.register_engine(ENGINE_NAME, "areal_vllm.transfer", "AReaLWeightTransferEngine")
+
+
+class AReaLWorkerExtension:
+    """Mixed into vLLM's worker class; its methods are callable through
+    ``POST /collective_rpc``. Names are prefixed to avoid clashing with the worker's."""
+
+    def areal_refresh_tied_lm_heads(self) -> int:
+        """After ``reload_weights``: rebuild a tied LM head's CPU-prepacked
+        weights from the reloaded embedding (see ``transfer.refresh_tied_lm_heads``)."""
+        from areal_vllm.transfer import is_tied, refresh_tied_lm_heads
+
+        runner: Any = getattr(self, "model_runner")
+        return refresh_tied_lm_heads(runner.get_model(), is_tied(getattr(self, "vllm_config").model_config))
+
+    def areal_transfer_engine_name(self) -> str | None:
+        """Which weight-transfer engine this worker built (a health check for tests)."""
+        engine: Any = getattr(self, "weight_transfer_engine", None)
+        return type(engine).__name__ if engine is not None else None

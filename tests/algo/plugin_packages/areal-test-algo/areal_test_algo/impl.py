@@ -1,0 +1,20 @@
+"""A sign estimator and a plain policy-gradient loss, following the kernel's contracts."""
+
+
+def sign_advantages(rewards, group_ids, *, loss_masks, scale=1.0, **kwargs):
+    groups = {}
+    for r, g in zip(rewards, group_ids):
+        groups.setdefault(g, []).append(r)
+    means = {g: sum(v) / len(v) for g, v in groups.items()}
+    out = []
+    for r, g in zip(rewards, group_ids):
+        d = r - means[g]
+        out.append(scale * (1.0 if d > 0 else (-1.0 if d < 0 else 0.0)))
+    return out  # one value per trajectory: the kernel broadcasts it to the loss tokens
+
+
+def vanilla_pg(logprobs, data, *, entropy=None, pg_coef=1.0, **kwargs):
+    mask = data["loss_mask"]
+    norm = data.get("batch_loss_tokens", mask.sum())
+    loss = -(pg_coef * data["advantages"] * logprobs * mask).sum() / norm
+    return loss, {"vanilla_pg_loss": loss.detach()}

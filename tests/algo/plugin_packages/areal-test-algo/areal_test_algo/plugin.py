@@ -1,0 +1,12 @@
+"""Registers one estimator and one loss; imports only areal_kernel."""
+from areal_kernel import hookimpl
+
+
+@hookimpl
+def areal_register_advantage_estimators(register):
+    register("sign", "areal_test_algo.impl:sign_advantages", description="+1 above the group mean, -1 below")
+
+
+@hookimpl
+def areal_register_losses(register):
+    register("vanilla_pg", "areal_test_algo.impl:vanilla_pg", description="-A * logprob, token mean")

@@ -1,0 +1,282 @@
+"""The bad-input table: each case is a real ``areal`` command on a broken
+input, and ``docs/bad-inputs.md`` shows the message the CLI prints for it.
+
+``python tests/faults/bad_inputs.py --write`` reruns every case and rewrites
+the doc; ``tests/faults/test_bad_inputs.py`` fails when the doc and the CLI
+drift apart. Paths, ports and the working directory are normalised
+(``<tmp>``, ``<port>``) so the doc does not depend on where it ran.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+REPO = Path(__file__).resolve().parents[2]
+DOC = REPO / "docs" / "bad-inputs.md"
+
+
+@dataclass
+class Ctx:
+    """One case's scratch directory plus what the message should not leak."""
+
+    tmp: Path
+    subs: dict[str, str] = field(default_factory=dict)  # literal -> placeholder in the doc
+    env: dict[str, str] = field(default_factory=dict)
+    keep: list[Any] = field(default_factory=list)  # objects held open while the command runs (a bound socket)
+
+    def write(self, name: str, text: str | bytes) -> str:
+        p = self.tmp / name
+        p.parent.mkdir(parents=True, exist_ok=True)
+        if isinstance(text, bytes):
+            p.write_bytes(text)
+        else:
+            p.write_text(text, encoding="utf-8")
+        return name
+
+
+@dataclass(frozen=True)
+class Case:
+    id: str
+    what: str  # the bad input, in words, for the doc
+    setup: Callable[[Ctx], list[str]]  # creates files under ctx.tmp, returns the CLI arguments
+    expect: tuple[str, ...]  # fragments the message must contain (the field/file/plugin and what is valid)
+
+
+def _fake_model(ctx: Ctx) -> str:
+    """A directory that passes the model-path check (config.json only): enough
+    for errors that come before any weights or tokenizer are read."""
+    ctx.write("model/config.json", "{}\n")
+    return "model"
+
+
+def _data(ctx: Ctx, name: str, text: str) -> list[str]:
+    ctx.write(name, text)
+    return ["check", "/dev/null", f"model.path={_fake_model(ctx)}", "dataset.type=file", f"dataset.path={name}"]
+
+
+def _broken_plugin(ctx: Ctx) -> list[str]:
+    """A real installed distribution (dist-info with an ``areal.plugins`` entry
+    point, found by importlib.metadata) whose module fails to import."""
+    site = ctx.tmp / "site"
+    (site / "areal_fault_broken").mkdir(parents=True)
+    (site / "areal_fault_broken" / "__init__.py").write_text("")
+    (site / "areal_fault_broken" / "plugin.py").write_text("import areal_fault_missing_dependency  # noqa\n")
+    info = site / "areal_fault_broken-0.0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: areal-fault-broken\nVersion: 0.0.1\n")
+    (info / "entry_points.txt").write_text("[areal.plugins]\nfaultplug = areal_fault_broken.plugin\n")
+    ctx.env["PYTHONPATH"] = os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    return ["validate", "/dev/null", "reward.type=faultplug"]
+
+
+def _taken_port(ctx: Ctx) -> list[str]:
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.bind(("127.0.0.1", 0))
+    s.listen(1)
+    ctx.keep.append(s)
+    port = s.getsockname()[1]
+    ctx.subs[str(port)] = "<port>"
+    return ["check", "/dev/null", "-n", "1", f"rollout.embedded.port={port}"]
+
+
+def _existing_run(ctx: Ctx) -> list[str]:
+    """A run directory with a checkpoint and metrics from an earlier run; the
+    new run is pointed at a dataset that does not exist."""
+    ctx.write("run/checkpoints/step2/model.safetensors", b"earlier weights")
+    ctx.write("run/metrics.jsonl", '{"step": 1}\n{"step": 2}\n')
+    return ["train", "/dev/null", "run_dir=run", "dataset.type=file", "dataset.path=gone.jsonl", "trainer.max_steps=1"]
+
+
+def _v(*overrides: str) -> Callable[[Ctx], list[str]]:
+    return lambda ctx: ["validate", "/dev/null", *overrides]
+
+
+def _yaml(text: str | bytes, name: str = "c.yaml") -> Callable[[Ctx], list[str]]:
+    return lambda ctx: ["validate", ctx.write(name, text)]
+
+
+CASES: list[Case] = [
+    # -- the YAML file itself
+    Case("yaml-indent", "YAML with a mis-indented key (line 3)",
+         _yaml("trainer:\n  batch_size: 2\n   max_steps: 3\n"), ("c.yaml:3:", "invalid YAML")),
+    Case("yaml-tab", "YAML indented with a tab", _yaml("trainer:\n\tbatch_size: 2\n"), ("c.yaml:2:", "invalid YAML")),
+    Case("yaml-list", "YAML whose top level is a list", _yaml("- trainer\n- actor\n"), ("c.yaml", "mapping of sections")),
+    Case("yaml-binary", "config file that is not UTF-8 text", _yaml(b"\xff\xfe\x00junk"), ("c.yaml", "UTF-8")),
+    Case("config-missing", "config file that does not exist", lambda ctx: ["validate", "nope.yaml"],
+         ("nope.yaml", "not found")),
+    Case("config-dir", "config path that is a directory",
+         lambda ctx: (ctx.tmp.joinpath("confdir").mkdir(), ["validate", "confdir"])[1], ("confdir", "directory")),
+    # -- keys, types, ranges
+    Case("unknown-section", "unknown top-level key `trainr`", _yaml("trainr:\n  batch_size: 2\n"),
+         ("trainr", "did you mean 'trainer'")),
+    Case("unknown-key", "unknown key `trainer.batchsize` in the file", _yaml("trainer:\n  batchsize: 2\n"),
+         ("trainer.batchsize", "did you mean 'batch_size'")),
+    Case("unknown-plugin-key", "unknown key in a plugin's section", _v("rollout.embedded.bogus=1"),
+         ("rollout.embedded.bogus", "valid keys:", "max_batch_size")),
+    Case("wrong-type", "`trainer.batch_size: abc`", _yaml("trainer:\n  batch_size: abc\n"),
+         ("trainer.batch_size", "valid integer", "'abc'")),
+    Case("out-of-range", "`trainer.batch_size: 0`", _yaml("trainer:\n  batch_size: 0\n"),
+         ("trainer.batch_size", "greater than or equal to 1")),
+    Case("negative-temperature", "`rollout.gconfig.temperature: -1`",
+         _yaml("rollout:\n  gconfig:\n    temperature: -1\n"), ("rollout.gconfig.temperature", "greater than 0")),
+    Case("bad-choice", "`model.dtype: float16` (not offered)", _v("model.dtype=float16"),
+         ("model.dtype", "'float32' or 'bfloat16'")),
+    Case("bad-weight-mode", "`weight_update.mode: nccl`", _v("weight_update.mode=nccl"),
+         ("weight_update.mode", "'auto', 'disk' or 'broadcast'")),
+    Case("section-not-mapping", "a section given a number (`trainer: 5`)", _v("trainer=5"),
+         ("trainer", "valid dictionary")),
+    Case("path-unsafe-name", "`experiment_name: a/b`", _v("experiment_name=a/b"), ("experiment_name", "'/'")),
+    Case("file-dataset-no-path", "`dataset.type: file` without `dataset.path`", _v("dataset.type=file"),
+         ("dataset.path is required",)),
+    # -- overrides
+    Case("override-no-equals", "override without `=`", _v("trainer.batch_size"),
+         ("trainer.batch_size", "key.sub=value")),
+    Case("override-bad-yaml", "override whose value is broken YAML", _v("trainer.batch_size=[1"),
+         ("trainer.batch_size=[1", "not valid YAML")),
+    Case("override-unknown-key", "override of an unknown key", _v("trainer.bath_size=3"),
+         ("trainer.bath_size", "did you mean 'batch_size'")),
+    Case("unknown-option", "unknown command-line option", _v("--bogus"), ("unrecognized arguments: --bogus",)),
+    # -- registered names, plugins, allocations
+    Case("backend-not-installed", "`actor.backend: megatron` (plugin not installed)", _v("actor.backend=megatron"),
+         ("actor.backend", "Available:", "pip install areal-megatron")),
+    Case("backend-unknown", "`rollout.backend: tensorrt` (no such backend)", _v("rollout.backend=tensorrt"),
+         ("rollout.backend", "Available:")),
+    Case("allocation-syntax", "allocation `embedded:dx`", _v("rollout.backend=embedded:dx"),
+         ("rollout.backend", "'d2', 'd2t1'")),
+    Case("allocation-zero", "allocation `torch:d0`", _v("actor.backend=torch:d0"), ("actor.backend", ">= 1")),
+    Case("reward-unknown", "`reward.type: nonexist`", _v("reward.type=nonexist"), ("reward.type", "Available:")),
+    Case("dataset-unknown", "`dataset.type: foo`", _v("dataset.type=foo"), ("dataset.type", "Available:")),
+    Case("workflow-unknown", "`workflow.type: bar`", _v("workflow.type=bar"), ("workflow.type", "Available:")),
+    Case("advantage-unknown", "`algorithm.advantage: zzz`", _v("algorithm.advantage=zzz"),
+         ("algorithm.advantage", "registered:")),
+    Case("sink-unknown", "`logging.sinks: [wandbx]`", _v("logging.sinks=[wandbx]"), ("logging.sinks", "registered:")),
+    Case("plugin-import-fails", "a plugin that is installed but fails to import, then selected", _broken_plugin,
+         ("reward.type", "faultplug", "failed to load", "areal_fault_missing_dependency")),
+    # -- model path (areal check)
+    Case("model-missing", "`model.path` that does not exist", lambda ctx: ["check", "/dev/null", "model.path=no/such/model"],
+         ("model.path", "no/such/model", "Known models:")),
+    Case("model-empty", "`model.path: ''`", lambda ctx: ["check", "/dev/null", "model.path="], ("model.path", "non-empty")),
+    Case("model-is-file", "`model.path` that is a file",
+         lambda ctx: ["check", "/dev/null", f"model.path={ctx.write('w.bin', b'x')}"], ("model.path", "is a file", "config.json")),
+    Case("model-no-config", "`model.path` directory without config.json",
+         lambda ctx: (ctx.tmp.joinpath("m").mkdir(), ["check", "/dev/null", "model.path=m"])[1], ("model.path", "config.json")),
+    # -- dataset files (areal check)
+    Case("data-missing", "dataset file that does not exist",
+         lambda ctx: ["check", "/dev/null", f"model.path={_fake_model(ctx)}", "dataset.type=file", "dataset.path=gone.jsonl"],
+         ("gone.jsonl", "does not exist", ".jsonl/.json/.parquet/.csv")),
+    Case("data-empty", "empty dataset file", lambda ctx: _data(ctx, "empty.jsonl", ""), ("empty.jsonl", "empty")),
+    Case("data-bad-json", "dataset with a broken JSON line (line 2)",
+         lambda ctx: _data(ctx, "bad.jsonl", '{"prompt": "1+1", "answer": "2"}\n{bad\n'), ("bad.jsonl", "line 2")),
+    Case("data-no-prompt", "dataset records without the workflow's `prompt` field",
+         lambda ctx: _data(ctx, "q.jsonl", '{"question": "1+1", "answer": "2"}\n'), ("q.jsonl", "'prompt'", "field_map")),
+    Case("data-no-answer", "dataset records without the reward's `answer` field",
+         lambda ctx: _data(ctx, "p.jsonl", '{"prompt": "1+1", "solution": "2"}\n'),
+         ("p.jsonl", "'answer'", "field_map={'solution': 'answer'}")),
+    Case("data-extension", "dataset file with an unsupported extension",
+         lambda ctx: _data(ctx, "d.txt", "1+1,2\n"), ("d.txt", "supported: .jsonl")),
+    # -- servers and runs
+    Case("port-taken", "`rollout.embedded.port` already taken by another process", _taken_port,
+         ("rollout.embedded.port", "already in use", "leave it unset")),
+    Case("existing-run-bad-data", "`areal train` into a run dir holding a checkpoint and metrics, with a missing dataset",
+         _existing_run, ("gone.jsonl", "does not exist")),
+]
+
+
+def run_cli(args: list[str], cwd: Path, env: dict[str, str], timeout: float = 240) -> subprocess.CompletedProcess:
+    """The same command line as the ``run_areal`` fixture."""
+    full_env = dict(os.environ)
+    full_env.setdefault("OMP_NUM_THREADS", "1")
+    full_env.update(env)
+    return subprocess.run(
+        [sys.executable, "-m", "areal_kernel.cli", *args],
+        capture_output=True, text=True, env=full_env, timeout=timeout, cwd=str(cwd),
+    )
+
+
+@dataclass
+class Result:
+    case: Case
+    args: list[str]
+    returncode: int
+    stdout: str
+    stderr: str
+    message: str  # stderr normalised for the doc
+    ctx: Ctx
+
+
+def normalise(text: str, ctx: Ctx) -> str:
+    for literal, placeholder in ctx.subs.items():
+        text = text.replace(literal, placeholder)
+    text = text.replace(str(ctx.tmp.resolve()), "<tmp>").replace(str(ctx.tmp), "<tmp>")
+    return text.strip()
+
+
+def run_case(case: Case, root: Path) -> Result:
+    tmp = root / case.id
+    tmp.mkdir(parents=True, exist_ok=True)
+    ctx = Ctx(tmp)
+    try:
+        args = case.setup(ctx)
+        proc = run_cli(args, tmp, ctx.env)
+    finally:
+        for obj in ctx.keep:
+            obj.close()
+    return Result(case, args, proc.returncode, proc.stdout, proc.stderr, normalise(proc.stderr, ctx), ctx)
+
+
+def run_all(root: Path, workers: int = 4) -> dict[str, Result]:
+    with ThreadPoolExecutor(workers) as pool:
+        results = list(pool.map(lambda c: run_case(c, root), CASES))
+    return {r.case.id: r for r in results}
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", "<br>")
+
+
+def render(results: dict[str, Result]) -> str:
+    lines = [
+        "# Bad inputs and what `areal` says",
+        "",
+        "Every row is a real `areal` command run on a broken input by",
+        "`tests/faults/test_bad_inputs.py`, which fails if this table and the CLI drift apart.",
+        "Each exits with code 2 and prints this message on stderr, with no traceback",
+        "(`areal --debug ...` adds it). `<tmp>` is the case's scratch directory (the command's",
+        "working directory), `<port>` a port held by another process.",
+        "Regenerate with `python tests/faults/bad_inputs.py --write`.",
+        "",
+        "| # | Bad input | Command | Message |",
+        "|---|---|---|---|",
+    ]
+    for i, case in enumerate(CASES, 1):
+        r = results[case.id]
+        cmd = normalise("areal " + " ".join(r.args), r.ctx)
+        lines.append(f"| {i} | {_cell(case.what)} | `{_cell(cmd)}` | {_cell(r.message)} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str]) -> int:
+    with tempfile.TemporaryDirectory(prefix="areal-bad-inputs-") as root:
+        results = run_all(Path(root))
+        text = render(results)
+    if "--write" in argv:
+        DOC.write_text(text, encoding="utf-8")
+        print(f"wrote {DOC} ({len(CASES)} cases)")
+    else:
+        print(text)
+    bad = [r.case.id for r in results.values() if r.returncode != 2]
+    if bad:
+        print("cases that did not exit with 2: " + ", ".join(bad), file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
