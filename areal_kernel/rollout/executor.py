@@ -32,6 +32,7 @@ class RolloutStats:
     rejected: int = 0
     accepted_unfiltered: int = 0
     failed: int = 0
+    stale_dropped: int = 0
     latencies: list[float] = field(default_factory=list)
     # Rewards of every finished group, kept or filtered out: the model's real
     # sampling accuracy, which the (filtered) training batch over- or under-states.
@@ -47,6 +48,7 @@ class RolloutStats:
             "rollout/rejected": self.rejected,
             "rollout/accepted_unfiltered": self.accepted_unfiltered,
             "rollout/failed": self.failed,
+            "rollout/stale_dropped": self.stale_dropped,
             "rollout/latency_mean_s": sum(lat) / len(lat) if lat else 0.0,
             "rollout/latency_max_s": max(lat) if lat else 0.0,
         }
@@ -128,11 +130,26 @@ class RolloutExecutor:
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"waited {timeout}s for {n} rollout groups, got {len(groups)}")
             try:
-                groups.append(self._out.get(timeout=0.1))
+                g = self._out.get(timeout=0.1)
             except queue.Empty:
                 continue
+            if self._too_stale(g):
+                # Admission bounds staleness only in admission order; a slow
+                # rollout can finish after later ones and reach the trainer a
+                # version too late. Drop it and free its slot.
+                self.stats.stale_dropped += 1
+                loop = self._loop
+                if loop is not None and loop.is_running():
+                    loop.call_soon_threadsafe(self.budget.release)
+                else:
+                    self.budget.release()
+                continue
+            groups.append(g)
         self._rejected_since_batch = 0
         return groups
+
+    def _too_stale(self, group: TrajectoryGroup) -> bool:
+        return any(t.staleness(self._version) > self.budget.max_staleness for t in group.trajectories)
 
     # -- event loop side -----------------------------------------------------------
     def _thread_main(self) -> None:

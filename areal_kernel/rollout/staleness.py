@@ -34,3 +34,8 @@ class StalenessBudget:
         if not kept:
             # A rejected rollout frees its slot: it will never be trained on.
             self.started -= 1
+
+    def release(self) -> None:
+        """A finished, kept rollout is dropped before training (it became too
+        stale while queued behind later rollouts): its slot frees."""
+        self.started -= 1

@@ -146,3 +146,41 @@ def test_staleness_histogram_counts_oldest_token():
         Trajectory([1, 2, 3], [0, 1, 1], [0.0] * 3, [-1, 2, 2], 0.0),
     ])
     assert staleness_histogram([g], version=2) == {0: 1, 2: 1}
+
+
+def test_a_rollout_that_finishes_too_late_is_dropped_not_trained():
+    """Admission bounds staleness in admission order only: a slow episode
+    admitted at version 0 that finishes after later ones would reach the
+    trainer at version >= 2 with max_staleness 1. It must be dropped (and its
+    slot freed), never handed out."""
+    box = {}
+
+    class SlowFirst:
+        async def arun_episode(self, engine, record):
+            v = box["ex"]._version  # stamped like a server would: the weights at generation time
+            await asyncio.sleep(1.0 if record == 0 else 0.02)
+            return group([0.0, 1.0], version=v, gid=str(record))
+
+    ex = RolloutExecutor(None, SlowFirst(), records(100), batch_size=2, max_staleness=1, max_concurrent=64)
+    box["ex"] = ex
+    ex.start()
+    handed = []
+    try:
+        for v in range(5):
+            batch = ex.get_batch(2, timeout=10)
+            handed += [(g.group_id, max(t.staleness(v) for t in g.trajectories)) for g in batch]
+            ex.set_version(v + 1)
+        time.sleep(1.2)  # the slow episode has finished and sits in the queue
+        for v in range(5, 10):
+            if ex.stats.stale_dropped:
+                break
+            batch = ex.get_batch(2, timeout=10)
+            handed += [(g.group_id, max(t.staleness(v) for t in g.trajectories)) for g in batch]
+            ex.set_version(v + 1)
+        assert ex.stats.stale_dropped == 1
+        assert all(s <= 1 for _, s in handed), handed
+        assert "0" not in [gid for gid, _ in handed]
+        # The freed slot was given to another rollout: admissions continue.
+        assert wait_until(lambda: ex.budget.started <= (1 + ex._version + 1) * 2)
+    finally:
+        ex.stop()
