@@ -6,7 +6,7 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-from areal_kernel.errors import ConfigError, ServerError
+from areal_kernel.errors import ServerError
 from areal_kernel.inference.client import RemoteInferenceEngine
 from areal_kernel.inference.wire import HttpCall
 
@@ -57,6 +57,40 @@ class SGLangInferenceEngine(RemoteInferenceEngine):
             for i, s in enumerate(self.servers)
         ]
 
+    # -- in-memory updates (areal_sglang.weights.SGLangBroadcastTransport) ----------
+    def _each_strict(self, make_call) -> list[Any]:
+        """Like ``_control_all`` but every server must succeed: a collective
+        weight update cannot leave one server behind."""
+        futures = [self._pool.submit(self._control, s, make_call(s)) for s in self.servers]
+        errors, results = [], []
+        for f in futures:
+            try:
+                results.append(f.result())
+            except ServerError as e:
+                errors.append(str(e))
+        if errors:
+            raise ServerError("; ".join(errors))
+        return results
+
+    def begin_weight_update(self) -> None:
+        self._each_strict(lambda s: self.protocol.begin_weight_update())
+
+    def end_weight_update(self) -> None:
+        self._each_strict(lambda s: self.protocol.end_weight_update())
+
+    def update_bucket_async(
+        self, names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str, version: int | None
+    ) -> list[concurrent.futures.Future]:
+        call = self.protocol.update_weights_bucket(names, dtypes, shapes, group_name, version)
+        return [self._pool.submit(self._control, s, call) for s in self.servers]
+
+    def destroy_weight_group(self, group_name: str) -> None:
+        self._control_all(lambda s: self.protocol.destroy_weight_group(group_name))
+
+    def note_version(self, version: int) -> None:
+        """The servers already switched (the last bucket carried the version): local only."""
+        super().set_version(version)
+
     def flush_cache(self) -> None:
         self._control_all(lambda s: self.protocol.flush_cache())
 
@@ -76,14 +110,6 @@ class SGLangBackend:
     """Built from the experiment config; the scheduler calls ``launch``."""
 
     def __init__(self, config: Any, launch_prefix: list[str] | None = None) -> None:
-        wu = getattr(config, "weight_update", None)
-        if wu is not None and wu.mode == "broadcast":
-            # The kernel's broadcast sender (flat buckets on its private group) does not
-            # speak SGLang's per-tensor protocol: refuse now rather than hang at the first update.
-            raise ConfigError(
-                "weight_update.mode: 'broadcast' is not supported with rollout.backend 'sglang' "
-                "(SGLang receives one broadcast per tensor on its own group); use 'disk' or 'auto'"
-            )
         self.config = config
         self.server_config: SGLangServerConfig = config.rollout.plugin_config or SGLangServerConfig()
         self.launch_prefix = launch_prefix

@@ -5,6 +5,11 @@ from typing import Any
 
 from areal_kernel.hookspecs import hookimpl
 
+# Train engines whose named_weights_for_transfer() holds the real tensors in
+# the controller process (the fsdp engine keeps them in its ranks): `auto`
+# picks in-memory updates only for these.
+_IN_PROCESS_TRAIN_ENGINES = frozenset({"torch"})
+
 
 @hookimpl
 def areal_register_inference_engines(register: Any) -> None:
@@ -12,10 +17,32 @@ def areal_register_inference_engines(register: Any) -> None:
         "sglang",
         "areal_sglang.backend:SGLangBackend",
         config_model="areal_sglang.config:SGLangServerConfig",
-        # No "broadcast_update": SGLang receives in-memory weights as one
-        # broadcast per tensor on a group it builds itself, while the kernel's
-        # trainer-side sender broadcasts flat buckets on its private group, so
-        # `weight_update.mode: auto` must pick the disk transport.
-        capabilities=["pause", "disk_update"],
+        # broadcast_update: through the `sglang_broadcast` transport below (SGLang's
+        # own group and flattened buckets), never the kernel's `broadcast` one.
+        capabilities=["pause", "disk_update", "broadcast_update"],
         description="SGLang servers (python -m sglang.launch_server), native HTTP API",
     )
+
+
+@hookimpl
+def areal_register_weight_transports(register: Any) -> None:
+    register(
+        "sglang_broadcast",
+        "areal_sglang.weights:SGLangBroadcastTransport",
+        description="in-memory updates to SGLang servers: its update group, flattened buckets",
+    )
+
+
+@hookimpl
+def areal_select_weight_transport(train_backend: str, inference_backend: str, platform: str, mode: str) -> str | None:
+    if inference_backend != "sglang" or mode == "disk":
+        return None  # the kernel's default applies
+    if mode == "broadcast":
+        return "sglang_broadcast"
+    if mode == "auto":
+        # On CPU the safetensors round trip pauses generation less than a gloo
+        # broadcast (the kernel's measurement); SGLang has no CPU build anyway.
+        if platform == "cpu" or train_backend not in _IN_PROCESS_TRAIN_ENGINES:
+            return "disk"
+        return "sglang_broadcast"
+    return None

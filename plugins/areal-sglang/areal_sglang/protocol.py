@@ -139,6 +139,31 @@ class SGLangProtocol(ServerProtocol):
             timeout_s=WEIGHT_CALL_TIMEOUT_S,
         )
 
+    def update_weights_bucket(
+        self, names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str, version: int | None
+    ) -> HttpCall:
+        """One dense bucket (``load_format: flattened_bucket``): SGLang allocates
+        ``FlattenedTensorBucket.empty(names, dtypes, shapes)`` and receives it with
+        one broadcast. Only the last bucket of an update carries the version and
+        flushes the cache (the flush is refused while requests still run)."""
+        body: dict[str, Any] = {
+            "names": list(names), "dtypes": [str(d) for d in dtypes], "shapes": [[int(x) for x in s] for s in shapes],
+            "group_name": group_name, "load_format": "flattened_bucket", "flush_cache": version is not None,
+        }
+        if version is not None:
+            body["weight_version"] = _version_str(version)
+        return HttpCall("POST", "/update_weights_from_distributed", body, timeout_s=WEIGHT_CALL_TIMEOUT_S)
+
+    def begin_weight_update(self) -> HttpCall:
+        # SGLang 0.5.23 refuses /update_weights_from_distributed outside such a session.
+        return HttpCall("POST", "/begin_weight_update", {}, timeout_s=WEIGHT_CALL_TIMEOUT_S)
+
+    def end_weight_update(self) -> HttpCall:
+        return HttpCall("POST", "/end_weight_update", {}, timeout_s=WEIGHT_CALL_TIMEOUT_S)
+
+    def destroy_weight_group(self, group_name: str) -> HttpCall:
+        return HttpCall("POST", "/destroy_weights_update_group", {"group_name": group_name})
+
     def set_version(self, version: int) -> HttpCall:
         return HttpCall("POST", "/update_weight_version", {"new_version": _version_str(version), "abort_all_requests": False})
 

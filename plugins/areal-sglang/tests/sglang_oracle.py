@@ -3,7 +3,7 @@
 Runs in a separate process with the pinned ``sglang`` wheel installed without
 its CUDA dependencies (see ``ORACLE_SITE`` in conftest.py). It imports the
 real ``sglang.srt.server_args`` and ``sglang.srt.managers.io_struct`` and
-answers two questions:
+answers these questions:
 
 - ``POST /check_argv {"argv": [...]}``: does SGLang's own server-argument
   parser (``prepare_server_args``: ``ServerArgs.add_cli_args`` + argparse +
@@ -15,6 +15,11 @@ answers two questions:
   SGLang's schema silently ignores them. ``/generate`` bodies additionally go
   through the route's JSON contract gate, ``normalize_batch_and_arguments``
   and ``SamplingParams(**sampling_params).verify``, as the tokenizer manager does.
+
+- ``POST /sglang_weights/{init,receive,destroy}``: SGLang's own
+  ``WeightUpdater`` joins a weight-update group and receives broadcast
+  weights (``load_format`` as sent), answering with a sha256 per tensor
+  (see ``WeightReceiver``; there is no model to load them into).
 
 What is NOT real here: SGLang imports a few GPU-only or media packages at
 module top level that cannot load on these machines; they are replaced by
@@ -125,6 +130,9 @@ def import_sglang() -> dict[str, Any]:
         "/update_weights_from_disk": io.UpdateWeightFromDiskReqInput,
         "/init_weights_update_group": io.InitWeightsUpdateGroupReqInput,
         "/update_weights_from_distributed": io.UpdateWeightsFromDistributedReqInput,
+        "/begin_weight_update": io.BeginWeightUpdateReqInput,
+        "/end_weight_update": io.EndWeightUpdateReqInput,
+        "/destroy_weights_update_group": io.DestroyWeightsUpdateGroupReqInput,
         "/update_weight_version": io.UpdateWeightVersionReqInput,
         "/abort_request": io.AbortReq,
         "/release_memory_occupation": io.ReleaseMemoryOccupationReqInput,
@@ -190,8 +198,60 @@ def check_argv(sg: dict[str, Any], argv: list[str]) -> dict[str, Any]:
     return {"ok": True, "error": None, "fields": {k: getattr(args, k, None) for k in FIELDS}}
 
 
+class WeightReceiver:
+    """SGLang's own receiving side of in-memory weight updates: a real
+    ``WeightUpdater`` (model_runner_components/weight_updater.py) whose
+    ``init_weights_update_group`` and ``receive_weights_from_distributed`` run
+    unchanged on CPU/gloo. What is not real: there is no model (the received
+    tensors are hashed instead of loaded) and the TP default group it asserts
+    is a one-rank gloo group."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self._lock = threading.Lock()
+        self._updater: Any = None
+
+    def updater(self) -> Any:
+        with self._lock:
+            if self._updater is None:
+                import torch.distributed as dist
+                from sglang.srt.model_executor.model_runner_components.weight_updater import WeightUpdater
+
+                if not dist.is_initialized():
+                    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+                self._updater = WeightUpdater(
+                    tp_rank=0, device="cpu", gpu_id=0, model_config=None, custom_weight_loaders={},
+                    get_model=lambda: None, update_model_fields=lambda **k: None, recapture_cuda_graph=lambda: None,
+                    get_model_runner=lambda: None,
+                )
+            return self._updater
+
+    def handle(self, path: str, req: dict) -> dict:
+        import hashlib
+
+        import torch
+
+        u = self.updater()
+        if path == "/sglang_weights/init":
+            ok, msg = u.init_weights_update_group(req["master_address"], req["master_port"], req["rank_offset"],
+                                                  req["world_size"], req["group_name"], req["backend"])
+            return {"success": ok, "message": msg}
+        if path == "/sglang_weights/receive":
+            weights = u.receive_weights_from_distributed(names=req["names"], dtypes=req["dtypes"], shapes=req["shapes"],
+                                                        group_name=req["group_name"], load_format=req.get("load_format"))
+            sums = {n: hashlib.sha256(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+                    for n, t in weights}
+            return {"success": True, "checksums": sums}
+        if path == "/sglang_weights/destroy":
+            ok, msg = u.destroy_weights_update_group(req["group_name"])
+            return {"success": ok, "message": msg}
+        raise KeyError(path)
+
+
 def main() -> None:
     sg = import_sglang()
+    receiver = WeightReceiver()
 
     class Handler(BaseHTTPRequestHandler):
         def log_message(self, *a: Any) -> None:
@@ -215,6 +275,8 @@ def main() -> None:
                     self._send(200, check_argv(sg, req["argv"]))
                 elif self.path == "/check_request":
                     self._send(200, check_request(sg, req["route"], req.get("body")))
+                elif self.path.startswith("/sglang_weights/"):
+                    self._send(200, receiver.handle(self.path, req))
                 else:
                     self._send(404, {"error": self.path})
             except Exception:

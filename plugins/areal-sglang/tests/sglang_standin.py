@@ -75,6 +75,9 @@ class State:
         self.resumed.set()
         self.running: dict[str, Req] = {}
         self.groups: dict[str, dict] = {}
+        self.pgs: dict[str, Any] = {}  # group name -> torch process group (real gloo)
+        self.session = False  # inside /begin_weight_update .. /end_weight_update
+        self.received: dict[str, str] = {}  # tensor name -> sha256 of the bytes received last
         self.released: set[str] = set()
         self.log: list[dict] = []  # every control call, in order
         self.fail_next = 0
@@ -112,6 +115,75 @@ async def run_generation(st: State, r: Req) -> str:
         if tok in stop:
             return "stop"
         await asyncio.sleep(st.token_delay)
+
+
+# -- SGLang's weight-update group, mirrored (torch.distributed, real gloo) ----------
+# SGLang 0.5.23: WeightUpdater.init_weights_update_group (model_runner_components/
+# weight_updater.py) calls sglang.srt.utils.init_custom_process_group with
+# init_method "tcp://<master_address>:<master_port>", rank rank_offset + tp_rank
+# (this stand-in is one TP rank), inside a process that already has a default group.
+
+def join_update_group(master_address: str, master_port: int, rank_offset: int, world_size: int,
+                      group_name: str, backend: str) -> Any:
+    import datetime
+
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _new_process_group_helper, _world, rendezvous
+
+    if not dist.is_initialized():  # SGLang asserts its TP default group exists; ours is a 1-rank one
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    assert group_name != "", "Group name cannot be empty"
+    rank = rank_offset + 0
+    timeout = datetime.timedelta(seconds=300)
+    host = f"[{master_address}]" if ":" in master_address else master_address
+    store, rank, world_size = next(rendezvous(f"tcp://{host}:{master_port}", rank, world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    store = dist.PrefixStore(group_name, store)
+    pg, _ = _new_process_group_helper(world_size, rank, [], dist.Backend(backend), store, group_name=group_name,
+                                      backend_options=None, timeout=timeout)
+    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+    return pg
+
+
+def flattened_bucket_empty(names: list[str], dtypes: list[str], shapes: list[list[int]]) -> tuple[Any, list]:
+    """What FlattenedTensorBucket.empty (srt/weight_sync/tensor_bucket.py) allocates:
+    one dense uint8 buffer, no padding, a misaligned tensor refused."""
+    import torch
+
+    spans = []
+    offset = 0
+    for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
+        dt = getattr(torch, dtype)
+        shape = torch.Size(shape)
+        if any(d < 0 for d in shape):
+            raise ValueError(f"Negative dimension in received tensor {name}: {shape}")
+        if offset % dt.itemsize:
+            raise ValueError(f"Unaligned received tensor {name}: byte offset {offset}, dtype {dt}")
+        size = shape.numel() * dt.itemsize
+        spans.append((name, dt, shape, offset, offset + size))
+        offset += size
+    if not spans:
+        raise ValueError("Cannot create empty tensor bucket")
+    return torch.empty(offset, dtype=torch.uint8), spans
+
+
+def receive_weights(pg: Any, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                    load_format: str | None) -> dict[str, str]:
+    """WeightUpdater.receive_weights_from_distributed: one broadcast per bucket
+    (flattened_bucket) or one per tensor; returns sha256 of each tensor's bytes."""
+    import torch
+    import torch.distributed as dist
+
+    if load_format == "flattened_bucket":
+        flat, spans = flattened_bucket_empty(names, dtypes, shapes)
+        dist.broadcast(flat, src=0, group=pg)
+        tensors = [(n, flat[a:b].view(dt).reshape(shape)) for n, dt, shape, a, b in spans]
+    else:
+        tensors = [(n, torch.empty(shape, dtype=getattr(torch, d))) for n, d, shape in zip(names, dtypes, shapes)]
+        for handle in [dist.broadcast(t, src=0, group=pg, async_op=True) for _, t in tensors]:
+            handle.wait()
+    return {n: hashlib.sha256(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+            for n, t in tensors}
 
 
 def build_app(st: State) -> web.Application:
@@ -227,18 +299,63 @@ def build_app(st: State) -> web.Application:
 
     @control("/init_weights_update_group")
     async def init_group(body: dict) -> web.Response:
-        # A stand-in cannot join a real NCCL group; it records the request.
-        st.groups[body.get("group_name", "weight_update_group")] = body
+        # Joins for real, through the torch.distributed calls SGLang makes (see join_update_group).
+        name = body.get("group_name", "weight_update_group")
+        try:
+            st.pgs[name] = await asyncio.to_thread(
+                join_update_group, body["master_address"], int(body["master_port"]), int(body["rank_offset"]),
+                int(body["world_size"]), name, body.get("backend", "nccl"))
+        except Exception as e:
+            return web.json_response({"success": False, "message": f"Failed to initialize custom process group: {e}."},
+                                     status=400)
+        st.groups[name] = body
         return web.json_response({"success": True, "message": "Succeeded to initialize custom process group."})
+
+    @control("/destroy_weights_update_group")
+    async def destroy_group(body: dict) -> web.Response:
+        name = body.get("group_name", "weight_update_group")
+        if name not in st.pgs:
+            return web.json_response({"success": False, "message": "The group to be destroyed does not exist."},
+                                     status=400)
+        import torch.distributed as dist
+
+        dist.destroy_process_group(st.pgs.pop(name))
+        st.groups.pop(name, None)
+        return web.json_response({"success": True, "message": "Succeeded to destroy custom process group."})
+
+    @control("/begin_weight_update")
+    async def begin_update(body: dict) -> web.Response:
+        if st.session:
+            return web.json_response({"success": False, "message": "a weight-update session is already open; "
+                                      "call end_weight_update() first"}, status=400)
+        st.session = True
+        return web.json_response({"success": True, "message": "Success"})
+
+    @control("/end_weight_update")
+    async def end_update(body: dict) -> web.Response:
+        if not st.session:
+            return web.json_response({"success": False, "message": "no weight-update session is open; "
+                                      "call begin_weight_update() first"}, status=400)
+        st.session = False
+        return web.json_response({"success": True, "message": "Success"})
 
     @control("/update_weights_from_distributed")
     async def from_dist(body: dict) -> web.Response:
         g = body.get("group_name", "weight_update_group")
-        if g not in st.groups:
-            return web.json_response({"success": False, "message": f"Group {g} not in {list(st.groups)}. "
+        if not st.session:
+            return web.json_response({"success": False, "message": "update_weights_from_distributed must run between "
+                                      "begin_weight_update() and end_weight_update()"}, status=400)
+        if g not in st.pgs:
+            return web.json_response({"success": False, "message": f"Group {g} not in {list(st.pgs)}. "
                                       "Please call `init_weights_update_group` first."}, status=400)
         await wait_idle()
-        st.digest = hashlib.sha256((st.digest + json.dumps(body["names"])).encode()).hexdigest()
+        try:
+            sums = await asyncio.to_thread(receive_weights, st.pgs[g], body["names"], body["dtypes"], body["shapes"],
+                                           body.get("load_format"))
+        except Exception as e:
+            return web.json_response({"success": False, "message": f"Failed to receive weights: {e}"}, status=400)
+        st.received.update(sums)
+        st.digest = hashlib.sha256((st.digest + json.dumps(sorted(sums.items()))).encode()).hexdigest()
         if body.get("weight_version") is not None:
             st.version = body["weight_version"]
         return web.json_response({"success": True, "message": "Succeeded to update parameter online."})
@@ -279,7 +396,7 @@ def build_app(st: State) -> web.Application:
         return web.json_response({"version": st.version, "paused": st.paused, "running": len(st.running),
                                   "running_tokens": [len(r.out) for r in st.running.values()],
                                   "released": sorted(st.released), "groups": st.groups, "log": st.log,
-                                  "digest": st.digest})
+                                  "digest": st.digest, "received": st.received, "session": st.session})
 
     async def standin_fail(request: web.Request) -> web.Response:
         b = await body_of(request)
@@ -293,6 +410,8 @@ def build_app(st: State) -> web.Application:
     for path, h in [("/pause_generation", pause), ("/continue_generation", cont),
                     ("/update_weights_from_disk", from_disk), ("/init_weights_update_group", init_group),
                     ("/update_weights_from_distributed", from_dist), ("/update_weight_version", set_version),
+                    ("/destroy_weights_update_group", destroy_group), ("/begin_weight_update", begin_update),
+                    ("/end_weight_update", end_update),
                     ("/abort_request", abort), ("/release_memory_occupation", release),
                     ("/resume_memory_occupation", resume_mem)]:
         app.router.add_post(path, h)

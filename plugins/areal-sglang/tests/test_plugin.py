@@ -12,7 +12,7 @@ from areal_kernel.errors import ConfigError
 def test_entry_point_module_imports_only_the_kernel():
     code = (
         "import sys, areal_sglang.plugin, areal_sglang.config, areal_sglang.protocol, areal_sglang.launcher, "
-        "areal_sglang.backend\n"
+        "areal_sglang.backend, areal_sglang.weights\n"
         "heavy = sorted(m for m in ('torch', 'sglang', 'transformers') if m in sys.modules)\n"
         "print(heavy)"
     )
@@ -20,13 +20,14 @@ def test_entry_point_module_imports_only_the_kernel():
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
 
 
-def test_registered_as_inference_engine_with_disk_updates():
+def test_registered_as_inference_engine_with_disk_and_broadcast_updates():
     from areal_kernel.plugins import get_registry
 
     spec = get_registry().get("inference_engine", "sglang")
     assert spec.target == "areal_sglang.backend:SGLangBackend"
-    assert {"pause", "disk_update"} <= set(spec.capabilities)
-    assert "broadcast_update" not in spec.capabilities
+    assert {"pause", "disk_update", "broadcast_update"} <= set(spec.capabilities)
+    t = get_registry().get("weight_transport", "sglang_broadcast")
+    assert t.target == "areal_sglang.weights:SGLangBroadcastTransport"
 
 
 def _cfg(**sglang):
@@ -62,19 +63,69 @@ def test_bad_settings_name_the_field(bad, needle):
     assert needle in str(e.value)
 
 
-def test_auto_weight_transport_is_disk():
+def _select(train="torch", infer="sglang", platform="cpu", mode="auto"):
     from areal_kernel.plugins import get_plugin_manager
 
-    hook = get_plugin_manager().hook
-    assert hook.areal_select_weight_transport(train_backend="torch", inference_backend="sglang", platform="cpu", mode="auto") == "disk"
+    return get_plugin_manager().hook.areal_select_weight_transport(
+        train_backend=train, inference_backend=infer, platform=platform, mode=mode)
 
 
-def test_broadcast_weight_updates_are_refused_up_front():
+def test_transport_selection():
+    # SGLang: broadcast always means SGLang's own protocol; auto picks it off CPU for in-process weights.
+    assert _select(mode="broadcast") == "sglang_broadcast"
+    assert _select(mode="broadcast", platform="cuda") == "sglang_broadcast"
+    assert _select(mode="auto", platform="cuda") == "sglang_broadcast"
+    assert _select(mode="auto", platform="cpu") == "disk"
+    assert _select(mode="auto", platform="cuda", train="fsdp") == "disk"  # fsdp keeps weights in its ranks
+    assert _select(mode="disk", platform="cuda") == "disk"
+    # Other backends: the kernel's default is unchanged.
+    assert _select(infer="embedded", mode="broadcast") == "broadcast"
+    assert _select(infer="embedded", mode="auto", platform="cuda") == "broadcast"
+    assert _select(infer="embedded", mode="auto", platform="cpu") == "disk"
+
+
+def test_broadcast_config_validates_and_selects_the_sglang_transport():
     from areal_kernel.config import validate_config
+    from areal_kernel.plugins import get_registry
     from areal_sglang.backend import SGLangBackend
+    from areal_sglang.weights import SGLangBroadcastTransport
 
-    cfg = validate_config({"rollout": {"backend": "sglang"}, "weight_update": {"mode": "broadcast"}})
-    with pytest.raises(ConfigError, match="weight_update.mode: 'broadcast' is not supported"):
-        SGLangBackend(cfg)
+    cfg = validate_config({"rollout": {"backend": "sglang"}, "weight_update": {"mode": "broadcast", "bucket_mb": 8}})
+    SGLangBackend(cfg)  # no longer refused
+    name = _select(train=cfg.actor.allocation.backend, infer=cfg.rollout.allocation.backend, platform="cuda",
+                   mode=cfg.weight_update.mode)
+    assert get_registry().get("weight_transport", name).load() is SGLangBroadcastTransport
     ok = SGLangBackend(validate_config({"rollout": {"backend": "sglang"}, "model": {"dtype": "bfloat16"}}))
     assert ok.server_config.dtype is None  # follows model.dtype at launch
+
+
+def test_transport_refuses_what_it_cannot_serve():
+    import torch
+
+    from areal_sglang.backend import SGLangInferenceEngine
+    from areal_sglang.weights import SGLangBroadcastTransport
+
+    class Engine:
+        def named_weights_for_transfer(self):
+            return [("w", torch.empty(2, 2, device="meta"))]
+
+    with pytest.raises(ConfigError, match="needs SGLang servers"):
+        SGLangBroadcastTransport(Engine(), object(), "/tmp")
+    infer = SGLangInferenceEngine(["127.0.0.1:1"])
+    with pytest.raises(ConfigError, match="use weight_update.mode: disk"):
+        SGLangBroadcastTransport(Engine(), infer, "/tmp").setup()
+    infer.destroy()
+
+
+def test_tp_aware_ranks_in_init_group_bodies():
+    from areal_sglang.backend import SGLangInferenceEngine
+
+    engine = SGLangInferenceEngine(["127.0.0.1:1", "127.0.0.1:2"], tp_size=2)
+    seen = []
+    engine._control = lambda server, call: seen.append((server.address, call.json)) or {"success": True}
+    for f in engine.init_weight_group_async("127.0.0.1", 29555, "areal_weights", "nccl"):
+        f.result(10)
+    # The trainer is rank 0; server i owns ranks 1+2i and 2+2i of 5.
+    got = sorted((a, b["rank_offset"], b["world_size"], b["backend"]) for a, b in seen)
+    assert got == [("127.0.0.1:1", 1, 5, "nccl"), ("127.0.0.1:2", 3, 5, "nccl")]
+    engine.destroy()

@@ -74,6 +74,10 @@ def _calls():
         p.update_weights_from_distributed([{"name": "model.embed_tokens.weight", "dtype": "bfloat16", "shape": [8, 4]},
                                            {"name": "lm_head.weight", "dtype": "float32", "shape": [8, 4]}], 4, 1 << 20,
                                           "areal_weights"),
+        p.update_weights_bucket(["model.embed_tokens.weight", "model.norm.weight"], ["float32", "bfloat16"],
+                                [[8, 4], [4]], "areal_weights", None),
+        p.update_weights_bucket(["lm_head.weight"], ["bfloat16"], [[8, 4]], "areal_weights", 4),
+        p.begin_weight_update(), p.end_weight_update(), p.destroy_weight_group("areal_weights"),
         p.set_version(5), p.abort_request("rid-1"), p.abort_request(None),
         p.release_memory(["weights", "kv_cache"]), p.release_memory(None), p.resume_memory(["weights"]),
     ]
