@@ -1,6 +1,7 @@
 """Learning-trend checks shared by end-to-end tests (kernel and plugins)."""
 from __future__ import annotations
 
+import math
 from typing import Any, Sequence
 
 
@@ -12,10 +13,17 @@ def sampling_reward_trend(step_rows: Sequence[dict[str, Any]]) -> tuple[float, f
     two-step window at each end is too noisy to assert on: a step's window
     holds only a handful of prompt groups, so which problems it happened to
     draw moves its mean by +-0.15, and with staleness 1 step 2 still samples
-    mostly from the initial weights.
+    mostly from the initial weights. A step during which no rollout finished
+    has no reward (NaN, ``null`` in JSON) and is skipped.
     """
-    rewards = [float(r["rollout/reward_mean"]) for r in step_rows]
-    if len(rewards) < 3:
-        raise ValueError(f"need at least 3 steps for a trend, got {len(rewards)}")
-    tail = rewards[2:]
+    rewards = [_num(r.get("rollout/reward_mean")) for r in step_rows]
+    if len(rewards) < 3 or math.isnan(rewards[0]):
+        raise ValueError(f"need at least 3 steps and a reward at step 1 for a trend, got {rewards}")
+    tail = [x for x in rewards[2:] if not math.isnan(x)]
+    if len(tail) < 2:
+        raise ValueError(f"need rewards on at least 2 steps after step 2, got {rewards}")
     return rewards[0], sum(tail) / len(tail), rewards
+
+
+def _num(x: Any) -> float:
+    return float("nan") if x is None else float(x)
