@@ -11,22 +11,20 @@ define ``encode``, ``train_step`` and ``evaluate``.
 """
 from __future__ import annotations
 
-import json
 import math
-import os
 import time
 from typing import Any
 
 from areal_kernel.api.io import FinetuneSpec
 from areal_kernel.config.models import ExperimentConfig
 from areal_kernel.errors import ArealError, ConfigError, DataError
-from areal_kernel.logging import get_logger, setup_logging
+from areal_kernel.logging import get_logger
 from areal_kernel.plugins import get_plugin_manager, get_registry
 from areal_kernel.trainer.components import load_data, load_tokenizer, resolve_model_dir
 from areal_kernel.trainer.run import (
     RecordStream,
-    _raise_on_sigterm,
     make_sinks,
+    run_trainer,
     save_hf_checkpoint,
     write_run_config,
 )
@@ -196,19 +194,4 @@ def trainer_class(algorithm: str) -> type[OfflineTrainer]:
 
 
 def run_offline_training(cfg: ExperimentConfig) -> int:
-    setup_logging(level=cfg.logging.level, json_logs=cfg.logging.json_logs)
-    _raise_on_sigterm()
-    trainer = trainer_class(cfg.algorithm.type)(cfg)
-    status = "failed"
-    try:
-        trainer.setup()
-        result = trainer.train()
-        status = "completed"
-        with open(os.path.join(trainer.run_dir, "result.json"), "w", encoding="utf-8") as f:
-            json.dump(result, f, indent=2)
-        return 0
-    except KeyboardInterrupt:
-        status = "interrupted"
-        raise
-    finally:
-        trainer.close(status)
+    return run_trainer(trainer_class(cfg.algorithm.type), cfg)

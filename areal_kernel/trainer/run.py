@@ -375,16 +375,23 @@ def run_training(cfg: ExperimentConfig) -> int:
         from areal_kernel.trainer.offline import run_offline_training
 
         return run_offline_training(cfg)
+    return run_trainer(Trainer, cfg)
+
+
+def run_trainer(trainer_cls: Any, cfg: ExperimentConfig) -> int:
+    """Set up logging and SIGTERM handling, run ``trainer_cls(cfg)`` (setup,
+    train, ``result.json``) and always close it with the final status. Shared
+    by the RL loop and the offline trainers."""
+    import json
+
     setup_logging(level=cfg.logging.level, json_logs=cfg.logging.json_logs)
     _raise_on_sigterm()
-    trainer = Trainer(cfg)
+    trainer = trainer_cls(cfg)
     status = "failed"
     try:
         trainer.setup()
         result = trainer.train()
         status = "completed"
-        import json
-
         with open(os.path.join(trainer.run_dir, "result.json"), "w", encoding="utf-8") as f:
             json.dump(result, f, indent=2)
         return 0
