@@ -33,6 +33,12 @@ class GenerationConfig:
     greedy: bool = False
     stop_token_ids: list[int] = field(default_factory=list)
     n_samples: int = 1  # group size used by workflows, not sent to servers
+    # Per-request sampling seed. Servers that honour it (the embedded one) draw
+    # the random number for the token at position p from (seed, p) alone, so
+    # the same request on the same weights yields the same tokens, whatever
+    # else is batched with it and even across an interruption: that is what
+    # lets a resumed run regenerate exactly what the killed run would have.
+    seed: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -42,6 +48,7 @@ class GenerationConfig:
             "top_k": self.top_k,
             "greedy": self.greedy,
             "stop_token_ids": list(self.stop_token_ids),
+            "seed": self.seed,
         }
 
 
@@ -153,6 +160,10 @@ class TrajectoryGroup:
 
     trajectories: list[Trajectory]
     group_id: str = ""
+    # The data stream's id of the record this group came from (epoch and
+    # index, stable across restarts; set by the rollout executor): what
+    # recovery uses to prove no sample is trained twice or skipped.
+    sample_uid: str = ""
 
     @property
     def rewards(self) -> list[float]:

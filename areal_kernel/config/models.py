@@ -173,11 +173,22 @@ class TrainerConfig(StrictModel):
     max_steps: int | None = Field(None, ge=1)
     eval_every: int = Field(0, ge=0, description="Evaluate every N steps (0: only before and after).")
     eval_size: int = Field(32, ge=0)
+    max_skipped_steps: int = Field(
+        3,
+        ge=0,
+        description="Stop the run after more than this many consecutive steps skipped for NaN/inf loss or gradients.",
+    )
 
 
 class CheckpointConfig(StrictModel):
     save_hf_every: int = Field(0, ge=0, description="Save an HF checkpoint every N steps (0: at the end only).")
-    keep_last: int = Field(2, ge=1)
+    keep_last: int = Field(2, ge=1, description="Checkpoints of each kind kept (HF step<N> and recovery).")
+    save_every: int = Field(
+        10,
+        ge=0,
+        description="Write a recovery checkpoint (model, optimizer, RNG, data position, rollout state) every N "
+        "steps under <run_dir>/recover (0: never; the run then cannot resume).",
+    )
 
 
 class LoggingConfig(StrictModel):
@@ -219,6 +230,21 @@ class ExperimentConfig(StrictModel):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
+    recover: Literal["auto", "off"] = Field(
+        "auto",
+        description="auto: resume an interrupted run from the newest complete recovery checkpoint in run_dir; "
+        "off: always start from step 0 (refused while run_dir holds an unfinished run's checkpoints).",
+    )
+
+    @field_validator("recover", mode="before")
+    @classmethod
+    def _yaml_off(cls, v: Any) -> Any:
+        # YAML reads a bare `off` as false (and `on` as true).
+        if v is False:
+            return "off"
+        if v is True:
+            return "auto"
+        return v
 
     @field_validator("experiment_name")
     @classmethod

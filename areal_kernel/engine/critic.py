@@ -187,6 +187,63 @@ class TorchCriticEngine:
         stats.update(grad_norm=grad_norm, lr=lr, skipped=0.0 if finite else 1.0)
         return stats
 
+    # ------------------------------------------------------------- checkpoint
+    def save_state(self, path: str) -> None:
+        """Decoder + head weights, optimizer moments and the step (safetensors + JSON)."""
+        import json
+        import os
+
+        import torch
+        from safetensors.torch import save_file
+
+        self._require_init()
+        os.makedirs(path, exist_ok=True)
+        weights = {f"decoder.{k}": v.detach().contiguous() for k, v in self.decoder.state_dict().items()}
+        weights.update({f"head.{k}": v.detach().contiguous() for k, v in self.head.state_dict().items()})
+        save_file(weights, os.path.join(path, "critic.safetensors"))
+        osd = self.optimizer.state_dict()
+        tensors, scalars = {}, {}
+        for idx, st in osd["state"].items():
+            for k, v in st.items():
+                if torch.is_tensor(v):
+                    tensors[f"{idx}.{k}"] = v.detach().contiguous()
+                else:
+                    scalars.setdefault(str(idx), {})[k] = v
+        save_file(tensors, os.path.join(path, "critic_optimizer.safetensors"))
+        with open(os.path.join(path, "critic_state.json"), "w", encoding="utf-8") as f:
+            json.dump({"step": self._step, "param_groups": osd["param_groups"], "scalars": scalars}, f)
+
+    def load_state(self, path: str) -> None:
+        """Restore what ``save_state`` wrote into an initialized critic."""
+        import json
+        import os
+
+        import torch
+        from safetensors.torch import load_file
+
+        self._require_init()
+        meta_path = os.path.join(path, "critic_state.json")
+        if not os.path.isfile(meta_path):
+            raise DataError(f"{path!r} is not a critic checkpoint (no critic_state.json)")
+        with open(meta_path, encoding="utf-8") as f:
+            meta = json.load(f)
+        w = load_file(os.path.join(path, "critic.safetensors"), device=str(self.device))
+        with torch.no_grad():
+            self.decoder.load_state_dict({k[8:]: v for k, v in w.items() if k.startswith("decoder.")})
+            self.head.load_state_dict({k[5:]: v for k, v in w.items() if k.startswith("head.")})
+        state: dict[int, dict[str, Any]] = {}
+        for key, v in load_file(os.path.join(path, "critic_optimizer.safetensors"), device=str(self.device)).items():
+            idx, k = key.split(".", 1)
+            state.setdefault(int(idx), {})[k] = v
+        for idx, kv in meta["scalars"].items():
+            state.setdefault(int(idx), {}).update(kv)
+        groups = meta["param_groups"]
+        for g in groups:
+            if "betas" in g:
+                g["betas"] = tuple(g["betas"])
+        self.optimizer.load_state_dict({"state": state, "param_groups": groups})
+        self._step = int(meta["step"])
+
     def destroy(self) -> None:
         self.decoder = self.head = self.optimizer = None
         current_platform().empty_cache()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import queue
 import threading
 import time
@@ -12,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from areal_kernel.api.engine import InferenceEngine
-from areal_kernel.api.io import TrajectoryGroup
+from areal_kernel.api.io import Trajectory, TrajectoryGroup
 from areal_kernel.errors import ArealError
 from areal_kernel.logging import get_logger
 from areal_kernel.rollout.staleness import StalenessBudget
@@ -84,7 +85,11 @@ class RolloutExecutor:
         self.max_failures = max_failures
         self.stats = RolloutStats()
         self._version = 0
-        self._out: queue.Queue[TrajectoryGroup] = queue.Queue()
+        # (admission number, group): batches are handed out in admission
+        # order, so a batch's layout (and its float sums) does not depend on
+        # which rollout happened to finish first.
+        self._out: queue.Queue[tuple[int, TrajectoryGroup]] = queue.Queue()
+        self._seq = 0
         self._rejected_since_batch = 0
         self._error: BaseException | None = None
         self._exhausted = False
@@ -117,10 +122,51 @@ class RolloutExecutor:
     def exhausted(self) -> bool:
         return self._exhausted and self.budget.running == 0 and self._out.empty()
 
+    def drain(self, timeout: float | None = None) -> None:
+        """Stop admitting and wait until no episode is running (finished ones
+        wait in the queue): a quiescent point at which ``state_dict`` is exact."""
+        self.pause()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.budget.running > 0:
+            if self._error is not None:
+                raise self._error
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"{self.budget.running} rollouts still running after {timeout}s")
+            time.sleep(0.02)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to continue exactly (call after ``drain``): the
+        staleness accounting and the finished groups not yet trained on."""
+        if self.budget.running:
+            raise RuntimeError("RolloutExecutor.state_dict() needs drain() first: rollouts are running")
+        with self._out.mutex:
+            queued = list(self._out.queue)
+        return {
+            "started": self.budget.started,
+            "rejected_since_batch": self._rejected_since_batch,
+            "exhausted": self._exhausted,
+            "seq": self._seq,
+            "queued": [{"seq": s, "group": dataclasses.asdict(g)} for s, g in queued],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore ``state_dict`` into an executor that has not started."""
+        if self._thread is not None:
+            raise RuntimeError("RolloutExecutor.load_state_dict() must be called before start()")
+        self.budget.started = int(state["started"])
+        self._rejected_since_batch = int(state["rejected_since_batch"])
+        self._exhausted = bool(state["exhausted"])
+        self._seq = int(state["seq"])
+        for item in state["queued"]:
+            g = item["group"]
+            trajs = [Trajectory(**t) for t in g["trajectories"]]
+            self._out.put((int(item["seq"]), TrajectoryGroup(trajs, g.get("group_id", ""), g.get("sample_uid", ""))))
+
     def get_batch(self, n: int, timeout: float | None = None) -> list[TrajectoryGroup]:
-        """Block until ``n`` groups are ready (FIFO). Raises if episodes keep failing
-        or the data ran out before ``n`` groups."""
-        groups: list[TrajectoryGroup] = []
+        """Block until ``n`` groups are ready (first finished first, returned in
+        admission order). Raises if episodes keep failing or the data ran out
+        before ``n`` groups."""
+        groups: list[tuple[int, TrajectoryGroup]] = []
         deadline = None if timeout is None else time.monotonic() + timeout
         while len(groups) < n:
             if self._error is not None:
@@ -130,7 +176,7 @@ class RolloutExecutor:
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"waited {timeout}s for {n} rollout groups, got {len(groups)}")
             try:
-                g = self._out.get(timeout=0.1)
+                seq, g = self._out.get(timeout=0.1)
             except queue.Empty:
                 continue
             if self._too_stale(g):
@@ -144,9 +190,9 @@ class RolloutExecutor:
                 else:
                     self.budget.release()
                 continue
-            groups.append(g)
+            groups.append((seq, g))
         self._rejected_since_batch = 0
-        return groups
+        return [g for _, g in sorted(groups, key=lambda x: x[0])]
 
     def _too_stale(self, group: TrajectoryGroup) -> bool:
         return any(t.staleness(self._version) > self.budget.max_staleness for t in group.trajectories)
@@ -175,7 +221,8 @@ class RolloutExecutor:
                         break
                     self.budget.admit()
                     self.stats.admitted += 1
-                    tasks.add(asyncio.create_task(self._episode(record)))
+                    self._seq += 1
+                    tasks.add(asyncio.create_task(self._episode(record, self._seq)))
             if not tasks:
                 await asyncio.sleep(0.01)
                 continue
@@ -185,7 +232,7 @@ class RolloutExecutor:
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _episode(self, record: Any) -> None:
+    async def _episode(self, record: Any, seq: int) -> None:
         t0 = time.monotonic()
         try:
             group = await self.workflow.arun_episode(self.engine, record)
@@ -213,9 +260,11 @@ class RolloutExecutor:
                 self.stats.rejected += 1
                 return
             self.stats.accepted_unfiltered += 1
+        if isinstance(record, dict) and record.get("_sample_uid") is not None:
+            group.sample_uid = str(record["_sample_uid"])
         self.budget.finish(kept=True)
         self.stats.accepted += 1
-        self._out.put(group)
+        self._out.put((seq, group))
 
 
 def staleness_histogram(groups: list[TrajectoryGroup], version: int) -> dict[int, int]:

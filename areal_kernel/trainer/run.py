@@ -6,6 +6,8 @@ running ahead of training by at most ``rollout.max_staleness`` versions.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import random
 import time
@@ -27,18 +29,33 @@ from areal_kernel.trainer.components import (
     workflow_required_fields,
 )
 from areal_kernel.trainer.evaluate import evaluate
+from areal_kernel.trainer.recovery import (
+    SAMPLES_FILE,
+    STATE_FILE,
+    STATE_FORMAT,
+    SamplesLog,
+    plan_start,
+    recovery_manager,
+    truncate_jsonl,
+)
 
 log = get_logger(__name__)
 
 
 class RecordStream:
-    """Training records in a seeded order, epoch after epoch (``None`` at the end)."""
+    """Training records in a seeded order, epoch after epoch (``None`` at the end).
 
-    def __init__(self, records: list[dict], epochs: int, seed: int, shuffle: bool) -> None:
+    With ``tag=True`` each record handed out is a copy carrying
+    ``_sample_uid`` (``e<epoch>-<index>``: the same record in the same epoch
+    of any run with this seed) and ``_sample_seed`` (what workflows seed
+    sampling from, see ``GenerationConfig.seed``)."""
+
+    def __init__(self, records: list[dict], epochs: int, seed: int, shuffle: bool, tag: bool = False) -> None:
         self.records = records
         self.epochs = epochs
         self.seed = seed
         self.shuffle = shuffle
+        self.tag = tag
         self.position = 0  # records handed out so far (for recovery and stats)
         self._it = self._iterate()
 
@@ -48,13 +65,27 @@ class RecordStream:
             if self.shuffle:
                 random.Random(self.seed * 1000003 + epoch).shuffle(order)
             for i in order:
-                yield self.records[i]
+                yield epoch, i, self.records[i]
 
     def __call__(self) -> dict | None:
-        rec = next(self._it, None)
-        if rec is not None:
-            self.position += 1
+        item = next(self._it, None)
+        if item is None:
+            return None
+        self.position += 1
+        epoch, i, rec = item
+        if self.tag and isinstance(rec, dict):
+            digest = hashlib.sha256(f"{self.seed}:{epoch}:{i}".encode()).digest()
+            rec = {**rec, "_sample_uid": f"e{epoch}-{i}", "_sample_seed": int.from_bytes(digest[:8], "little") >> 1}
         return rec
+
+    def skip_to(self, position: int) -> None:
+        """Continue after the first ``position`` records (a resumed run)."""
+        if self.position:
+            raise RuntimeError("RecordStream.skip_to() must be called before any record is taken")
+        for _ in range(position):
+            if next(self._it, None) is None:
+                break
+            self.position += 1
 
 
 def make_sinks(cfg: ExperimentConfig, run_dir: str, total_steps: int) -> list[Any]:
@@ -170,15 +201,41 @@ class Trainer:
         self.transport: Any = None
         self.executor: RolloutExecutor | None = None
         self.sinks: list[Any] = []
+        self.samples_log: SamplesLog | None = None
         self.version = 0
+        self.step = 0  # last completed step
+        self.trained_samples = 0
+        self.before_eval: dict[str, Any] | None = None
+        self.resume_from: Any = None  # the Checkpoint being resumed, if any
+        self._resume_state: dict[str, Any] | None = None
+        self.recovery = recovery_manager(self.run_dir, cfg.checkpoint.keep_last)
+        self.skipped_streak = 0
+        self.reward_seen = (0, 0)  # (calls, failures) already reported
 
     # -- set-up ---------------------------------------------------------------
     def setup(self) -> None:
         cfg, reg = self.cfg, get_registry()
-        write_run_config(cfg, self.run_dir)
+        # Everything that can fail on user input comes before anything is
+        # written into run_dir (an earlier run's files stay as they were).
         self.model_dir = resolve_model_dir(cfg)
         self.tokenizer = load_tokenizer(self.model_dir)
         self.train_records, self.eval_records = load_data(cfg, workflow_required_fields(cfg))
+        planned = plan_start(cfg, self.run_dir)
+        if planned is not None:
+            self.resume_from, self._resume_state = planned
+            # Steps after the checkpoint are redone: their log lines go.
+            k = self.resume_from.step
+            for name in ("metrics.jsonl", SAMPLES_FILE):
+                truncate_jsonl(os.path.join(self.run_dir, name), k)
+            log.info("resuming from a recovery checkpoint", path=self.resume_from.path, step=k)
+            print(f"resuming from {self.resume_from.path} (step {k})", flush=True)
+        else:
+            for name in ("metrics.jsonl", SAMPLES_FILE, "result.json"):
+                # A new run: an earlier completed run's logs would mix with ours.
+                path = os.path.join(self.run_dir, name)
+                if os.path.exists(path):
+                    os.replace(path, path + ".prev")
+        write_run_config(cfg, self.run_dir)
         self.ft = FinetuneSpec(
             total_train_epochs=cfg.trainer.total_train_epochs,
             dataset_size=len(self.train_records),
@@ -219,7 +276,9 @@ class Trainer:
         )
         self.transport.setup()
         log.info("weight transport ready", transport=transport_name)
-        self.stream = RecordStream(self.train_records, cfg.trainer.total_train_epochs, cfg.seed, cfg.dataset.shuffle)
+        self.stream = RecordStream(
+            self.train_records, cfg.trainer.total_train_epochs, cfg.seed, cfg.dataset.shuffle, tag=True
+        )
         a = cfg.algorithm
         self.executor = RolloutExecutor(
             self.rollout.engine,
@@ -231,6 +290,63 @@ class Trainer:
             keep=_keep_group(self.rl_cfg) if a.dynamic_filter else None,
             retry_budget=a.filter_retry_budget,
         )
+        if self.resume_from is not None:
+            self._restore(self.resume_from, self._resume_state)
+        self.samples_log = SamplesLog(self.run_dir)
+
+    # -- recovery ---------------------------------------------------------------
+    def _restore(self, ckpt: Any, state: dict[str, Any]) -> None:
+        """Load a recovery checkpoint into the freshly built parts."""
+        self.train_engine.load_state(os.path.join(ckpt.path, "engine"))
+        if self.critic is not None:
+            self.critic.load_state(os.path.join(ckpt.path, "critic"))
+        self.step = int(state["step"])
+        self.version = int(state["version"])
+        self.trained_samples = int(state["trained_samples"])
+        self.before_eval = state["before_eval"]
+        self.skipped_streak = int(state.get("skipped_streak", 0))
+        wf = self.rollout.workflow
+        wf.reward_calls, wf.reward_failures = state.get("reward_counts", [0, 0])
+        self.reward_seen = (wf.reward_calls, wf.reward_failures)
+        self.stream.skip_to(int(state["stream_position"]))
+        self.executor.load_state_dict(state["executor"])
+        self.executor.set_version(self.version)
+        self.train_engine.set_version(self.version)
+        # The servers started from the base model: give them the checkpoint's weights.
+        self.transport.update(self.version)
+
+    def save_recovery(self) -> str:
+        """A recovery checkpoint of the state after ``self.step`` (see trainer/recovery.py)."""
+        t0 = time.monotonic()
+        self.executor.drain()
+        wf = self.rollout.workflow
+        state = {
+            "format": STATE_FORMAT,
+            "step": self.step,
+            "version": self.version,
+            "trained_samples": self.trained_samples,
+            "stream_position": self.stream.position,
+            "executor": self.executor.state_dict(),
+            "before_eval": self.before_eval,
+            "skipped_streak": self.skipped_streak,
+            "reward_counts": [wf.reward_calls, wf.reward_failures],
+            "config": self.cfg.dump(),
+        }
+
+        def write(path: str) -> None:
+            self.train_engine.save_state(os.path.join(path, "engine"))
+            if self.critic is not None:
+                self.critic.save_state(os.path.join(path, "critic"))
+            with open(os.path.join(path, STATE_FILE), "w", encoding="utf-8") as f:
+                json.dump(state, f)
+
+        try:
+            ckpt = self.recovery.save(self.step, write)
+        finally:
+            self.executor.resume()
+        self.hook.areal_on_checkpoint(step=self.step, path=ckpt.path)
+        log.info("recovery checkpoint written", path=ckpt.path, seconds=round(time.monotonic() - t0, 2))
+        return ckpt.path
 
     def _make_critic(self, engine_cfg: Any, opt_steps: int) -> Any:
         """A value model (same initial weights as the actor) for critic-based estimators."""
@@ -265,7 +381,8 @@ class Trainer:
         if wf.reward_calls >= 20 and wf.reward_failures / wf.reward_calls > self.cfg.reward.max_failure_fraction:
             raise ArealError(
                 f"{wf.reward_failures} of {wf.reward_calls} reward calls failed (more than "
-                f"reward.max_failure_fraction={self.cfg.reward.max_failure_fraction}); see the log for causes"
+                f"reward.max_failure_fraction={self.cfg.reward.max_failure_fraction}); last failure: "
+                f"{getattr(wf, 'last_reward_error', None)}"
             )
 
     # -- the loop ---------------------------------------------------------------
@@ -273,15 +390,16 @@ class Trainer:
         from areal_kernel.algo.rl import rl_train_step
 
         cfg = self.cfg
-        before = self.evaluate()
+        if self.before_eval is None:
+            self.before_eval = self.evaluate()
+            self.log_metrics(0, {"eval/accuracy": self.before_eval["eval/accuracy"]})
+        before = self.before_eval
         print(f"held-out greedy accuracy before training: {before['eval/accuracy']:.3f} (n={before['eval/n']})", flush=True)
-        self.log_metrics(0, {"eval/accuracy": before["eval/accuracy"]})
         total = self.ft.total_train_steps
         self.executor.start()
         t_run = time.monotonic()
-        trained_samples = 0
-        last_eval = before
-        for step in range(1, total + 1):
+        samples_here = 0
+        for step in range(self.step + 1, total + 1):
             t0 = time.monotonic()
             groups = self.executor.get_batch(cfg.trainer.batch_size)
             t_wait = time.monotonic() - t0
@@ -302,27 +420,35 @@ class Trainer:
             self.train_engine.set_version(new_version)  # token versions are compared with it (prox_interpolate)
             self.executor.set_version(new_version)
             self.hook.areal_on_weight_update(version=new_version, transport=self.transport.name, seconds=time.monotonic() - t2)
-            trained_samples += len(batch)
+            self.step = step
+            self.trained_samples += len(batch)
+            samples_here += len(batch)
+            self.samples_log.log(step, new_version, [g.sample_uid for g in groups])
             step_s = time.monotonic() - t0
             metrics.update({f"train/{k}": v for k, v in train_stats.items() if isinstance(v, (int, float))})
             metrics.update(upd)
             metrics.update(self.executor.stats.snapshot_and_reset())
+            metrics.update(self._reward_metrics())
             metrics.update({
                 "perf/step_s": step_s,
                 "perf/wait_rollout_s": t_wait,
                 "perf/train_s": t2 - t1,
                 "perf/train_tokens_per_s": batch.n_tokens / max(t2 - t1, 1e-9),
-                "perf/samples_per_s": trained_samples / (time.monotonic() - t_run),
+                "perf/samples_per_s": samples_here / (time.monotonic() - t_run),
                 "version": new_version,
             })
             if cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0 and step < total:
-                last_eval = self.evaluate()
-                metrics["eval/accuracy"] = last_eval["eval/accuracy"]
+                metrics["eval/accuracy"] = self.evaluate()["eval/accuracy"]
             self.log_metrics(step, metrics)
             self.hook.areal_on_train_step(step=step, metrics=metrics)
             self._check_reward_health()
+            self._check_skipped(train_stats)
             if cfg.checkpoint.save_hf_every and step % cfg.checkpoint.save_hf_every == 0 and step < total:
                 self.save_hf(f"step{step}")
+            # Not during a NaN streak: the newest checkpoints must stay ones taken
+            # after a step that trained (keep_last would otherwise prune them).
+            if cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0 and step < total and not self.skipped_streak:
+                self.save_recovery()
         self.executor.stop()
         after = self.evaluate()
         self.log_metrics(total, {"eval/accuracy": after["eval/accuracy"]})
@@ -330,13 +456,37 @@ class Trainer:
         elapsed = time.monotonic() - t_run
         print(
             f"held-out greedy accuracy: before {before['eval/accuracy']:.3f} -> after {after['eval/accuracy']:.3f} "
-            f"(n={after['eval/n']}, {total} steps, {trained_samples} samples, {elapsed:.0f}s training)",
+            f"(n={after['eval/n']}, {total} steps, {self.trained_samples} samples, {elapsed:.0f}s training)",
             flush=True,
         )
         print(f"final HF checkpoint: {final}", flush=True)
         return {"before": before["eval/accuracy"], "after": after["eval/accuracy"], "steps": total,
-                "train_seconds": elapsed, "samples": trained_samples, "checkpoint": final}
+                "train_seconds": elapsed, "samples": self.trained_samples, "checkpoint": final,
+                "resumed_from_step": self.resume_from.step if self.resume_from is not None else None}
 
+    def _reward_metrics(self) -> dict[str, float]:
+        wf = self.rollout.workflow
+        calls, failures = getattr(wf, "reward_calls", 0), getattr(wf, "reward_failures", 0)
+        seen_calls, seen_failures = self.reward_seen
+        self.reward_seen = (calls, failures)
+        return {"reward/calls": calls - seen_calls, "reward/failures": failures - seen_failures,
+                "reward/failures_total": failures}
+
+    def _check_skipped(self, train_stats: dict[str, Any]) -> None:
+        """A step skipped for NaN/inf is reported; too many in a row stop the run."""
+        if not train_stats.get("skipped"):
+            self.skipped_streak = 0
+            return
+        self.skipped_streak += 1
+        log.warning("training step skipped: non-finite loss or gradients", step=self.step, streak=self.skipped_streak)
+        limit = self.cfg.trainer.max_skipped_steps
+        if self.skipped_streak > limit:
+            last = self.recovery.latest()
+            raise ArealError(
+                f"{self.skipped_streak} consecutive training steps had non-finite loss or gradients "
+                f"(trainer.max_skipped_steps={limit}); the run stopped. "
+                f"Last good checkpoint: {last.path if last else 'none'}"
+            )
     def save_hf(self, tag: str) -> str:
         return save_hf_checkpoint(self.train_engine, self.run_dir, tag, self.cfg.checkpoint.keep_last, self.version)
 
@@ -350,6 +500,8 @@ class Trainer:
                 engine.destroy()
         for sink in self.sinks:
             sink.close()
+        if self.samples_log is not None:
+            self.samples_log.close()
         self.hook.areal_on_run_end(status=status, run_dir=self.run_dir)
 
 

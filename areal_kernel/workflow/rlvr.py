@@ -7,11 +7,15 @@ crashing reward never blocks generation.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from typing import Any
 
 from areal_kernel.api.io import GenerationConfig, ModelRequest, Trajectory, TrajectoryGroup
 from areal_kernel.errors import DataError
+from areal_kernel.logging import get_logger
 from areal_kernel.workflow.rlvr_config import RLVRConfig
+
+log = get_logger(__name__)
 
 
 class RLVRWorkflow:
@@ -36,6 +40,7 @@ class RLVRWorkflow:
             self.gconfig.stop_token_ids = [*self.gconfig.stop_token_ids, eos]
         self.reward_failures = 0
         self.reward_calls = 0
+        self.last_reward_error: str | None = None
 
     def encode_prompt(self, record: dict[str, Any]) -> list[int]:
         try:
@@ -63,12 +68,20 @@ class RLVRWorkflow:
         self.reward_calls += 1
         if not result.ok:
             self.reward_failures += 1
+            self.last_reward_error = result.error
+            # The first few, then every hundredth: causes without flooding the log.
+            if self.reward_failures <= 3 or self.reward_failures % 100 == 0:
+                log.warning("reward call failed; scored 0", reward=self.reward_target, error=result.error,
+                            failures=self.reward_failures)
         return float(result.score) if result.ok else 0.0
 
     async def arun_episode(self, engine: Any, record: dict[str, Any]) -> TrajectoryGroup:
         input_ids = self.encode_prompt(record)
         n = max(1, self.gconfig.n_samples)
-        reqs = [ModelRequest(input_ids=input_ids, gconfig=self.gconfig, metadata={"record_id": record.get("id")}) for _ in range(n)]
+        reqs = [
+            ModelRequest(input_ids=input_ids, gconfig=sample_gconfig(self.gconfig, record, i), metadata={"record_id": record.get("id")})
+            for i in range(n)
+        ]
         resps = await asyncio.gather(*(engine.agenerate(r) for r in reqs))
         texts = [self.decode(r.output_ids) for r in resps]
         rewards = await asyncio.gather(*(self._score(t, record["answer"]) for t in texts))
@@ -87,3 +100,13 @@ class RLVRWorkflow:
         resp = await engine.agenerate(ModelRequest(input_ids=self.encode_prompt(record), gconfig=gconfig))
         text = self.decode(resp.output_ids)
         return await self._score(text, record["answer"]), text
+
+
+def sample_gconfig(gconfig: GenerationConfig, record: dict[str, Any], index: int) -> GenerationConfig:
+    """The generation config of sample ``index`` of ``record``: seeded from the
+    record's ``_sample_seed`` (set by the trainer's data stream) so that a
+    resumed run regenerates the same samples; unseeded when the record has none."""
+    base = record.get("_sample_seed")
+    if base is None:
+        return gconfig
+    return dataclasses.replace(gconfig, seed=(int(base) + index) % (1 << 63))

@@ -30,6 +30,7 @@ class EmbeddedProtocol(ServerProtocol):
                     "top_k": gconfig.top_k,
                     "greedy": gconfig.greedy,
                     "stop_token_ids": list(gconfig.stop_token_ids),
+                    "seed": gconfig.seed,
                 },
             },
         )

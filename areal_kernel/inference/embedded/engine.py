@@ -26,7 +26,7 @@ import torch
 
 from areal_kernel.inference.embedded.kvbatch import Request, RunningBatch, _layers, _set_kv, new_cache, stop_matrix
 from areal_kernel.inference.embedded.protocol import GenerateBody, RequestError
-from areal_kernel.inference.embedded.sampling import RowParams, sample
+from areal_kernel.inference.embedded.sampling import RowParams, row_uniforms, sample
 
 log = logging.getLogger("areal.embedded.engine")
 
@@ -348,7 +348,14 @@ class GenerationEngine:
     def _consume(self, b: RunningBatch, logits: torch.Tensor) -> RunningBatch | None:
         """Sample one token per row, record it, and remove finished rows.
         ``b.pos`` is the position the new token occupies."""
-        tok, lp = sample(logits, b.rows, self.generator)
+        # Seeded requests: the draw for a token depends on (seed, its absolute position) only.
+        u = row_uniforms(
+            [r.params.seed for r in b.reqs],
+            [len(r.input_ids) + len(r.output_ids) for r in b.reqs],
+            self.generator,
+            logits.device,
+        )
+        tok, lp = sample(logits, b.rows, self.generator, u)
         b.n_gen = b.n_gen + 1
         b.last = tok
         hit = (tok.unsqueeze(1) == b.stop).any(1)

@@ -23,6 +23,7 @@ class SamplingParams:
     top_k: int = -1  # <= 0: disabled
     greedy: bool = False
     stop_token_ids: list[int] = field(default_factory=list)
+    seed: int | None = None  # see GenerationConfig.seed
 
 
 @dataclass
@@ -51,7 +52,7 @@ def parse_sampling(sp: Any) -> SamplingParams:
         sp = {}
     if not isinstance(sp, dict):
         raise RequestError("sampling_params must be a JSON object")
-    known = {"max_new_tokens", "temperature", "top_p", "top_k", "greedy", "stop_token_ids"}
+    known = {"max_new_tokens", "temperature", "top_p", "top_k", "greedy", "stop_token_ids", "seed"}
     unknown = sorted(set(sp) - known)
     if unknown:
         raise RequestError(f"sampling_params: unknown field(s) {unknown}; valid: {sorted(known)}")
@@ -88,6 +89,11 @@ def parse_sampling(sp: Any) -> SamplingParams:
         if not isinstance(v, list) or not all(_is_int(x) and x >= 0 for x in v):
             raise RequestError(f"sampling_params.stop_token_ids must be a list of token ids (ints >= 0), got {v!r}")
         out.stop_token_ids = list(v)
+    if sp.get("seed") is not None:
+        v = sp["seed"]
+        if not _is_int(v) or not 0 <= v < 2**63:
+            raise RequestError(f"sampling_params.seed must be an integer in [0, 2**63) or null, got {v!r}")
+        out.seed = v
     # temperature 0 means greedy (the usual convention of vLLM/SGLang).
     if out.temperature == 0:
         out.greedy = True

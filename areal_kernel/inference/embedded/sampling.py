@@ -99,10 +99,40 @@ def _filter_sorted(
 TOP_CANDIDATES = 1024
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def seeded_uniform(seed: int, position: int) -> float:
+    """A uniform number in [0, 1) that depends only on (seed, position): a
+    counter-based generator (SplitMix64 finaliser), so a request's draws do
+    not depend on what else shares its batch or on where it was interrupted."""
+    z = (seed * 0x9E3779B97F4A7C15 + position * 0xD1B54A32D192ED03 + 0x632BE59BD9B4E019) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    z ^= z >> 31
+    return (z >> 11) * (1.0 / (1 << 53))
+
+
+def row_uniforms(
+    seeds: Sequence[int | None], positions: Sequence[int], generator: torch.Generator | None, device: torch.device
+) -> torch.Tensor | None:
+    """[B, 1] float64 uniforms for a batch where some rows carry a seed, or
+    ``None`` when none does (the caller then draws from ``generator``)."""
+    if all(s is None for s in seeds):
+        return None
+    free = torch.rand(len(seeds), generator=generator, dtype=torch.float64, device=generator.device if generator else "cpu")
+    vals = [seeded_uniform(s, p) if s is not None else float(f) for s, p, f in zip(seeds, positions, free.tolist())]
+    return torch.tensor(vals, dtype=torch.float64, device=device).unsqueeze(1)
+
+
 def sample(
-    logits: torch.Tensor, rows: RowParams, generator: torch.Generator | None = None
+    logits: torch.Tensor,
+    rows: RowParams,
+    generator: torch.Generator | None = None,
+    uniforms: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pick one token per row. ``logits``: [B, V] float32.
+    """Pick one token per row. ``logits``: [B, V] float32. ``uniforms``: an
+    optional [B, 1] float64 random number per row (see ``row_uniforms``).
     Returns (tokens [B] long, logprobs [B] float32)."""
     if rows.all_greedy:
         # T = 1 for greedy rows: plain log_softmax.
@@ -111,14 +141,16 @@ def sample(
         return tok, logp.gather(1, tok.unsqueeze(1)).squeeze(1)
     logp = torch.log_softmax(logits / rows.temperature.unsqueeze(1), -1)
     if rows.needs_filter:
-        sampled = _sample_filtered(logp, rows, generator)
+        sampled = _sample_filtered(logp, rows, generator, uniforms)
     else:
-        sampled = _categorical(logp, generator)
+        sampled = _categorical(logp, generator, uniforms)
     tok = torch.where(rows.greedy, logits.argmax(-1), sampled) if rows.any_greedy else sampled
     return tok, logp.gather(1, tok.unsqueeze(1)).squeeze(1)
 
 
-def _sample_filtered(logp: torch.Tensor, rows: RowParams, generator: torch.Generator | None) -> torch.Tensor:
+def _sample_filtered(
+    logp: torch.Tensor, rows: RowParams, generator: torch.Generator | None, uniforms: torch.Tensor | None = None
+) -> torch.Tensor:
     vocab = logp.shape[-1]
     wants = (rows.top_k < vocab) | (rows.top_p < 1.0)
     finite_k = rows.top_k[rows.top_k < vocab]
@@ -132,14 +164,16 @@ def _sample_filtered(logp: torch.Tensor, rows: RowParams, generator: torch.Gener
     else:
         vals, order = logp.sort(-1, descending=True)
     filtered = _filter_sorted(vals, rows.top_k, rows.top_p, vocab)
-    picked = order.gather(1, _categorical(filtered, generator).unsqueeze(1)).squeeze(1)
+    picked = order.gather(1, _categorical(filtered, generator, uniforms).unsqueeze(1)).squeeze(1)
     if bool(wants.all().item()):
         return picked
     # Rows without filters in a mixed batch sample from the full vocabulary.
-    return torch.where(wants, picked, _categorical(logp, generator))
+    return torch.where(wants, picked, _categorical(logp, generator, uniforms))
 
 
-def _categorical(logp: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+def _categorical(
+    logp: torch.Tensor, generator: torch.Generator | None, uniforms: torch.Tensor | None = None
+) -> torch.Tensor:
     """Sample from ``softmax(logp)`` per row, all rows at once, by inverting
     the CDF: one float64 cumulative sum and one uniform number per row.
 
@@ -151,7 +185,10 @@ def _categorical(logp: torch.Tensor, generator: torch.Generator | None) -> torch
     never be picked: their CDF step is empty. float64 keeps the CDF exact
     enough for tokens down to ~1e-12 probability."""
     cdf = logp.exp().double().cumsum(-1)
-    u = torch.rand(cdf.shape[0], 1, generator=generator, device=cdf.device, dtype=torch.float64)
+    if uniforms is not None:
+        u = uniforms
+    else:
+        u = torch.rand(cdf.shape[0], 1, generator=generator, device=cdf.device, dtype=torch.float64)
     # First index whose CDF exceeds u * total; total ~1, exactly 1 not assumed.
     idx = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(1)
     return idx.clamp_(max=cdf.shape[1] - 1)

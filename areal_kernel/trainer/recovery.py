@@ -1,0 +1,167 @@
+"""Recovery checkpoints of the RL trainer and the decision to resume.
+
+A recovery checkpoint ``<run_dir>/recover/step<N>/`` (written atomically by
+``areal_kernel.checkpoint``) holds:
+
+- ``engine/``: the train engine's ``save_state`` (weights, optimizer, lr
+  step, RNG states, version);
+- ``critic/``: the value model's, when the estimator uses one;
+- ``trainer_state.json``: the step, the data stream's position, the rollout
+  executor's state (staleness accounting and the finished groups not yet
+  trained on, in full), reward counters, the held-out accuracy measured
+  before training, and the config the run was started with.
+
+It is taken at a quiescent point (no rollout running: ``RolloutExecutor.drain``)
+so that it is exact; the uninterrupted run drains at the same steps, which is
+why a resumed run continues with exactly the state the uninterrupted one had.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from typing import Any
+
+from areal_kernel.checkpoint import Checkpoint, CheckpointManager
+from areal_kernel.errors import ConfigError
+from areal_kernel.logging import get_logger
+
+log = get_logger(__name__)
+
+RECOVER_DIR = "recover"
+STATE_FILE = "trainer_state.json"
+STATE_FORMAT = 1
+SAMPLES_FILE = "samples.jsonl"
+
+# Settings a resumed run may change without breaking exactness of what was
+# already trained (how long to run, how to log, how to checkpoint, budgets).
+_RESUMABLE_CHANGES = (
+    "recover",
+    "run_dir",
+    "logging",
+    "checkpoint",
+    "scheduler",
+    "trainer.max_steps",
+    "trainer.eval_every",
+    "trainer.eval_size",
+    "trainer.max_skipped_steps",
+    "reward.timeout_s",
+    "reward.workers",
+    "reward.max_failure_fraction",
+    "rollout.restart",
+    "rollout.max_server_restarts",
+)
+
+
+def recovery_manager(run_dir: str, keep_last: int) -> CheckpointManager:
+    return CheckpointManager(os.path.join(run_dir, RECOVER_DIR), keep_last)
+
+
+def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(d, dict):
+        return {prefix: d}
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        out.update(_flatten(v, f"{prefix}.{k}" if prefix else str(k)))
+    return out
+
+
+def config_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """Dotted config fields that differ and matter for an exact resume."""
+    a, b = _flatten(saved), _flatten(current)
+    changed = sorted(k for k in set(a) | set(b) if a.get(k, "<unset>") != b.get(k, "<unset>"))
+    return [k for k in changed if not any(k.startswith(p) for p in _RESUMABLE_CHANGES)]
+
+
+def read_state(ckpt: Checkpoint) -> dict[str, Any]:
+    path = os.path.join(ckpt.path, STATE_FILE)
+    try:
+        with open(path, encoding="utf-8") as f:
+            state = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"recovery checkpoint {ckpt.path} is unreadable ({e}); delete it to resume from an older one") from None
+    if state.get("format") != STATE_FORMAT:
+        raise ConfigError(f"{path}: unsupported recovery format {state.get('format')!r} (this areal-kernel reads {STATE_FORMAT})")
+    return state
+
+
+def plan_start(cfg: Any, run_dir: str) -> tuple[Checkpoint, dict[str, Any]] | None:
+    """The checkpoint to resume from and its trainer state, or ``None`` to
+    start at step 0. Refuses (``ConfigError``) rather than overwrite an
+    unfinished run's checkpoints or resume one with a different config."""
+    mgr = recovery_manager(run_dir, cfg.checkpoint.keep_last)
+    gone = mgr.discard_partials()
+    if gone:
+        log.info("removed partial recovery checkpoints of a killed save", paths=gone)
+    latest = mgr.latest()
+    if latest is None:
+        return None
+    finished = os.path.isfile(os.path.join(run_dir, "result.json"))
+    if finished:
+        # The run that wrote these completed (its HF checkpoint is the result):
+        # its recovery checkpoints cannot be resumed and would confuse a new run.
+        log.info("run_dir holds a completed run; starting a new one", run_dir=run_dir, removed=mgr.root)
+        shutil.rmtree(mgr.root, ignore_errors=True)
+        return None
+    if cfg.recover == "off":
+        raise ConfigError(
+            f"recover: off, but {run_dir} holds an unfinished run (recovery checkpoint {latest.path}); starting over "
+            f"would overwrite it. Resume it with recover=auto, or use another run_dir (or delete {mgr.root})"
+        )
+    state = read_state(latest)
+    changed = config_changes(state.get("config", {}), cfg.dump())
+    if changed:
+        shown = ", ".join(changed[:6]) + (" ..." if len(changed) > 6 else "")
+        raise ConfigError(
+            f"cannot resume {latest.path}: the config differs from the interrupted run's in {shown}. "
+            f"Restore those fields to resume, or start a new run in another run_dir (or with recover=off after deleting {mgr.root})"
+        )
+    return latest, state
+
+
+def truncate_jsonl(path: str, max_step: int) -> int:
+    """Keep only the records of ``path`` with ``step <= max_step`` (and drop a
+    line torn by a kill); rewritten atomically. Returns the lines dropped."""
+    if not os.path.isfile(path):
+        return 0
+    kept, dropped = [], 0
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                dropped += 1
+                continue
+            if isinstance(rec, dict) and isinstance(rec.get("step"), int) and rec["step"] > max_step:
+                dropped += 1
+                continue
+            kept.append(line if line.endswith("\n") else line + "\n")
+    if dropped:
+        tmp = f"{path}.tmp-{os.getpid()}"
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.writelines(kept)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    return dropped
+
+
+class SamplesLog:
+    """``<run_dir>/samples.jsonl``: the sample ids trained at each step (one
+    line per step, flushed): the record of what the run trained on."""
+
+    def __init__(self, run_dir: str) -> None:
+        self.path = os.path.join(run_dir, SAMPLES_FILE)
+        self._f = open(self.path, "a", encoding="utf-8")
+
+    def log(self, step: int, version: int, uids: list[str]) -> None:
+        self._f.write(json.dumps({"step": step, "version": version, "uids": uids}) + "\n")
+        self._f.flush()
+
+    def close(self) -> None:
+        self._f.close()
+
+
+def read_samples(run_dir: str) -> list[dict[str, Any]]:
+    with open(os.path.join(run_dir, SAMPLES_FILE), encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]

@@ -1,0 +1,17 @@
+"""Registers the fault-injecting rewards and loss; imports only areal_kernel."""
+from areal_kernel import hookimpl
+
+_IMPL = "areal_fault_inject.fault_impl"
+
+
+@hookimpl
+def areal_register_rewards(register):
+    register("fault_raise_some", f"{_IMPL}:raise_some_reward", description="raises for answers = 3 (mod 4), else 1.0")
+    register("fault_hang_first", f"{_IMPL}:hang_first_reward", description="the first N calls sleep forever, else 1.0")
+    register("fault_always_raise", f"{_IMPL}:always_raise_reward", description="raises on every call")
+    register("fault_spread", f"{_IMPL}:spread_reward", description="a hash of the completion in [0, 1)")
+
+
+@hookimpl
+def areal_register_losses(register):
+    register("fault_nan_ppo", f"{_IMPL}:nan_ppo_loss", description="the ppo loss, NaN on the steps in nan_steps")
