@@ -59,8 +59,10 @@ def test_mixed_batch_respects_each_row():
 def test_parse_sampling_validation():
     assert parse_sampling({"temperature": 0}).greedy is True
     assert parse_sampling(None) == SamplingParams()
+    assert parse_sampling({"seed": None}).seed is None and parse_sampling({"seed": 5}).seed == 5
     for bad, field in [({"top_k": -2}, "top_k"), ({"greedy": 1}, "greedy"), ({"stop_token_ids": [-1]}, "stop_token_ids"),
-                       ({"max_new_tokens": 1.5}, "max_new_tokens"), ({"bogus": 1}, "bogus")]:
+                       ({"max_new_tokens": 1.5}, "max_new_tokens"), ({"bogus": 1}, "bogus"),
+                       ({"seed": -1}, "seed"), ({"seed": "7"}, "seed"), ({"seed": 2**63}, "seed")]:
         with pytest.raises(RequestError, match=field):
             parse_sampling(bad)
 
