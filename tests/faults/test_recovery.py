@@ -10,14 +10,11 @@ trained on in the same batches.
 """
 import json
 import os
-import signal
-import subprocess
-import sys
-import time
 
 import pytest
 
 from areal_kernel.testing.models import make_tiny_llama
+from areal_kernel.testing.recovery import kill_after_checkpoint, load_weights, read_samples, run_train
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXAMPLE = os.path.join(REPO, "examples", "grpo_arithmetic.yaml")
@@ -44,56 +41,8 @@ def _args(model, run_dir, staleness):
     ]  # fmt: skip
 
 
-def _env():
-    return {**os.environ, "OMP_NUM_THREADS": "1"}
-
-
-def _areal(args, timeout=600):
-    return subprocess.run(
-        [sys.executable, "-m", "areal_kernel.cli", *args], capture_output=True, text=True, env=_env(), timeout=timeout
-    )
-
-
-def _samples(run_dir):
-    with open(os.path.join(run_dir, "samples.jsonl")) as f:
-        return [json.loads(line) for line in f]
-
-
 def _final_weights(run_dir):
-    from safetensors.torch import load_file
-
-    final = os.path.join(run_dir, "checkpoints", "final")
-    out = {}
-    for name in sorted(os.listdir(final)):
-        if name.endswith(".safetensors"):
-            out.update(load_file(os.path.join(final, name)))
-    return out
-
-
-def _kill_after_checkpoint(args, run_dir, step):
-    """Start ``areal train``, wait until recovery checkpoint ``step`` is
-    complete and the next step has started, then SIGKILL its process group."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "areal_kernel.cli", *args],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(), start_new_session=True,
-    )  # fmt: skip
-    marker = os.path.join(run_dir, "recover", f"step{step}", "COMPLETE")
-    samples = os.path.join(run_dir, "samples.jsonl")
-    deadline = time.monotonic() + 400
-    try:
-        while time.monotonic() < deadline and proc.poll() is None:
-            if os.path.isfile(marker) and os.path.isfile(samples):
-                with open(samples) as f:
-                    if sum(1 for _ in f) >= step + 1:  # step+1 trained, its checkpoint not written
-                        break
-            time.sleep(0.05)
-        assert proc.poll() is None, "the run ended before it could be killed:\n" + proc.stdout.read()[-3000:]
-        assert time.monotonic() < deadline, "the recovery checkpoint never appeared"
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(30)
-        proc.stdout.close()
+    return load_weights(os.path.join(run_dir, "checkpoints", "final"))
 
 
 @pytest.mark.slow
@@ -102,21 +51,21 @@ def test_killed_run_resumes_to_the_same_samples_and_weights(tiny_model, tmp_path
     run trains on the same sample ids in the same steps and ends with the
     same weights as an uninterrupted run."""
     ref_dir, run_dir = str(tmp_path / "reference"), str(tmp_path / "killed")
-    ref = _areal(_args(tiny_model, ref_dir, 0))
+    ref = run_train(_args(tiny_model, ref_dir, 0))
     assert ref.returncode == 0, ref.stdout[-3000:] + ref.stderr[-3000:]
 
-    _kill_after_checkpoint(_args(tiny_model, run_dir, 0), run_dir, step=2)
+    kill_after_checkpoint(_args(tiny_model, run_dir, 0), run_dir, step=2)
     assert not os.path.exists(os.path.join(run_dir, "result.json"))
-    before_resume = _samples(run_dir)
+    before_resume = read_samples(run_dir)
     assert [s["step"] for s in before_resume] == [1, 2, 3]  # step 3 trained after the checkpoint, then killed
 
-    resumed = _areal(_args(tiny_model, run_dir, 0))
+    resumed = run_train(_args(tiny_model, run_dir, 0))
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert "resuming from" in resumed.stdout and "step 2" in resumed.stdout
     result = json.load(open(os.path.join(run_dir, "result.json")))
     assert result["resumed_from_step"] == 2 and result["samples"] == STEPS * 2 * 4
 
-    ref_samples, got = _samples(ref_dir), _samples(run_dir)
+    ref_samples, got = read_samples(ref_dir), read_samples(run_dir)
     assert [s["step"] for s in got] == list(range(1, STEPS + 1))  # step 3's line of the killed run was dropped
     assert [s["uids"] for s in got] == [s["uids"] for s in ref_samples]
     flat = [u for s in got for u in s["uids"]]
@@ -126,7 +75,7 @@ def test_killed_run_resumes_to_the_same_samples_and_weights(tiny_model, tmp_path
 
     a, b = _final_weights(ref_dir), _final_weights(run_dir)
     assert set(a) == set(b)
-    base = _final_weights_of_model(tiny_model)
+    base = load_weights(tiny_model)
     moved = max(float((a[k] - base[k]).abs().max()) for k in a if k in base)
     assert moved > 1e-4  # training changed the weights, so equality below means something
     for k in a:
@@ -137,16 +86,6 @@ def test_killed_run_resumes_to_the_same_samples_and_weights(tiny_model, tmp_path
     assert steps == list(range(1, STEPS + 1))
 
 
-def _final_weights_of_model(model_dir):
-    from safetensors.torch import load_file
-
-    out = {}
-    for name in os.listdir(model_dir):
-        if name.endswith(".safetensors"):
-            out.update(load_file(os.path.join(model_dir, name)))
-    return out
-
-
 @pytest.mark.slow
 def test_killed_async_run_resumes_without_losing_or_repeating_samples(tiny_model, tmp_path):
     """Asynchronous rollouts (max_staleness 1): which rollout finishes first
@@ -155,11 +94,11 @@ def test_killed_async_run_resumes_without_losing_or_repeating_samples(tiny_model
     sample is trained twice and the batches stay full."""
     run_dir = str(tmp_path / "async")
     args = _args(tiny_model, run_dir, 1)
-    _kill_after_checkpoint(args, run_dir, step=2)
-    before = _samples(run_dir)
-    resumed = _areal(args)
+    kill_after_checkpoint(args, run_dir, step=2)
+    before = read_samples(run_dir)
+    resumed = run_train(args)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
-    got = _samples(run_dir)
+    got = read_samples(run_dir)
     assert [s["step"] for s in got] == list(range(1, STEPS + 1))
     assert got[:2] == before[:2]  # what was checkpointed is what the resumed run continued from
     flat = [u for s in got for u in s["uids"]]
@@ -177,7 +116,7 @@ def test_recover_off_refuses_to_overwrite_an_unfinished_run(tiny_model, tmp_path
 
     run_dir = tmp_path / "unfinished"
     CheckpointManager(str(run_dir / "recover")).save(3, lambda p: open(os.path.join(p, "x"), "w").close())
-    proc = _areal([*_args(tiny_model, str(run_dir), 0), "recover=off"], timeout=120)
+    proc = run_train([*_args(tiny_model, str(run_dir), 0), "recover=off"], timeout=120)
     assert proc.returncode == 2, proc.stderr[-2000:]
     err = proc.stderr.strip().splitlines()
     assert len(err) == 1 and "recover: off" in err[0] and "recover=auto" in err[0], proc.stderr
@@ -199,7 +138,7 @@ def test_resume_with_a_changed_config_is_refused(tiny_model, tmp_path):
             json.dump(state, f)
 
     CheckpointManager(str(run_dir / "recover")).save(1, write)
-    proc = _areal([*_args(tiny_model, str(run_dir), 0), "trainer.batch_size=3"], timeout=120)
+    proc = run_train([*_args(tiny_model, str(run_dir), 0), "trainer.batch_size=3"], timeout=120)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "trainer.batch_size" in proc.stderr and "cannot resume" in proc.stderr, proc.stderr
     assert os.path.isfile(run_dir / "recover" / "step1" / "trainer_state.json")
