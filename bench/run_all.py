@@ -21,6 +21,8 @@ BENCHES = [
     "bench_embedded_server.py",
     "bench_weight_update.py",
     "bench_async_vs_sync.py",
+    "bench_soak.py",
+    "bench_recovery.py",
     "bench_fsdp.py",
     "bench_vllm.py",
 ]

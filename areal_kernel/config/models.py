@@ -58,6 +58,14 @@ class RolloutConfig(PluginSection):
     request_timeout_s: float = Field(600.0, gt=0)
     request_retries: int = Field(3, ge=0)
     schedule_policy: Literal["round_robin", "least_loaded"] = "least_loaded"
+    restart_servers: bool = Field(
+        True,
+        description="Restart an inference server whose process dies, on the same address with the current "
+        "weights (backends whose launcher supports it; the others only fail its requests over).",
+    )
+    max_server_restarts: int = Field(
+        3, ge=0, description="Restarts allowed per server; its next death stops the run with the server's log tail."
+    )
     gconfig: GenerationSettings = Field(default_factory=GenerationSettings)
     eval_gconfig: GenerationSettings = Field(
         default_factory=lambda: GenerationSettings(temperature=1.0, n_samples=1),

@@ -7,7 +7,9 @@
 - Failover: a server that refuses or drops a connection is marked down; the
   request continues elsewhere with the tokens it already has (nothing is
   generated twice, nothing lost); a down server is probed again later, so a
-  restarted one rejoins.
+  restarted one rejoins. A server being restarted by a supervisor is *held*
+  (gets no requests, is not probed) until it carries the current weights
+  (``resync_server``), then released.
 - Interruption: while paused (weight update), aborted generations wait and
   then resume from their partial output; every token is stamped with the
   weight version that produced it.
@@ -38,6 +40,14 @@ class _Transient(Exception):
     """A failure worth retrying on another server (connection, 5xx, timeout)."""
 
 
+class CannotResync(ServerError):
+    """A restarted server cannot be given the current weights (no retry helps)."""
+
+
+class _Unreachable(ServerError):
+    """A control call that found no (ready) server: refused, reset, or 503 while loading."""
+
+
 @dataclass
 class _Server:
     address: str
@@ -45,13 +55,14 @@ class _Server:
     down_until: float = 0.0
     failures: int = 0
     completed: int = 0
+    held: bool = False  # being restarted: no requests, no probes, until released
 
     def url(self, path: str) -> str:
         return f"http://{self.address}{path}"
 
     @property
     def up(self) -> bool:
-        return time.monotonic() >= self.down_until
+        return not self.held and time.monotonic() >= self.down_until
 
 
 class RemoteInferenceEngine(InferenceEngine):
@@ -85,7 +96,18 @@ class RemoteInferenceEngine(InferenceEngine):
         self._rr = itertools.count()
         self._sessions: dict[int, Any] = {}
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(4, 2 * len(addresses)), thread_name_prefix="areal-ctl")
-        self.stats = {"requests": 0, "interruptions": 0, "failovers": 0, "retries": 0}
+        self.stats = {"requests": 0, "interruptions": 0, "failovers": 0, "retries": 0, "resyncs": 0}
+        # Restart support: the weights every server must carry (the last disk
+        # update), serialised with updates so a restarted server never loads a
+        # directory the transport is about to delete.
+        self._weights_lock = threading.Lock()
+        self._last_disk: tuple[str, int] | None = None
+        self._weight_group = False  # joined a broadcast group: a fresh process cannot join it later
+        self._fatal: BaseException | None = None
+        # Set by a supervisor: a server that cannot be reached is being
+        # restarted and will be brought up to date, so control calls that miss
+        # it (even all of them) are not fatal.
+        self.supervised = False
 
     # -- versions and pause ----------------------------------------------------
     def get_version(self) -> int:
@@ -112,8 +134,10 @@ class RemoteInferenceEngine(InferenceEngine):
         if meta.kind == "disk":
             if not meta.path:
                 raise ServerError("disk weight update needs a path")
-            self._control_all(lambda s: self.protocol.update_weights_from_disk(meta.path, meta.version))
-            self._version = meta.version
+            with self._weights_lock:
+                self._last_disk = (meta.path, meta.version)
+                self._control_all(lambda s: self.protocol.update_weights_from_disk(meta.path, meta.version))
+                self._version = meta.version
             return
         raise ServerError(f"update_weights: use the broadcast helpers for kind {meta.kind!r}")
 
@@ -123,6 +147,7 @@ class RemoteInferenceEngine(InferenceEngine):
         """Ask every server to join the weight group as ranks 1..n (rank 0: the trainer).
         Returns futures that complete once the trainer joined too."""
         world = 1 + len(self.servers)
+        self._weight_group = True
         return [
             self._pool.submit(
                 self._control, s, self.protocol.init_weight_group(master_addr, master_port, world, i + 1, group_name, backend)
@@ -146,26 +171,71 @@ class RemoteInferenceEngine(InferenceEngine):
                 raw = resp.read()
         except urllib.error.HTTPError as e:
             detail = e.read().decode(errors="replace")[:500]
-            raise ServerError(f"{server.address}{call.path} answered HTTP {e.code}: {detail}") from None
+            cls = _Unreachable if e.code == 503 else ServerError
+            raise cls(f"{server.address}{call.path} answered HTTP {e.code}: {detail}") from None
         except (urllib.error.URLError, OSError) as e:
-            raise ServerError(f"{server.address}{call.path} failed: {e}") from None
+            raise _Unreachable(f"{server.address}{call.path} failed: {e}") from None
         return json.loads(raw) if raw else {}
 
     def _control_all(self, make_call) -> list[Any]:
         futures = [self._pool.submit(self._control, s, make_call(s)) for s in self.servers]
         results, errors = [], []
-        for f in futures:
+        restarting = 0
+        for s, f in zip(self.servers, futures):
             try:
                 results.append(f.result())
             except ServerError as e:
                 errors.append(str(e))
+                # Under a supervisor an unreachable server is being restarted
+                # and gets the current weights when it is back (resync_server).
+                restarting += self.supervised and (s.held or isinstance(e, _Unreachable))
         if errors:
             # A control call that reached no server at all is fatal; a dead
             # server is tolerated here (failover handles its requests).
-            if len(errors) == len(self.servers):
+            if len(errors) == len(self.servers) and restarting < len(errors):
                 raise ServerError("; ".join(errors))
             log.warning("control call failed on some servers", errors=errors)
         return results
+
+    # -- restarts (called by a supervisor thread) -----------------------------------
+    def _server(self, address: str) -> _Server:
+        for s in self.servers:
+            if s.address == address:
+                return s
+        raise ServerError(f"{address} is not one of this client's servers ({', '.join(x.address for x in self.servers)})")
+
+    def hold(self, address: str) -> None:
+        """Send nothing to ``address`` (it is being restarted) until ``release``."""
+        self._server(address).held = True
+
+    def release(self, address: str) -> None:
+        """``address`` is back with the current weights: schedule on it again."""
+        s = self._server(address)
+        s.down_until = 0.0
+        s.held = False
+
+    def resync_server(self, address: str) -> int:
+        """Bring a freshly (re)started server to the current weights and
+        version; returns that version. A fresh process serves the base model
+        at version 0, which is right only before the first update."""
+        s = self._server(address)
+        with self._weights_lock:
+            if self._weight_group:
+                raise CannotResync(
+                    f"inference server {address} was restarted, but weights reach the servers by broadcast "
+                    "(weight_update.mode) and a new process cannot join the existing weight group; "
+                    "use weight_update.mode: disk to run with rollout.restart_servers"
+                )
+            if self._last_disk is None:
+                return 0
+            path, version = self._last_disk
+            self._control(s, self.protocol.update_weights_from_disk(path, version))
+            self.stats["resyncs"] += 1
+            return version
+
+    def fail(self, error: BaseException) -> None:
+        """Make every generation from now on raise ``error`` (a server is lost for good)."""
+        self._fatal = error
 
     # -- generation (rollout event loop) ------------------------------------------
     def _session(self) -> Any:
@@ -215,6 +285,8 @@ class RemoteInferenceEngine(InferenceEngine):
 
     async def _wait_for_server(self, preferred: _Server | None, deadline: float) -> _Server:
         while True:
+            if self._fatal is not None:
+                raise self._fatal
             s = self._choose(preferred)
             if s is not None:
                 return s
@@ -222,7 +294,7 @@ class RemoteInferenceEngine(InferenceEngine):
                 raise ServerError("no inference server is reachable: " + ", ".join(x.address for x in self.servers))
             # Probe down servers: a restarted one rejoins.
             for x in self.servers:
-                if not x.up and await self._healthy(x):
+                if not x.up and not x.held and await self._healthy(x):
                     x.down_until = 0.0
             await asyncio.sleep(0.2)
 

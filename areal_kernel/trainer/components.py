@@ -69,6 +69,7 @@ class Rollout:
     engine: Any = None
     workflow: Any = None
     reward_pool: Any = None
+    supervisor: Any = None  # restarts dead servers (rollout.restart_servers); None when off or unsupported
     addresses: list[str] = field(default_factory=list)
 
     def start(self) -> "Rollout":
@@ -84,8 +85,13 @@ class Rollout:
         os.makedirs(self.run_dir, exist_ok=True)
         self.addresses = self.scheduler.start_inference(self.backend, self.model_dir, self.run_dir)
         self.engine = self.backend.make_client(self.addresses)
+        from areal_kernel.inference.supervisor import start_supervisor
+
+        self.supervisor = start_supervisor(self.backend, self.engine, cfg.rollout)
         reward_spec = reg.get("reward", cfg.reward.type)
-        self.reward_pool = RewardPool(n_workers=cfg.reward.workers, timeout_s=cfg.reward.timeout_s)
+        # Warm math-verify up in the workers only when it is the reward (~1 s of CPU per worker start).
+        preload = ("areal_kernel.reward.math:warmup",) if reward_spec.target.startswith("areal_kernel.reward.math") else ()
+        self.reward_pool = RewardPool(n_workers=cfg.reward.workers, timeout_s=cfg.reward.timeout_s, preload=preload)
         wf_spec = reg.get("workflow", cfg.workflow.type)
         self.workflow = wf_spec.load()(
             tokenizer=self.tokenizer,
@@ -96,7 +102,24 @@ class Rollout:
         )
         return self
 
+    def check(self) -> None:
+        """Raise if a server was lost for good (restart budget spent)."""
+        if self.supervisor is not None:
+            self.supervisor.check()
+
+    def server_stats(self) -> dict[str, float]:
+        """Failovers and restarts so far (for metrics)."""
+        out: dict[str, float] = {}
+        if self.engine is not None and hasattr(self.engine, "stats"):
+            out["rollout/failovers"] = self.engine.stats.get("failovers", 0)
+        if self.supervisor is not None:
+            out["rollout/server_restarts"] = self.supervisor.total_restarts
+        return out
+
     def stop(self) -> None:
+        # The supervisor first: servers stopped below must not be restarted.
+        if self.supervisor is not None:
+            self.supervisor.stop()
         if self.engine is not None:
             self.engine.destroy()
         if self.scheduler is not None:

@@ -400,6 +400,7 @@ class Trainer:
         t_run = time.monotonic()
         samples_here = 0
         for step in range(self.step + 1, total + 1):
+            self.rollout.check()  # a server that could not be restarted stops the run here
             t0 = time.monotonic()
             groups = self.executor.get_batch(cfg.trainer.batch_size)
             t_wait = time.monotonic() - t0
@@ -428,6 +429,7 @@ class Trainer:
             metrics.update({f"train/{k}": v for k, v in train_stats.items() if isinstance(v, (int, float))})
             metrics.update(upd)
             metrics.update(self.executor.stats.snapshot_and_reset())
+            metrics.update(self.rollout.server_stats())
             metrics.update(self._reward_metrics())
             metrics.update({
                 "perf/step_s": step_s,

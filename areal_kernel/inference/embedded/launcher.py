@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -61,6 +62,8 @@ class _Proc:
     info: ServerInfo
     cmd: list[str]
     log_path: str
+    model_path: str = ""
+    port: int = 0
 
 
 def _tail(path: str, n: int = LOG_TAIL_LINES) -> str:
@@ -116,6 +119,10 @@ class EmbeddedLauncher(ServerLauncher):
         os.makedirs(self.run_dir, exist_ok=True)
         self._procs: list[_Proc] = []
         self._counter = 0
+        # Guards _procs between the controller (launch/stop) and a supervisor
+        # thread (exited/restart); _stopping makes a late restart a no-op.
+        self._lock = threading.RLock()
+        self._stopping = False
         atexit.register(self.stop)  # never leave orphan servers behind
 
     @property
@@ -158,12 +165,13 @@ class EmbeddedLauncher(ServerLauncher):
         env.update(self.config.extra_env)
         return env
 
-    def _start(self, model_path: str, device_ids: list[int]) -> _Proc:
+    def _start(self, model_path: str, device_ids: list[int], port: int | None = None, log_path: str | None = None) -> _Proc:
         idx = self._counter
         self._counter += 1
-        port = self.config.port + idx if self.config.port else find_free_port(self.config.host)
+        if port is None:
+            port = self.config.port + idx if self.config.port else find_free_port(self.config.host)
         cmd = self._command(model_path, port)
-        log_path = os.path.join(self.run_dir, f"server-{idx}.log")
+        log_path = log_path or os.path.join(self.run_dir, f"server-{idx}.log")
         with open(log_path, "ab") as logf:
             popen = subprocess.Popen(
                 cmd,
@@ -174,7 +182,7 @@ class EmbeddedLauncher(ServerLauncher):
                 start_new_session=True,
             )
         info = ServerInfo(f"{self.config.host}:{port}", popen.pid, log_path, list(device_ids))
-        return _Proc(popen, info, cmd, log_path)
+        return _Proc(popen, info, cmd, log_path, model_path, port)
 
     def _failure(self, p: _Proc, why: str) -> ServerError:
         return ServerError(
@@ -200,6 +208,7 @@ class EmbeddedLauncher(ServerLauncher):
                         + (f" (server {i} of {n_servers} uses port+{i})" if n_servers > 1 else "")
                         + "; choose a free port or leave it unset to pick free ports automatically"
                     )
+        self._stopping = False
         device_sets = [list(range(i * devices_per_server, (i + 1) * devices_per_server)) for i in range(n_servers)]
         # Start all first so they load in parallel, then wait for each.
         pending = [self._start(model_path, d) for d in device_sets]
@@ -215,11 +224,22 @@ class EmbeddedLauncher(ServerLauncher):
         self._procs.extend(ready)
         return [p.info for p in ready]
 
-    def _wait_ready(self, p: _Proc, model_path: str) -> _Proc:
+    def _wait_ready(self, p: _Proc, model_path: str, same_port: bool = False, slot: int | None = None) -> _Proc:
         retries = self.config.port_retries
         deadline = time.monotonic() + self.config.startup_timeout_s
         while True:
             rc = p.popen.poll()
+            if rc == PORT_IN_USE_EXIT and same_port and time.monotonic() < deadline:
+                # A restart must keep its address (clients know it): the old
+                # process's socket may linger a moment, so retry the same port.
+                time.sleep(0.5)
+                with self._lock:
+                    if self._stopping:
+                        raise ServerError(f"restart of {p.info.address} abandoned: the launcher is stopped")
+                    p = self._start(model_path, p.info.device_ids, port=p.port, log_path=p.log_path)
+                    if slot is not None:
+                        self._procs[slot] = p
+                continue
             if rc == PORT_IN_USE_EXIT and retries > 0 and not self.config.port:
                 # Someone took the port between our probe and the server's bind.
                 retries -= 1
@@ -231,8 +251,47 @@ class EmbeddedLauncher(ServerLauncher):
                 return p
             if time.monotonic() > deadline:
                 self._kill(p)
-                raise self._failure(p, f"not healthy after {self.config.startup_timeout_s:.0f} s (startup_timeout_s)")
+                raise self._failure(p, f"not healthy after {self.config.startup_timeout_s:g} s (rollout.embedded.startup_timeout_s; raise it for slow model loads)")
             time.sleep(0.2)
+
+    # -- supervision (used by areal_kernel.inference.supervisor) ------------------
+    def exited(self) -> dict[int, int]:
+        """Server index -> exit code of every server process that is gone
+        although ``stop`` was not called (crashed, OOM-killed, kill -9)."""
+        with self._lock:
+            if self._stopping:
+                return {}
+            return {i: rc for i, p in enumerate(self._procs) if (rc := p.popen.poll()) is not None}
+
+    def log_tail(self, i: int) -> str:
+        with self._lock:
+            return _tail(self._procs[i].log_path) if i < len(self._procs) else ""
+
+    def restart(self, i: int) -> ServerInfo:
+        """Start server ``i`` again on the same address (port) with the model
+        it was launched with, and wait until it is healthy. The new process
+        serves the base weights at version 0: bringing it to the current
+        weights is the caller's job (see ``RemoteInferenceEngine.resync_server``)."""
+        with self._lock:
+            if self._stopping or i >= len(self._procs):
+                raise ServerError(f"cannot restart server {i}: the launcher is stopped")
+            old = self._procs[i]
+        self._kill(old)  # a hung-but-alive one too; a no-op for a dead one
+        with open(old.log_path, "a") as f:
+            f.write(f"\n--- areal: restarting server on {old.info.address} (previous exit code {old.popen.returncode}) ---\n")
+        with self._lock:
+            if self._stopping:
+                raise ServerError(f"cannot restart server {i}: the launcher is stopped")
+            p = self._start(old.model_path, old.info.device_ids, port=old.port, log_path=old.log_path)
+            # Tracked at once, so stop() kills it even while we wait below.
+            self._procs[i] = p
+        p = self._wait_ready(p, old.model_path, same_port=True, slot=i)
+        with self._lock:
+            if self._stopping:
+                self._kill(p)
+                raise ServerError(f"cannot restart server {i}: the launcher is stopped")
+            self._procs[i] = p
+        return p.info
 
     def _kill(self, p: _Proc) -> None:
         if p.popen.poll() is not None:
@@ -251,7 +310,9 @@ class EmbeddedLauncher(ServerLauncher):
             p.popen.wait()
 
     def stop(self) -> None:
-        procs, self._procs = self._procs, []
+        with self._lock:
+            self._stopping = True
+            procs, self._procs = self._procs, []
         for p in procs:  # SIGTERM all first so they shut down in parallel
             if p.popen.poll() is None:
                 try:

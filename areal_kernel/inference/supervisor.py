@@ -1,0 +1,188 @@
+"""Restart inference servers that die during a run.
+
+A background thread watches the launcher's server processes. When one exits
+without being asked to (crash, OOM kill, ``kill -9``) the supervisor
+
+1. holds the server in the client (no request is sent there, it is not
+   probed), so its in-flight requests fail over to the other servers or wait
+   for it, keeping the tokens they already have;
+2. starts it again on the same address (``launcher.restart(i)``);
+3. brings it to the current weights and version (``client.resync_server``:
+   the last weight update is replayed to that one server), so a restarted
+   server never stamps base-model tokens with a newer version or the reverse;
+4. releases it: requests flow to it again.
+
+Each server may be restarted ``max_restarts`` times; past that (or when a
+restart itself fails) the run gets one clear error naming the server, its
+exit code and its log tail, raised by every later generation.
+
+Launchers opt in by providing ``exited() -> {index: exit code}``,
+``restart(index) -> ServerInfo``, ``servers`` and optionally
+``log_tail(index)``; see ``EmbeddedLauncher``.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable
+
+from areal_kernel.errors import ServerError
+from areal_kernel.inference.client import CannotResync
+from areal_kernel.logging import get_logger
+
+log = get_logger(__name__)
+
+
+def supports_restart(launcher: Any) -> bool:
+    return launcher is not None and callable(getattr(launcher, "restart", None)) and callable(
+        getattr(launcher, "exited", None)
+    )
+
+
+class ServerSupervisor:
+    """``client`` is the ``RemoteInferenceEngine`` of the same servers.
+    ``resync(address)`` (default ``client.resync_server``) brings a restarted
+    server to the current weights; ``on_restart(address, version)`` is called
+    after each successful restart (metrics, tests)."""
+
+    def __init__(
+        self,
+        launcher: Any,
+        client: Any,
+        *,
+        max_restarts: int = 3,
+        poll_s: float = 0.25,
+        resync: Callable[[str], int] | None = None,
+        on_restart: Callable[[str, int], None] | None = None,
+    ) -> None:
+        if not supports_restart(launcher):
+            raise ServerError(f"{type(launcher).__name__} cannot restart servers (it has no restart/exited methods)")
+        self.launcher = launcher
+        self.client = client
+        self.max_restarts = max_restarts
+        self.poll_s = poll_s
+        self.resync = resync or client.resync_server
+        self.on_restart = on_restart
+        self.restarts: dict[str, int] = {}
+        self.error: ServerError | None = None
+        self._given_up: set[int] = set()
+        self._busy: set[int] = set()  # servers being restarted right now (each in its own thread)
+        self._lock = threading.Lock()
+        self._last_failure: dict[str, str] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def total_restarts(self) -> int:
+        with self._lock:
+            return sum(self.restarts.values())
+
+    def start(self) -> "ServerSupervisor":
+        # The client now tolerates control calls that miss a restarting server.
+        self.client.supervised = True
+        self._thread = threading.Thread(target=self._run, name="areal-server-supervisor", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 30.0) -> None:
+        # Restart threads still waiting for a server see the launcher stop
+        # (it kills what they started) and end on their own.
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    def check(self) -> None:
+        """Raise the supervisor's error, if it gave up on a server."""
+        if self.error is not None:
+            raise self.error
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                dead = {i: rc for i, rc in self.launcher.exited().items() if i not in self._given_up}
+            except Exception as e:  # never let the watcher die silently
+                log.warning("server supervisor could not poll servers", error=f"{type(e).__name__}: {e}")
+                dead = {}
+            for i, rc in dead.items():
+                if self._stop.is_set():
+                    return
+                with self._lock:
+                    if i in self._busy:
+                        continue
+                    self._busy.add(i)
+                # One thread per dead server: a restart takes seconds, and a
+                # second server dying meanwhile must be held (and restarted)
+                # at once, not after the first one is back.
+                threading.Thread(target=self._handle_then_free, args=(i, rc), daemon=True,
+                                 name=f"areal-restart-{i}").start()
+            self._stop.wait(self.poll_s)
+
+    def _handle_then_free(self, i: int, rc: int) -> None:
+        try:
+            self._handle(i, rc)
+        except Exception as e:  # a bug here must not leave the server held silently
+            if self._stop.is_set():
+                return
+            self._give_up(i, self.launcher.servers[i].address, f"could not be restarted: {type(e).__name__}: {e}")
+        finally:
+            with self._lock:
+                self._busy.discard(i)
+
+    def _give_up(self, i: int, address: str, why: str) -> None:
+        tail = self.launcher.log_tail(i) if callable(getattr(self.launcher, "log_tail", None)) else ""
+        self.error = ServerError(
+            f"inference server {address} {why}\n--- last lines of its log ---\n{tail}"
+        )
+        self._given_up.add(i)
+        log.error("giving up on inference server", server=address, reason=why)
+        self.client.fail(self.error)
+
+    def _handle(self, i: int, rc: int) -> None:
+        address = self.launcher.servers[i].address
+        self.client.hold(address)
+        used = self.restarts.get(address, 0)
+        if used >= self.max_restarts:
+            last = self._last_failure.get(address)
+            self._give_up(
+                i, address,
+                f"exited with code {rc} and was already restarted {used} time(s), the budget "
+                f"(rollout.max_server_restarts={self.max_restarts})"
+                + (f"; the last restart attempt failed: {last}" if last else ""),
+            )  # fmt: skip
+            return
+        with self._lock:
+            self.restarts[address] = used + 1  # a failed attempt uses the budget too
+        log.warning("inference server died; restarting it", server=address, exit_code=rc, restart=used + 1)
+        try:
+            self.launcher.restart(i)
+            version = self.resync(address)
+        except CannotResync as e:
+            self._give_up(i, address, f"exited with code {rc} and cannot be brought back: {e}")
+            return
+        except ServerError as e:
+            if self._stop.is_set():
+                return
+            self._last_failure[address] = str(e)[:2000]
+            log.warning("restart attempt failed", server=address, error=str(e)[:500])
+            return  # still dead: the next poll tries again (within the budget)
+        self.client.release(address)
+        log.info("inference server restarted", server=address, weight_version=version)
+        if self.on_restart is not None:
+            self.on_restart(address, version)
+
+
+def start_supervisor(backend: Any, client: Any, rollout_cfg: Any) -> ServerSupervisor | None:
+    """A running supervisor for ``backend``'s servers, or None when restarts
+    are switched off (``rollout.restart_servers``) or the backend's launcher
+    cannot restart servers (then a dead server's requests only fail over)."""
+    if not getattr(rollout_cfg, "restart_servers", True):
+        return None
+    launcher = getattr(backend, "launcher", None)
+    if not supports_restart(launcher):
+        log.info(
+            "this inference backend cannot restart dead servers; their requests fail over to the others",
+            backend=type(backend).__name__,
+        )
+        return None
+    return ServerSupervisor(
+        launcher, client, max_restarts=getattr(rollout_cfg, "max_server_restarts", 3)
+    ).start()
