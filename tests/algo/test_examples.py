@@ -45,12 +45,9 @@ def test_example_knobs_are_the_documented_ones():
 
 @pytest.fixture(scope="module")
 def tiny_chat_model(tmp_path_factory):
-    from areal_kernel.models.resolve import resolve_model_path
-    from areal_kernel.testing.models import make_tiny_llama
+    from areal_kernel.testing.models import make_tiny_chat_llama
 
-    return make_tiny_llama(
-        str(tmp_path_factory.mktemp("tiny-chat-algo")), tokenizer_from=resolve_model_path("smollm2-135m-instruct")
-    )
+    return make_tiny_chat_llama(tmp_path_factory.mktemp("tiny-chat-algo"))
 
 
 @pytest.mark.slow

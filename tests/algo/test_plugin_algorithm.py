@@ -3,14 +3,13 @@ pip-installed into a private directory) registers an advantage estimator
 and a policy loss; the config selects them by name and the RL step runs them."""
 from __future__ import annotations
 
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from test_grpo import _fixed_batch
+
+from areal_kernel.testing.packages import pip_install_private
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
@@ -18,15 +17,7 @@ REPO = HERE.parent.parent
 
 @pytest.fixture(scope="module")
 def algo_plugin_site(tmp_path_factory) -> Path:
-    target = tmp_path_factory.mktemp("algo-plugin-site")
-    src = tmp_path_factory.mktemp("algo-plugin-src") / "areal-test-algo"
-    shutil.copytree(HERE / "plugin_packages" / "areal-test-algo", src)  # setuptools leaves build/ behind
-    subprocess.run(
-        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
-         "--disable-pip-version-check", "--target", str(target), str(src)],
-        check=True, capture_output=True, text=True,
-    )  # fmt: skip
-    return target
+    return pip_install_private(HERE / "plugin_packages" / "areal-test-algo", tmp_path_factory.mktemp("algo-plugin"))
 
 
 @pytest.fixture

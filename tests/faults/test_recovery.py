@@ -13,7 +13,7 @@ import os
 
 import pytest
 
-from areal_kernel.testing.models import make_tiny_llama
+from areal_kernel.testing.models import make_tiny_chat_llama
 from areal_kernel.testing.recovery import kill_after_checkpoint, load_weights, read_samples, run_train
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -23,11 +23,7 @@ STEPS = 5
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
-    from areal_kernel.models.resolve import resolve_model_path
-
-    return make_tiny_llama(
-        str(tmp_path_factory.mktemp("tiny-recovery")), tokenizer_from=resolve_model_path("smollm2-135m-instruct")
-    )
+    return make_tiny_chat_llama(tmp_path_factory.mktemp("tiny-recovery"))
 
 
 def _args(model, run_dir, staleness):

@@ -29,6 +29,8 @@ from pathlib import Path
 
 import pytest
 
+from areal_kernel.testing.packages import pip_install_private
+
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 HERE = Path(__file__).resolve().parent
@@ -53,25 +55,15 @@ BASE = [
 def fault_site(tmp_path_factory) -> Path:
     """The fault plugin, pip-installed into a private directory (put on the
     PYTHONPATH of the ``areal`` processes only)."""
-    target = tmp_path_factory.mktemp("fault-plugin-site")
-    src = tmp_path_factory.mktemp("fault-plugin-src") / PLUGIN_SRC.name
-    shutil.copytree(PLUGIN_SRC, src)  # setuptools leaves build/ and egg-info behind
-    subprocess.run(
-        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
-         "--disable-pip-version-check", "--target", str(target), str(src)],
-        check=True, capture_output=True, text=True,
-    )  # fmt: skip
-    return target
+    return pip_install_private(PLUGIN_SRC, tmp_path_factory.mktemp("fault-plugin"))
 
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> str:
     """A tiny random Llama (from a LlamaConfig) with SmolLM2's real tokenizer."""
-    from areal_kernel.models.resolve import resolve_model_path
-    from areal_kernel.testing.models import make_tiny_llama
+    from areal_kernel.testing.models import make_tiny_chat_llama
 
-    smollm2 = resolve_model_path("smollm2-135m-instruct")
-    return make_tiny_llama(str(tmp_path_factory.mktemp("fault-tiny")), tokenizer_from=smollm2)
+    return make_tiny_chat_llama(tmp_path_factory.mktemp("fault-tiny"))
 
 
 @pytest.fixture(scope="module")

@@ -250,11 +250,10 @@ def test_areal_train_survives_a_killed_server(tmp_path):
     """``areal train`` (one server, disk weight updates) whose server is
     killed after the first step: the server is restarted with the current
     weights and every step still trains a full batch."""
-    from areal_kernel.models.resolve import resolve_model_path
-    from areal_kernel.testing.models import make_tiny_llama
+    from areal_kernel.testing.models import make_tiny_chat_llama
 
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    model = make_tiny_llama(str(tmp_path / "model"), tokenizer_from=resolve_model_path("smollm2-135m-instruct"))
+    model = make_tiny_chat_llama(tmp_path / "model")
     run_dir = str(tmp_path / "run")
     steps = 3
     cmd = [

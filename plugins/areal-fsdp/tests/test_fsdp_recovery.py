@@ -13,7 +13,7 @@ import os
 
 import pytest
 
-from areal_kernel.testing.models import make_tiny_llama
+from areal_kernel.testing.models import make_tiny_chat_llama
 from areal_kernel.testing.recovery import kill_after_checkpoint, load_weights, read_samples, run_train
 
 pytestmark = pytest.mark.slow
@@ -24,11 +24,7 @@ STEPS = 4
 
 @pytest.fixture(scope="module")
 def tiny_chat_model(tmp_path_factory):
-    from areal_kernel.models.resolve import resolve_model_path
-
-    return make_tiny_llama(
-        str(tmp_path_factory.mktemp("tiny-fsdp-recovery")), tokenizer_from=resolve_model_path("smollm2-135m-instruct")
-    )
+    return make_tiny_chat_llama(tmp_path_factory.mktemp("tiny-fsdp-recovery"))
 
 
 def _args(model, run_dir):
