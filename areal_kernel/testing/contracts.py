@@ -99,9 +99,12 @@ class InferenceEngineContract:
     running servers of your backend, weight version 0, serving the model in
     ``contract_model_dir``), ``contract_model_dir`` (an HF directory) and
     ``contract_alt_model_dir`` (the same architecture with different weights).
-    Prompts use token ids below 256."""
+    Prompts use token ids below 256. Override ``generations_running``."""
 
     PROMPT = [5, 6, 7, 8]
+    # Tokens of the generation the pause test interrupts: long enough that the
+    # few milliseconds between seeing it run and the pause landing cannot finish it.
+    LONG_GENERATION = 400
 
     def _gen(self, engine: Any, prompts: list[list[int]], **g: Any) -> list[Any]:
         from areal_kernel.api.io import GenerationConfig, ModelRequest
@@ -152,23 +155,40 @@ class InferenceEngineContract:
         assert again.output_ids == base.output_ids
         assert max(abs(x - y) for x, y in zip(again.output_logprobs, base.output_logprobs)) < 1e-4
 
+    def generations_running(self, engine: Any) -> int:
+        """How many generations the servers behind ``engine`` are running now.
+
+        Override it with what your servers report (a status route, metrics):
+        the pause test waits on it, because a sleep is a guess that a fast CPU
+        beats by finishing the whole generation first."""
+        raise NotImplementedError(
+            f"{type(self).__name__} must override generations_running(engine) -> int "
+            "(requests your servers are generating right now), used to pause mid-generation"
+        )
+
     def test_pause_interrupts_and_resume_completes(self, inference_engine: Any) -> None:
         import threading
-        import time
+
+        from areal_kernel.testing.waits import wait_until
 
         box: dict[str, Any] = {}
+        n = self.LONG_GENERATION
 
         def worker() -> None:
-            (box["r"],) = self._gen(inference_engine, [self.PROMPT], max_new_tokens=400, greedy=True, stop_token_ids=[])
+            (box["r"],) = self._gen(inference_engine, [self.PROMPT], max_new_tokens=n, greedy=True, stop_token_ids=[])
 
         t = threading.Thread(target=worker)
         t.start()
-        time.sleep(0.3)
-        inference_engine.pause()
-        time.sleep(0.3)
+        try:
+            wait_until(lambda: self.generations_running(inference_engine) >= 1, timeout_s=120,
+                       what="the generation to start on a server")
+        finally:
+            inference_engine.pause()
+        # Not a synchronisation: a paused generation waits however long we look.
+        t.join(0.5)
         assert t.is_alive(), "a paused generation must wait, not finish"
         inference_engine.resume()
-        t.join(120)
+        t.join(300)
         r = box["r"]
         assert r.n_interruptions >= 1
         assert len(r.output_ids) == len(r.output_logprobs) == len(r.output_versions)

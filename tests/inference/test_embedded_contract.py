@@ -6,6 +6,7 @@ from areal_kernel.inference.client import RemoteInferenceEngine
 from areal_kernel.inference.embedded.backend import EmbeddedProtocol
 from areal_kernel.inference.embedded.launcher import EmbeddedLauncher, EmbeddedServerConfig
 from areal_kernel.testing.contracts import InferenceEngineContract
+from areal_kernel.testing.waits import embedded_running
 
 
 @pytest.fixture(scope="module")
@@ -44,4 +45,5 @@ def inference_engine(embedded_servers):
 
 
 class TestEmbeddedBackendContract(InferenceEngineContract):
-    pass
+    def generations_running(self, engine):
+        return sum(embedded_running(s.address) for s in engine.servers)

@@ -2,7 +2,7 @@
 cache-length orders), rows leaving it, and greedy still equal to HF."""
 from __future__ import annotations
 
-import time
+import threading
 
 import pytest
 import torch
@@ -30,14 +30,29 @@ def body(rid, prompt, n):
     return GenerateBody(rid, prompt, parse_sampling({"max_new_tokens": n, "greedy": True}))
 
 
-def run_until(engine, cond):
-    """Let the engine step (resume/pause-keep) until ``cond()`` holds, then
-    leave it paused so the test can inspect and submit deterministically."""
+def run_until(engine, cond, timeout=60):
+    """Let the engine step until ``cond()`` holds after a step, and leave it
+    paused (keep) right there, so the test can inspect and submit
+    deterministically. Step-exact: a timed resume/pause loop let a fast CPU
+    finish a whole request between two looks (and then wait forever)."""
     engine.pause("keep").result(10)
-    while not cond():
+    if cond():
+        return
+    reached = threading.Event()
+    plain_step = engine._step
+
+    def step_then_check():
+        plain_step()
+        if cond():
+            engine.paused = True  # what pause("keep") does, between the same two steps
+            reached.set()
+
+    engine._step = step_then_check
+    try:
         engine.resume().result(10)
-        time.sleep(0.02)  # longer than the engine's admission window
-        engine.pause("keep").result(10)
+        assert reached.wait(timeout), "the engine never reached the state the test waits for"
+    finally:
+        del engine._step
 
 
 def test_joins_in_both_length_orders_and_leaves(engine, hf_model):

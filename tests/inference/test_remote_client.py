@@ -8,7 +8,6 @@ import asyncio
 import os
 import signal
 import threading
-import time
 
 import pytest
 import torch
@@ -19,6 +18,7 @@ from areal_kernel.errors import ServerError
 from areal_kernel.inference.client import RemoteInferenceEngine
 from areal_kernel.inference.embedded.backend import EmbeddedProtocol
 from areal_kernel.inference.embedded.launcher import EmbeddedLauncher, EmbeddedServerConfig
+from areal_kernel.testing.waits import embedded_tokens_generated, wait_for_embedded_tokens
 
 
 @pytest.fixture
@@ -98,8 +98,9 @@ def test_interrupted_generation_resumes_on_new_weights(tiny_model_dir, hf_model,
         finally:
             await engine.aclose()
 
+    since = embedded_tokens_generated(infos[0].address)
     thread, box = run_in_thread(one)
-    time.sleep(0.5)  # let it produce some tokens on version 0
+    wait_for_embedded_tokens(infos[0].address, 20, since=since)  # some tokens on version 0
     engine.pause()
     engine.update_weights(WeightUpdateMeta(kind="disk", version=1, path=new_dir))
     engine.resume()
@@ -132,8 +133,9 @@ def test_failover_when_a_server_dies_mid_generation(tiny_model_dir, launch):
         finally:
             await engine.aclose()
 
+    since = embedded_tokens_generated(infos[0].address)
     thread, box = run_in_thread(all_requests)
-    time.sleep(0.7)
+    wait_for_embedded_tokens(infos[0].address, 20, since=since)  # the victim is mid-generation
     victim = infos[0]
     os.killpg(victim.pid, signal.SIGKILL)
     thread.join(300)

@@ -159,6 +159,8 @@ def test_a_rollout_that_finishes_too_late_is_dropped_not_trained():
         async def arun_episode(self, engine, record):
             v = box["ex"]._version  # stamped like a server would: the weights at generation time
             await asyncio.sleep(1.0 if record == 0 else 0.02)
+            if record == 0:
+                box["slow_done"] = True
             return group([0.0, 1.0], version=v, gid=str(record))
 
     ex = RolloutExecutor(None, SlowFirst(), records(100), batch_size=2, max_staleness=1, max_concurrent=64)
@@ -170,7 +172,7 @@ def test_a_rollout_that_finishes_too_late_is_dropped_not_trained():
             batch = ex.get_batch(2, timeout=10)
             handed += [(g.group_id, max(t.staleness(v) for t in g.trajectories)) for g in batch]
             ex.set_version(v + 1)
-        time.sleep(1.2)  # the slow episode has finished and sits in the queue
+        assert wait_until(lambda: "slow_done" in box, timeout=30)  # the slow episode has finished
         for v in range(5, 10):
             if ex.stats.stale_dropped:
                 break

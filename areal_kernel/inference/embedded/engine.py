@@ -62,6 +62,9 @@ class GenerationEngine:
 
         self.version = 0
         self.paused = False
+        # Tokens sampled since start (reported by /info): lets a caller wait for
+        # "the server has generated" instead of guessing with a sleep.
+        self.tokens_generated = 0
         self.waiting: deque[Request] = deque()
         self.batch: RunningBatch | None = None
         self._active: dict[str, Request] = {}
@@ -356,6 +359,7 @@ class GenerationEngine:
             logits.device,
         )
         tok, lp = sample(logits, b.rows, self.generator, u)
+        self.tokens_generated += b.size
         b.n_gen = b.n_gen + 1
         b.last = tok
         hit = (tok.unsqueeze(1) == b.stop).any(1)

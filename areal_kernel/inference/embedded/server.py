@@ -210,6 +210,7 @@ def build_app(state: ServerState) -> Any:
                 "paused": e.paused,
                 "running": e.n_running,
                 "queued": e.n_queued,
+                "tokens_generated": e.tokens_generated,
                 "dtype": state.args.dtype,
                 "max_batch_size": state.args.max_batch_size,
             }

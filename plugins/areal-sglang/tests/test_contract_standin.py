@@ -7,7 +7,7 @@ import pytest
 
 from areal_kernel.testing.contracts import InferenceEngineContract
 
-from sglang_testutil import STANDIN_PREFIX
+from sglang_testutil import STANDIN_PREFIX, standin_state
 
 pytestmark = pytest.mark.slow
 
@@ -46,4 +46,5 @@ def inference_engine(backend):
 
 
 class TestSGLangStandInContract(InferenceEngineContract):
-    pass
+    def generations_running(self, engine):
+        return sum(standin_state(s.address)["running"] for s in engine.servers)

@@ -18,8 +18,8 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import threading
-import time
 import urllib.request
 from typing import Any
 
@@ -28,6 +28,7 @@ import pytest
 from areal_kernel.api.engine import WeightUpdateMeta
 from areal_kernel.api.io import GenerationConfig, ModelRequest
 from areal_kernel.testing.contracts import InferenceEngineContract
+from areal_kernel.testing.waits import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -87,7 +88,8 @@ def contract_alt_model_dir(smollm2_alt):
 
 
 class TestVLLMContract(InferenceEngineContract):
-    pass
+    def generations_running(self, engine):
+        return sum(_running(s.address) for s in engine.servers)
 
 
 # -- helpers --------------------------------------------------------------------------
@@ -99,6 +101,34 @@ def _post(address: str, path: str, body: Any = None, timeout: float = 300) -> An
     )  # fmt: skip
     with urllib.request.urlopen(req, timeout=timeout) as r:
         return json.loads(r.read() or b"null")
+
+
+def _metric(address: str, name: str) -> float:
+    """One of vLLM's ``/metrics`` series, summed over its labels."""
+    pat = re.compile(rf"^{re.escape(name)}\{{[^}}]*\}}\s+([0-9.eE+-]+)\s*$", re.MULTILINE)
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=30) as r:
+        return sum(float(v) for v in pat.findall(r.read().decode()))
+
+
+def _running(address: str) -> int:
+    """Requests the server is generating now."""
+    return int(_metric(address, "vllm:num_requests_running"))
+
+
+def _tokens_generated(address: str) -> float:
+    return _metric(address, "vllm:generation_tokens_total")
+
+
+def _start_and_wait_for_tokens(address: str, target: Any, n: int = 8) -> threading.Thread:
+    """Start ``target`` in a thread and return once the server has generated
+    ``n`` more tokens: the event the pause tests wait for instead of a sleep
+    (a faster CPU would finish a whole generation inside a fixed sleep)."""
+    before = _tokens_generated(address)
+    t = threading.Thread(target=target)
+    t.start()
+    wait_until(lambda: _tokens_generated(address) >= before + n, timeout_s=120,
+               what=f"{n} tokens generated on {address}")
+    return t
 
 
 def _get(address: str, path: str) -> Any:
@@ -186,13 +216,11 @@ def test_pause_keep_freezes_and_abort_returns_partial_output(vllm_server):
 
     # keep: the running request is frozen (not finished, not aborted) and
     # completes in full after /resume.
-    t = threading.Thread(target=run, args=("keep", body))
-    t.start()
-    time.sleep(1.0)
+    t = _start_and_wait_for_tokens(addr, lambda: run("keep", body))
     _post(addr, "/pause?mode=keep")
     try:
         assert _get(addr, "/is_paused") == {"is_paused": True}
-        time.sleep(1.0)
+        t.join(1.0)  # an observation window, not a synchronisation: it must wait however long we look
         assert t.is_alive(), "a keep-paused request must wait, not finish"
     finally:
         _post(addr, "/resume")
@@ -202,16 +230,14 @@ def test_pause_keep_freezes_and_abort_returns_partial_output(vllm_server):
 
     # abort: the running request returns what it has, marked as aborted; a
     # request that arrives while paused is queued and served after /resume.
-    t = threading.Thread(target=run, args=("abort", dict(body, request_id="abort-1")))
-    t.start()
-    time.sleep(1.0)
+    t = _start_and_wait_for_tokens(addr, lambda: run("abort", dict(body, request_id="abort-1")))
     _post(addr, "/pause?mode=abort")
     try:
         t.join(60)
         assert not t.is_alive()
         late = threading.Thread(target=run, args=("late", dict(body, request_id="late-1", sampling_params=dict(body["sampling_params"], max_tokens=4))))  # fmt: skip
         late.start()
-        time.sleep(0.5)
+        late.join(0.5)  # an observation window: a queued request waits however long we look
         assert late.is_alive(), "a request sent while paused must wait for /resume"
     finally:
         _post(addr, "/resume")
@@ -231,9 +257,7 @@ def test_keep_pause_across_a_reload_gives_two_weight_version_spans(inference_eng
     proto = VLLMProtocol()
     box: dict[str, Any] = {}
     body = proto.generate("span-1", [5, 6, 7, 8], GenerationConfig(greedy=True), 200).json
-    t = threading.Thread(target=lambda: box.update(r=_post(addr, "/inference/v1/generate", body)))
-    t.start()
-    time.sleep(1.0)
+    t = _start_and_wait_for_tokens(addr, lambda: box.update(r=_post(addr, "/inference/v1/generate", body)))
     _post(addr, "/pause?mode=keep")
     try:
         for call in proto.update_weights_from_disk(smollm2_alt, 7):
@@ -297,16 +321,15 @@ def test_in_memory_update_through_the_kernel_transport(inference_engine, smollm2
         _load_disk(inference_engine, smollm2_fp32, 0)
 
 
-def test_generation_interrupted_by_an_update_holds_two_versions(inference_engine, smollm2_fp32, smollm2_alt):
+def test_generation_interrupted_by_an_update_holds_two_versions(inference_engine, vllm_server, smollm2_fp32, smollm2_alt):
     """Through the kernel client: pause (abort) mid-generation, load other
     weights, resume. The response continues from its partial output; tokens
     are stamped 0 then 1, and each logprob is that of the weights that
     produced the token."""
     prompt = [5, 6, 7, 8]
     box: dict[str, Any] = {}
-    t = threading.Thread(target=lambda: box.update(r=_generate(inference_engine, [prompt], max_new_tokens=300, greedy=True)[0]))
-    t.start()
-    time.sleep(1.5)
+    t = _start_and_wait_for_tokens(
+        vllm_server.address, lambda: box.update(r=_generate(inference_engine, [prompt], max_new_tokens=300, greedy=True)[0]))
     try:
         _load_disk(inference_engine, smollm2_alt, 1)
         t.join(180)
