@@ -20,7 +20,7 @@ Phases
 The ``register`` callback
 -------------------------
 ``register(name, target, *, config_model=None, platforms=None,
-capabilities=(), description="")``
+capabilities=(), description="", success_threshold=None)``
 
 - ``name``: what users write in config (``"fsdp"``, ``"math"``).
 - ``target``: ``"pkg.module:Attr"``, imported only when the name is used.
@@ -28,6 +28,8 @@ capabilities=(), description="")``
   validating the factory's own config section (``actor.fsdp: {...}``).
 - ``platforms``: platform names it runs on (``None``: all).
 - ``capabilities``: free-form strings (``"pause"``, ``"broadcast_update"``).
+- ``success_threshold``: rewards only; the reward of a solved sample
+  (``eval/accuracy`` counts answers that reach it; default 1.0).
 """
 from __future__ import annotations
 

@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from summary import report  # bench/summary.py: one table of ratios for `make bench`
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -53,12 +54,13 @@ def main() -> None:
         sync = run(0, args.steps, root, args.overrides)
         asyn = run(args.staleness, args.steps, root, args.overrides)
     print()
-    print(f"| mode | samples/s | step s | wait for rollout s | train s | staleness | reward |")
-    print(f"|---|---|---|---|---|---|---|")
+    print("| mode | samples/s | step s | wait for rollout s | train s | staleness | reward |")
+    print("|---|---|---|---|---|---|---|")
     for name, r in (("sync (max_staleness 0)", sync), (f"async (max_staleness {args.staleness})", asyn)):
         print(f"| {name} | {r['samples_per_s']:.2f} | {r['step_s']:.1f} | {r['wait_rollout_s']:.1f} | "
               f"{r['train_s']:.1f} | {r['staleness']:.2f} | {r['reward']:.3f} |")
     print(f"\nasync / sync throughput ratio: {asyn['samples_per_s'] / sync['samples_per_s']:.2f}")
+    report("async / sync training samples/s (demo config)", asyn["samples_per_s"] / sync["samples_per_s"], 1.8)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ import os
 import sys
 import tempfile
 import time
+from summary import report  # bench/summary.py: one table of ratios for `make bench`
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -186,6 +187,8 @@ def main() -> None:
     print(f"{'mode':<8} {'hf tokens':>10} {'hf tok/s':>10} {'srv tokens':>11} {'srv tok/s':>10} {'ratio':>7}")
     for m, (hdt, hn), (sdt, sn) in rows:
         print(f"{m:<8} {hn:>10} {hn / hdt:>10.1f} {sn:>11} {sn / sdt:>10.1f} {(sn / sdt) / (hn / hdt):>7.2f}")
+    for m, (hdt, hn), (sdt, sn) in rows:
+        report(f"embedded server / HF generate tokens/s ({m})", (sn / sdt) / (hn / hdt), 1.0)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ import random
 import statistics
 import tempfile
 import time
+from summary import report  # bench/summary.py: one table of ratios for `make bench`
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -129,6 +130,10 @@ def main() -> None:
     one = next(r for r in rows if r[0].startswith("fsdp 1"))[2]
     for name, s, tps in rows:
         print(f"| {name} | {s:.2f} | {tps:.0f} | {tps / one:.2f} |")
+    for name, s, tps in rows:
+        if not name.startswith("fsdp 1"):
+            # Information: 2 ranks on 2 cores also pay gloo collectives.
+            report(f"{name} / fsdp 1 rank tokens/s", tps / one)
     print("\n| weight path | seconds | MB | MB/s |")
     print("|---|---|---|---|")
     for name, s, mb in export_rows:

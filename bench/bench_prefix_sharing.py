@@ -17,6 +17,7 @@ import os
 import random
 import statistics
 import time
+from summary import report  # bench/summary.py: one table of ratios for `make bench`
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -98,6 +99,7 @@ def main() -> None:
     for share, t, mt in rows:
         print(f"{str(share):>14} {int(mt):>13} {t:>8.2f} {n_tokens / t:>10.1f}")
     print(f"speed-up: {rows[0][1] / rows[1][1]:.2f}x")
+    report("shared-prompt / plain packing train step speed-up", rows[0][1] / rows[1][1], 2.0)
 
 
 if __name__ == "__main__":

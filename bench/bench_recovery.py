@@ -16,6 +16,7 @@ import random
 import statistics
 import tempfile
 import time
+from summary import report  # bench/summary.py: one table of ratios for `make bench`
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -78,6 +79,7 @@ def main() -> None:
                     ("load it into a fresh engine", load)):
         print(f"{name:<36}{s:>10.2f}{s / step:>14.2f}")
     print(f"a checkpoint every 10 steps costs {save / (10 * step):.1%} of training time (drain not included)")
+    report("recovery checkpoint write / train step", save / step, 0.5, higher_is_better=False)
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ import sys
 import tempfile
 import threading
 import time
+from summary import report  # bench/summary.py: one table of ratios for `make bench`
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -239,6 +240,7 @@ def main() -> int:
               f"{r['wall_s']:.0f} | {r['samples_per_s']:.2f} |")
     (clean, faulty) = results.values()
     print(f"\nthroughput with faults / without: {faulty['samples_per_s'] / clean['samples_per_s']:.2f}x")
+    report("soak: samples/s with server kills / without", faulty["samples_per_s"] / clean["samples_per_s"], 0.5)
     for mode, r in results.items():
         print(f"record outcomes ({mode}): {r['outcomes']}")
     bad = [m for m, r in results.items() if r["lost"] or r["duplicated"] or not r["full_batches"]]

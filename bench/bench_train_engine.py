@@ -17,6 +17,7 @@ import random
 import statistics
 import tempfile
 import time
+from summary import report  # bench/summary.py: one table of ratios for `make bench`
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -130,6 +131,7 @@ def main() -> None:
     print(f"{'plain HF (padded, 1 forward)':<34}{plain:>10.3f}{real / plain:>12.0f}{1.0:>8.2f}")
     label = f"TorchTrainEngine (packed, {args.mb_tokens}/mb)"
     print(f"{label:<34}{ours:>10.3f}{real / ours:>12.0f}{plain / ours:>8.2f}")
+    report("torch engine / plain PyTorch loop speed", plain / ours, 1.0)
 
 
 if __name__ == "__main__":

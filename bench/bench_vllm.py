@@ -18,6 +18,7 @@ import os
 import statistics
 import tempfile
 import time
+from summary import report  # bench/summary.py: one table of ratios for `make bench`
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -140,6 +141,8 @@ def main() -> None:
     for name, s, pause, mb, rate in rows:
         print(f"| {name} | {s:.2f} | {pause:.2f} | {mb:.0f} | {rate:.0f} |")
     print(f"\ndisk / in-memory latency ratio: {rows[0][1] / rows[1][1]:.2f}")
+    report("areal-vllm client / raw aiohttp tokens/s", med["areal-vllm"] / med["raw aiohttp"], 0.95)
+    report("vLLM weight update: disk / in-memory seconds", rows[0][1] / rows[1][1])
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ import os
 import statistics
 import tempfile
 import time
+from summary import report  # bench/summary.py: one table of ratios for `make bench`
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -53,6 +54,7 @@ def main() -> None:
     for name, s, mb, rate, pause in rows:
         print(f"| {name} | {s:.2f} | {mb:.0f} | {rate:.0f} | {pause:.2f} |")
     print(f"\ndisk / broadcast latency ratio: {rows[0][1] / rows[1][1]:.2f}")
+    report("embedded weight update: disk / broadcast seconds", rows[0][1] / rows[1][1])
 
 
 if __name__ == "__main__":

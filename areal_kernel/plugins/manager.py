@@ -206,6 +206,7 @@ class PluginManager:
             platforms: list[str] | tuple[str, ...] | None = None,
             capabilities: list[str] | tuple[str, ...] = (),
             description: str = "",
+            success_threshold: float | None = None,
         ) -> None:
             if not isinstance(name, str) or not name:
                 raise ValueError(f"plugin '{rec.name}' registered a {kind} with an empty name")
@@ -214,6 +215,18 @@ class PluginManager:
                     f"plugin '{rec.name}' registered {kind} '{name}' with target {target!r}; "
                     "expected a lazy 'package.module:Attribute' string"
                 )
+            if success_threshold is not None:
+                if kind != "reward":
+                    raise ValueError(
+                        f"plugin '{rec.name}' gave {kind} '{name}' a success_threshold; only rewards have one"
+                    )
+                if isinstance(success_threshold, bool) or not isinstance(success_threshold, (int, float)) \
+                        or success_threshold != success_threshold or abs(success_threshold) == float("inf"):
+                    raise ValueError(
+                        f"plugin '{rec.name}' registered reward '{name}' with success_threshold "
+                        f"{success_threshold!r}; expected a finite number (the reward of a solved sample)"
+                    )
+                success_threshold = float(success_threshold)
             spec = FactorySpec(
                 kind=kind,
                 name=name,
@@ -223,6 +236,7 @@ class PluginManager:
                 platforms=tuple(platforms) if platforms is not None else None,
                 capabilities=frozenset(capabilities),
                 description=description,
+                success_threshold=success_threshold,
             )
             self.registry.add(spec, builtin=rec.name == BUILTIN)
             rec.registered.append((kind, name))

@@ -45,6 +45,9 @@ class FactorySpec:
     platforms: tuple[str, ...] | None = None
     capabilities: frozenset[str] = field(default_factory=frozenset)
     description: str = ""
+    # Rewards only: a sample whose reward reaches this value counts as solved
+    # (eval/accuracy). Partial credit below it still counts in eval/reward.
+    success_threshold: float | None = None
 
     def load(self) -> Any:
         """Import the factory; a failure names the plugin and keeps the real cause."""
@@ -79,6 +82,7 @@ class FactorySpec:
             "platforms": list(self.platforms) if self.platforms else None,
             "capabilities": sorted(self.capabilities),
             "description": self.description,
+            "success_threshold": self.success_threshold,
             "config_model": self.config_model
             if isinstance(self.config_model, str) or self.config_model is None
             else f"{self.config_model.__module__}:{self.config_model.__qualname__}",

@@ -21,14 +21,32 @@ async def _aevaluate(workflow: Any, engine: Any, records: list[dict], max_new_to
             await close(current_loop_only=True)
 
 
-def evaluate(workflow: Any, engine: Any, records: list[dict], max_new_tokens: int, concurrency: int = 32) -> dict[str, Any]:
-    """Mean greedy reward (accuracy for 0/1 rewards) on ``records``."""
+# What a reward that declares no success_threshold counts as solved: full
+# marks on the 0/1 scale that the built-in rewards use.
+DEFAULT_SUCCESS_THRESHOLD = 1.0
+
+
+def evaluate(
+    workflow: Any,
+    engine: Any,
+    records: list[dict],
+    max_new_tokens: int,
+    concurrency: int = 32,
+    success_threshold: float | None = None,
+) -> dict[str, Any]:
+    """Greedy answers to ``records``, scored by the reward.
+
+    ``eval/reward`` is the mean reward; ``eval/accuracy`` the fraction of
+    answers whose reward reaches ``success_threshold`` (the reward's declared
+    threshold), so partial credit is not reported as accuracy."""
     if not records:
-        return {"eval/accuracy": float("nan"), "eval/n": 0, "samples": []}
+        return {"eval/accuracy": float("nan"), "eval/reward": float("nan"), "eval/n": 0, "samples": []}
+    threshold = DEFAULT_SUCCESS_THRESHOLD if success_threshold is None else success_threshold
     results = asyncio.run(_aevaluate(workflow, engine, records, max_new_tokens, concurrency))
     scores = [s for s, _ in results]
     return {
-        "eval/accuracy": sum(scores) / len(scores),
+        "eval/accuracy": sum(s >= threshold for s in scores) / len(scores),
+        "eval/reward": sum(scores) / len(scores),
         "eval/n": len(scores),
         "samples": [(r.get("prompt"), r.get("answer"), text, s) for r, (s, text) in zip(records, results)],
     }

@@ -372,9 +372,16 @@ class Trainer:
 
     def evaluate(self) -> dict[str, Any]:
         assert self.rollout is not None
+        threshold = get_registry().get("reward", self.cfg.reward.type, platform="").success_threshold
         return evaluate(
-            self.rollout.workflow, self.rollout.engine, self.eval_records, self.cfg.rollout.gconfig.max_new_tokens
+            self.rollout.workflow, self.rollout.engine, self.eval_records, self.cfg.rollout.gconfig.max_new_tokens,
+            success_threshold=threshold,
         )
+
+    @staticmethod
+    def _eval_metrics(result: dict[str, Any]) -> dict[str, float]:
+        # Older recovery checkpoints hold no eval/reward.
+        return {k: result[k] for k in ("eval/accuracy", "eval/reward") if k in result}
 
     def _check_reward_health(self) -> None:
         wf = self.rollout.workflow
@@ -390,11 +397,17 @@ class Trainer:
         from areal_kernel.algo.rl import rl_train_step
 
         cfg = self.cfg
+        eval_on = bool(self.eval_records)
         if self.before_eval is None:
             self.before_eval = self.evaluate()
-            self.log_metrics(0, {"eval/accuracy": self.before_eval["eval/accuracy"]})
+            if eval_on:
+                self.log_metrics(0, self._eval_metrics(self.before_eval))
         before = self.before_eval
-        print(f"held-out greedy accuracy before training: {before['eval/accuracy']:.3f} (n={before['eval/n']})", flush=True)
+        if eval_on:
+            print(f"held-out greedy accuracy before training: {before['eval/accuracy']:.3f} (n={before['eval/n']})",
+                  flush=True)
+        else:
+            print("held-out evaluation is off (trainer.eval_size=0 or no held-out records)", flush=True)
         total = self.ft.total_train_steps
         self.executor.start()
         t_run = time.monotonic()
@@ -439,8 +452,8 @@ class Trainer:
                 "perf/samples_per_s": samples_here / (time.monotonic() - t_run),
                 "version": new_version,
             })
-            if cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0 and step < total:
-                metrics["eval/accuracy"] = self.evaluate()["eval/accuracy"]
+            if eval_on and cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0 and step < total:
+                metrics.update(self._eval_metrics(self.evaluate()))
             self.log_metrics(step, metrics)
             self.hook.areal_on_train_step(step=step, metrics=metrics)
             self._check_reward_health()
@@ -453,16 +466,23 @@ class Trainer:
                 self.save_recovery()
         self.executor.stop()
         after = self.evaluate()
-        self.log_metrics(total, {"eval/accuracy": after["eval/accuracy"]})
+        if eval_on:
+            self.log_metrics(total, self._eval_metrics(after))
         final = self.save_hf("final")
         elapsed = time.monotonic() - t_run
-        print(
-            f"held-out greedy accuracy: before {before['eval/accuracy']:.3f} -> after {after['eval/accuracy']:.3f} "
-            f"(n={after['eval/n']}, {total} steps, {self.trained_samples} samples, {elapsed:.0f}s training)",
-            flush=True,
-        )
+        run = f"{total} steps, {self.trained_samples} samples, {elapsed:.0f}s training"
+        if eval_on:
+            print(
+                f"held-out greedy accuracy: before {before['eval/accuracy']:.3f} -> after {after['eval/accuracy']:.3f} "
+                f"(n={after['eval/n']}; mean reward {before.get('eval/reward', float('nan')):.3f} -> "
+                f"{after['eval/reward']:.3f}; {run})",
+                flush=True,
+            )
+        else:
+            print(f"training done, held-out evaluation was off ({run})", flush=True)
         print(f"final HF checkpoint: {final}", flush=True)
-        return {"before": before["eval/accuracy"], "after": after["eval/accuracy"], "steps": total,
+        return {"before": before["eval/accuracy"], "after": after["eval/accuracy"],
+                "reward_before": before.get("eval/reward"), "reward_after": after.get("eval/reward"), "steps": total,
                 "train_seconds": elapsed, "samples": self.trained_samples, "checkpoint": final,
                 "resumed_from_step": self.resume_from.step if self.resume_from is not None else None}
 

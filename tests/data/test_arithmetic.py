@@ -64,6 +64,19 @@ def test_splits_stay_disjoint_when_train_repeats():
     assert len({r["prompt"] for r in train}) == 80  # every remaining problem is used
 
 
+def test_a_fixed_split_seed_keeps_the_held_out_set_across_run_seeds():
+    splits = [arithmetic_splits(200, 32, seed=s, split_seed=0) for s in (1, 2, 3)]
+    held_out = [[r["prompt"] for r in evals] for _, evals in splits]
+    assert held_out[0] == held_out[1] == held_out[2]
+    for train, evals in splits:
+        assert not {r["prompt"] for r in train} & set(held_out[0])
+    # ... while the run seed still orders the training stream.
+    assert [r["prompt"] for r in splits[0][0]] != [r["prompt"] for r in splits[1][0]]
+    # Without a split seed the run seed picks the held-out set, as before.
+    assert arithmetic_splits(200, 32, seed=1) != arithmetic_splits(200, 32, seed=2)
+    assert arithmetic_splits(200, 32, seed=4, split_seed=None) == arithmetic_splits(200, 32, seed=4)
+
+
 def test_eval_taking_the_whole_space_forces_overlap():
     train, evals = arithmetic_splits(5, 100, seed=0)
     assert len({r["prompt"] for r in evals}) == 100 and len(train) == 5

@@ -28,6 +28,10 @@ def test_train_runs_the_async_loop(run_areal, tiny_chat_model, tmp_path, transpo
     assert "held-out greedy accuracy before training" in proc.stdout
     assert "held-out greedy accuracy: before" in proc.stdout
     assert "step 3/3" in proc.stdout  # console progress
+    evals = [r for r in read_metrics(run_dir) if "eval/accuracy" in r]
+    assert [r["step"] for r in evals] == [0, 3]  # before and after training
+    # Both, kept apart: the fraction solved and the mean reward (0/1 here: equal).
+    assert all(0.0 <= r["eval/accuracy"] <= 1.0 and r["eval/reward"] == r["eval/accuracy"] for r in evals)
     steps = [r for r in read_metrics(run_dir) if "perf/step_s" in r]
     assert [r["step"] for r in steps] == [1, 2, 3]
     assert [r["version"] for r in steps] == [1, 2, 3]

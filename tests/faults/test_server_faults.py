@@ -21,6 +21,7 @@ import pytest
 from areal_kernel.api.engine import WeightUpdateMeta
 from areal_kernel.api.io import GenerationConfig, ModelRequest, StopReason, Trajectory, TrajectoryGroup
 from areal_kernel.errors import ServerError
+from areal_kernel.testing.waits import embedded_running, wait_until
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -77,11 +78,11 @@ def info(address: str) -> dict:
         return json.loads(r.read())
 
 
-def wait_inflight(stack: Stack, i: int, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while stack.client.servers[i].inflight == 0:
-        assert time.monotonic() < deadline, "no request ever went in flight"
-        time.sleep(0.005)
+def wait_generating(stack: Stack, i: int, timeout: float = 30.0) -> None:
+    """Until server ``i`` itself reports a running generation (the client's
+    in-flight count only says a request was sent)."""
+    address = stack.infos[i].address
+    wait_until(lambda: embedded_running(address) >= 1, timeout_s=timeout, what=f"a generation running on {address}")
 
 
 class TokenWorkflow:
@@ -119,7 +120,7 @@ def test_killed_server_fails_over_and_restarts_no_record_lost_or_duplicated(tiny
         ex = RolloutExecutor(stack.client, wf, lambda: next(it, None), batch_size=4, max_staleness=100, max_concurrent=12)
         ex.start()
         try:
-            wait_inflight(stack, 0)
+            wait_generating(stack, 0)
             old_pid = stack.kill(0)
             groups = []
             for _ in range(6):
@@ -175,9 +176,9 @@ def test_restarted_server_serves_the_current_weight_version(tiny_dir, tmp_path):
         async def killed_mid_rollout():
             sampled = GenerationConfig(max_new_tokens=400, temperature=1.0)
             tasks = [asyncio.create_task(stack.client.agenerate(ModelRequest(prompt, sampled))) for _ in range(6)]
-            while stack.client.servers[0].inflight == 0:
-                await asyncio.sleep(0.005)
-            await asyncio.sleep(0.2)
+            # The kill must land while the server generates: wait for the server
+            # to say so (off the loop, which must keep sending the requests).
+            await asyncio.to_thread(wait_generating, stack, 0)
             stack.kill(0)
             try:
                 return await asyncio.gather(*tasks)
@@ -285,6 +286,7 @@ def test_areal_train_survives_a_killed_server(tmp_path):
             proc.wait()
     out = log_path.read_text(errors="replace")
     assert rc == 0, out[-4000:]
+    assert "held-out evaluation was off" in out and "before nan" not in out  # trainer.eval_size=0
     assert killed is not None, "the run finished before a server could be killed"
     rows = [json.loads(line) for line in open(metrics)]
     step_rows = [r for r in rows if "perf/step_s" in r]

@@ -116,3 +116,28 @@ def test_override_hook_defaults():
     assert hook.areal_select_weight_transport(train_backend="torch", inference_backend="embedded", platform="cpu", mode="auto") == "disk"
     assert hook.areal_select_weight_transport(train_backend="torch", inference_backend="embedded", platform="cuda", mode="auto") == "broadcast"
     assert hook.areal_select_scheduler(config=None) == "local"
+
+
+def test_success_threshold_is_a_reward_setting_and_must_be_a_number():
+    @hookimpl
+    def areal_register_rewards(register):
+        register("partial", "pkg.mod:fn", success_threshold=0.9)
+
+    @hookimpl
+    def areal_register_datasets(register):
+        register("odd", "pkg.mod:fn", success_threshold=1.0)
+
+    pm = PluginManager()
+    pm.ensure_loaded()
+    pm._register_module(PluginRecord("good", "m"), _module(areal_register_rewards=areal_register_rewards))
+    assert pm.registry.get("reward", "partial", platform="").success_threshold == 0.9
+    assert pm.registry.get("reward", "math", platform="").success_threshold == 1.0  # the built-ins declare theirs
+    pm._register_module(PluginRecord("odd", "m"), _module(areal_register_datasets=areal_register_datasets))
+    assert pm.records["odd"].status == "failed" and "only rewards have one" in pm.records["odd"].error
+
+    @hookimpl
+    def areal_register_rewards_bad(register):
+        register("nan_threshold", "pkg.mod:fn", success_threshold=float("nan"))
+
+    pm._register_module(PluginRecord("nan", "m"), _module(areal_register_rewards=areal_register_rewards_bad))
+    assert pm.records["nan"].status == "failed" and "expected a finite number" in pm.records["nan"].error

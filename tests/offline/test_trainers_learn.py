@@ -26,8 +26,11 @@ BAD = ["awful", "horrible", "dreadful", "tedious", "miserable", "appalling"]
 
 def write_preferences(path, seed=0):
     """The same sentence with a kind word preferred to an unkind one (so
-    length and layout say nothing); the loader's held-out pairs are about
-    other topics."""
+    length and layout say nothing). Each topic appears twice, with its own
+    draw of words; the loader holds out a random 20% of the pairs, so a
+    held-out pair is a new sentence but its topic and its words may also be in
+    training: what is tested is ranking kind over unkind words in sentences
+    not trained on, not transfer to unseen topics."""
     rng = random.Random(seed)
     with open(path, "w") as f:
         for i, topic in enumerate(TOPICS * 2):
