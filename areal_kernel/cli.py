@@ -1,7 +1,9 @@
 """The ``areal`` command line.
 
 Every user mistake ends in one ``areal: error: ...`` message and exit code 2
-(``--debug`` adds the traceback). Commands import heavy libraries only when
+(``--debug`` adds the traceback). So does a plain exception raised by plugin
+code: the message names the plugin, its distribution and the registered name
+(runs also write the traceback to ``<run_dir>/error.log``). Commands import heavy libraries only when
 they need them, so ``areal plugins`` stays fast, and keep working when a
 plugin is broken.
 """
@@ -215,6 +217,15 @@ def cmd_check(args: argparse.Namespace) -> int:
     return run_check(cfg, n=args.num_samples)
 
 
+def _plugin_error(exc: Exception) -> ArealError | None:
+    try:
+        from areal_kernel.plugins.blame import as_plugin_error
+
+        return as_plugin_error(exc)
+    except Exception:  # never hide the original failure behind one of ours
+        return None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     # Overrides may come before or after options (`check c.yaml -n 2 a.b=1`).
@@ -239,6 +250,14 @@ def main(argv: list[str] | None = None) -> int:
             raise
         msg = str(e).rstrip()
         print(f"areal: error: {msg}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except Exception as e:
+        # Plugin code crashing outside a run (a config model's import, a
+        # resolver hook): one line naming the plugin. A kernel bug keeps its traceback.
+        err = None if args.debug else _plugin_error(e)
+        if err is None:
+            raise
+        print(f"areal: error: {err}", file=sys.stderr)
         return EXIT_USER_ERROR
     except KeyboardInterrupt:
         print("areal: interrupted", file=sys.stderr)

@@ -101,8 +101,14 @@ def areal_register_platforms(register: Register) -> None:
 def areal_register_datasets(register: Register) -> None:
     """Register dataset sources (``dataset.type``), e.g. ``file``, ``hub``, ``arithmetic``.
 
-    Target: a callable returning a list of record dicts. Called in the
-    controller process on first registry use.
+    Target: ``source(config, seed, required)`` returning a list of record
+    dicts (the kernel holds out ``dataset.eval_fraction`` of it for
+    evaluation) or a ``(train, eval)`` tuple of such lists; ``config`` is
+    the ``dataset`` section (own settings in ``config.plugin_config``),
+    ``required`` the fields the workflow reads. Records are checked
+    (required fields, unique ``id``, generated when absent) before any
+    server starts; see ``areal_kernel.data.contract``. Called in the
+    controller process.
     """
 
 
@@ -110,8 +116,11 @@ def areal_register_datasets(register: Register) -> None:
 def areal_register_rewards(register: Register) -> None:
     """Register reward functions (``reward.type``), e.g. ``math``, ``exact_match``.
 
-    Target: ``fn(completion: str, answer: str, **kwargs) -> float``; run in a
-    worker pool with the kernel's timeout.
+    Target: ``fn(completion: str, answer: str, **settings) -> float``:
+    ``answer`` is the record's ``answer`` as a string, ``settings`` the
+    validated ``reward.<name>`` section as JSON values (every field of the
+    ``config_model``; nothing without one). Run in a worker process with
+    the kernel's timeout.
     """
 
 

@@ -67,13 +67,26 @@ def areal_register_datasets(register: Any) -> None:
 
 @hookimpl
 def areal_register_rewards(register: Any) -> None:
-    register("math", "areal_kernel.reward.math:math_verify_reward", description="math-verify equivalence (0/1)",
-             success_threshold=1.0)
-    register("exact_match", "areal_kernel.reward.exact_match:exact_match_reward",
-             description="normalised exact match (0/1)", success_threshold=1.0)
+    # Each reward's settings (reward.<name>: {...}) arrive as its keyword arguments.
+    settings = "areal_kernel.reward.settings"
+    register(
+        "math",
+        "areal_kernel.reward.math:math_verify_reward",
+        config_model=f"{settings}:MathRewardSettings",
+        description="math-verify equivalence (0/1)",
+        success_threshold=1.0,
+    )
+    register(
+        "exact_match",
+        "areal_kernel.reward.exact_match:exact_match_reward",
+        config_model=f"{settings}:ExactMatchRewardSettings",
+        description="normalised exact match (0/1)",
+        success_threshold=1.0,
+    )
     register(
         "code_exec",
         "areal_kernel.reward.code_exec:code_exec_reward",
+        config_model=f"{settings}:CodeExecRewardSettings",
         description="run the completion's Python against the answer's tests in a sandboxed subprocess (0/1)",
         success_threshold=1.0,
     )

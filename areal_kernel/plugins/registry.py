@@ -33,6 +33,14 @@ def import_target(target: str) -> Any:
     return obj
 
 
+_LOADED: set[tuple[str, str]] = set()
+
+
+def loaded_specs() -> frozenset[tuple[str, str]]:
+    """``(kind, name)`` of every factory this process has loaded."""
+    return frozenset(_LOADED)
+
+
 @dataclass(frozen=True)
 class FactorySpec:
     """A registered, not yet imported, factory."""
@@ -51,6 +59,8 @@ class FactorySpec:
 
     def load(self) -> Any:
         """Import the factory; a failure names the plugin and keeps the real cause."""
+        # Remembered so that a later failure can be traced to the name in use.
+        _LOADED.add((self.kind, self.name))
         try:
             return import_target(self.target)
         except Exception as e:

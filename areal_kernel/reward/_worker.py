@@ -7,7 +7,9 @@ wrapped as a ``multiprocessing.connection.Connection``:
 
 parent -> worker: ``{"sys_path", "preload", "parent_pid"}`` once (``preload``
 entries are modules to import or ``module:function`` warm-ups to call), then
-``(call_id, fn_path, args, kwargs)`` per call, ``None`` to stop.
+``(call_id, fn_path, (completion, answer), kwargs_json)`` per call (keyword
+arguments as JSON text: the settings of a reward are plain data), ``None``
+to stop.
 worker -> parent: ``("ready", pid)`` or ``("startup_error", msg)`` once, then
 ``(call_id, status, payload)`` with status ``ok`` (a float), ``error``
 (the function raised or returned a non-number) or ``config`` (``fn_path``
@@ -17,6 +19,7 @@ cannot be imported).
 from __future__ import annotations
 
 import importlib
+import json
 import math
 import os
 import sys
@@ -72,7 +75,8 @@ def _run(conn: Any) -> int:
             return 0
         if msg is None:
             return 0
-        call_id, fn_path, args, kwargs = msg
+        call_id, fn_path, args, kwargs_json = msg
+        kwargs = json.loads(kwargs_json)
         try:
             fn = cache.get(fn_path) or cache.setdefault(fn_path, resolve_callable(fn_path))
         except BaseException as exc:

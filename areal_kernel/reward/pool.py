@@ -5,9 +5,16 @@ crash. Each call runs in a separate process; a call that exceeds the timeout
 gets its worker (and the worker's whole process group) killed and replaced,
 and returns ``RewardResult(ok=False, error="timeout")``. The run never hangs.
 
-Functions are named by import path (``"pkg.module:function"``) so nothing is
-pickled but strings and arguments. Workers are started with ``subprocess``
-(fork-free) in their own session.
+Functions are named by import path (``"pkg.module:function"``) and keyword
+arguments travel as JSON text, so nothing but strings crosses into a worker:
+no object of the controller (a pydantic model, a tokenizer) can leak into
+user code, and a reward sees the same values whichever process runs it.
+Workers are started with ``subprocess`` (fork-free) in their own session.
+
+Settings: ``RewardPool(settings={fn_path: {...}})`` binds keyword arguments
+to a function; every call of that function gets them (keywords given to the
+call win). The trainer binds the validated ``reward.<name>`` section of the
+selected reward this way (``trainer.components.make_reward_pool``).
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import itertools
+import json
 import os
 import queue
 import signal
@@ -25,7 +33,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from areal_kernel.errors import ArealError, ConfigError
 
@@ -45,6 +53,22 @@ class RewardResult:
     ok: bool = True
     error: str | None = None  # "timeout", "worker crashed ...", "ValueError: ..."
     elapsed_s: float = 0.0
+
+
+def to_json_kwargs(kwargs: Mapping[str, Any], what: str) -> str:
+    """``kwargs`` as JSON text; anything that is not plain JSON data is a
+    ``ConfigError`` naming ``what`` (the reward) and the offending key."""
+    for key, value in kwargs.items():
+        if not isinstance(key, str):
+            raise ConfigError(f"keyword arguments of reward {what!r} need string names, got {key!r}")
+        try:
+            json.dumps(value, allow_nan=False)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(
+                f"keyword argument {key!r} of reward {what!r} is not plain JSON data "
+                f"({type(value).__name__}: {exc}); rewards run in worker processes and receive JSON values only"
+            ) from None
+    return json.dumps(dict(kwargs), allow_nan=False)
 
 
 def resolve_reward_path(fn_path: str) -> str:
@@ -135,7 +159,9 @@ class RewardPool:
 
     ``score``/``ascore`` block (or await) until a worker is free, then give
     the call ``timeout_s`` seconds. Worker startup (Python + ``preload``
-    imports) never counts against a call's timeout.
+    imports) never counts against a call's timeout. ``settings`` maps a
+    reward (short name or import path) to keyword arguments sent with each of
+    its calls; they must be plain JSON data.
     """
 
     def __init__(
@@ -145,6 +171,7 @@ class RewardPool:
         *,
         preload: Sequence[str] = ("areal_kernel.reward.math:warmup",),
         startup_timeout_s: float = 120.0,
+        settings: Mapping[str, Mapping[str, Any]] | None = None,
     ) -> None:
         if n_workers is None:
             n_workers = max(1, min(4, os.cpu_count() or 1))
@@ -156,6 +183,11 @@ class RewardPool:
         self.timeout_s = float(timeout_s)
         self.startup_timeout_s = float(startup_timeout_s)
         self._preload = tuple(preload)
+        # Checked (and frozen as JSON text) now, so a bad value fails at start-up, not per call.
+        self._settings: dict[str, dict[str, Any]] = {}
+        for fn_path, values in (settings or {}).items():
+            path = resolve_reward_path(fn_path)
+            self._settings[path] = json.loads(to_json_kwargs(values, fn_path))
         self._idle: queue.Queue[_Worker] = queue.Queue()
         self._lock = threading.Lock()
         self._ids = itertools.count()
@@ -170,12 +202,14 @@ class RewardPool:
     # -- public API ------------------------------------------------------------
 
     def score(self, fn_path: str, completion: str, answer: str, **kw: Any) -> RewardResult:
-        """Run ``fn_path(completion, answer, **kw)`` in a worker (blocking)."""
+        """Run ``fn_path(completion, answer, **settings, **kw)`` in a worker
+        (blocking); ``settings`` are the keywords bound to ``fn_path``."""
         path = resolve_reward_path(fn_path)
+        kwargs_json = to_json_kwargs({**self._settings.get(path, {}), **kw}, fn_path)
         for _ in range(2):  # a worker found dead before the call gets one retry
             worker = self._acquire()
             try:
-                return self._call(worker, path, (completion, answer), kw)
+                return self._call(worker, path, (completion, answer), kwargs_json)
             except _Retry:
                 continue
             finally:
@@ -258,11 +292,15 @@ class RewardPool:
         if not self._closed:
             self._idle.put(worker)
 
-    def _call(self, worker: _Worker, path: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> RewardResult:
+    def settings(self, fn_path: str) -> dict[str, Any]:
+        """The keyword arguments bound to ``fn_path`` (a copy)."""
+        return dict(self._settings.get(resolve_reward_path(fn_path), {}))
+
+    def _call(self, worker: _Worker, path: str, args: tuple[str, str], kwargs_json: str) -> RewardResult:
         call_id = next(self._ids)
         try:
-            # Pickling errors raise before anything is written: the worker stays usable.
-            worker.conn.send((call_id, path, args, kwargs))
+            # Only strings are sent: nothing can fail to pickle half-way.
+            worker.conn.send((call_id, path, args, kwargs_json))
         except OSError as exc:  # the worker died before taking the call
             self._restart(worker)
             raise _Retry from exc

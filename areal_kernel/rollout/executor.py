@@ -243,7 +243,7 @@ class RolloutExecutor:
             self.stats.failed += 1
             log.warning("rollout episode failed", error=f"{type(e).__name__}: {e}")
             if self.stats.failed > self.max_failures:
-                self._error = e if isinstance(e, ArealError) else ArealError(
+                self._error = e if isinstance(e, ArealError) or _from_plugin(e) else ArealError(
                     f"{self.stats.failed} rollout episodes failed; last error: {type(e).__name__}: {e}"
                 )
             return
@@ -265,6 +265,17 @@ class RolloutExecutor:
         self.budget.finish(kept=True)
         self.stats.accepted += 1
         self._out.put((seq, group))
+
+
+def _from_plugin(exc: Exception) -> bool:
+    """Raised by plugin code (a workflow, or what it calls): surfaced as is,
+    with its traceback, so the run can name the plugin (see plugins.blame)."""
+    from areal_kernel.plugins.blame import blame
+
+    try:
+        return blame(exc) is not None
+    except Exception:
+        return False
 
 
 def staleness_histogram(groups: list[TrajectoryGroup], version: int) -> dict[int, int]:

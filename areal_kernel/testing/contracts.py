@@ -63,28 +63,41 @@ class PlatformContract:
 class RewardContract:
     """Fixtures: ``reward_target`` (``"pkg.mod:fn"``) and ``reward_cases``
     (a list of ``(completion, answer, expected_score)`` covering a right and a
-    wrong answer)."""
+    wrong answer); optionally ``reward_settings``, the keyword arguments the
+    kernel passes (your validated ``reward.<name>`` section as JSON data;
+    default ``{}``, i.e. your keyword defaults)."""
 
-    def test_scores_cases(self, reward_target: str, reward_cases: list[tuple[str, str, float]]) -> None:
+    @pytest.fixture
+    def reward_settings(self) -> dict[str, Any]:
+        return {}
+
+    def test_scores_cases(
+        self, reward_target: str, reward_cases: list[tuple[str, str, float]], reward_settings: dict[str, Any]
+    ) -> None:
         from areal_kernel.plugins.registry import import_target
 
         fn = import_target(reward_target)
         assert len({exp for _, _, exp in reward_cases}) >= 2, "give at least one right and one wrong case"
         for completion, answer, expected in reward_cases:
-            score = fn(completion, answer)
+            score = fn(completion, answer, **reward_settings)
             assert isinstance(score, float), f"reward returned {type(score).__name__}, expected float"
             assert score == pytest.approx(expected), (completion, answer)
 
-    def test_empty_completion_does_not_raise(self, reward_target: str, reward_cases: list[tuple[str, str, float]]) -> None:
+    def test_empty_completion_does_not_raise(
+        self, reward_target: str, reward_cases: list[tuple[str, str, float]], reward_settings: dict[str, Any]
+    ) -> None:
         from areal_kernel.plugins.registry import import_target
 
         fn = import_target(reward_target)
-        assert isinstance(fn("", reward_cases[0][1]), float)
+        assert isinstance(fn("", reward_cases[0][1], **reward_settings), float)
 
-    def test_runs_in_the_kernel_reward_pool(self, reward_target: str, reward_cases: list[tuple[str, str, float]]) -> None:
+    def test_runs_in_the_kernel_reward_pool(
+        self, reward_target: str, reward_cases: list[tuple[str, str, float]], reward_settings: dict[str, Any]
+    ) -> None:
         from areal_kernel.reward.pool import RewardPool
 
-        pool = RewardPool(n_workers=1, timeout_s=60)
+        # Bound the way the trainer binds reward.<name>: the settings cross into the worker as JSON.
+        pool = RewardPool(n_workers=1, timeout_s=60, preload=(), settings={reward_target: reward_settings})
         try:
             completion, answer, expected = reward_cases[0]
             result = asyncio.run(pool.ascore(reward_target, completion, answer))

@@ -25,7 +25,15 @@ async def _episodes(rollout: Rollout, records: list[dict]) -> list[Any]:
 
 
 def run_check(cfg: ExperimentConfig, n: int = 4) -> int:
+    from areal_kernel.plugins.blame import plugin_failures_reported
+
     setup_logging(level=cfg.logging.level, json_logs=cfg.logging.json_logs)
+    # As in `areal train`: plugin crashes are one line, tracebacks in <run_dir>/check/error.log.
+    with plugin_failures_reported(os.path.join(cfg.resolved_run_dir(), "check")):
+        return _run_check(cfg, n)
+
+
+def _run_check(cfg: ExperimentConfig, n: int) -> int:
     model_dir = resolve_model_dir(cfg)
     # Data before the tokenizer: a bad dataset file is the likelier mistake and
     # its check is cheap, so report it before importing transformers.

@@ -9,6 +9,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic import BaseModel
+
 from areal_kernel.api.io import GenerationConfig
 from areal_kernel.config.models import ExperimentConfig
 from areal_kernel.errors import ArealError, ConfigError
@@ -41,12 +43,51 @@ def load_tokenizer(model_dir: str) -> Any:
         raise ConfigError(f"model.path: no usable tokenizer in {model_dir}: {type(e).__name__}: {e}") from None
 
 
-def load_data(cfg: ExperimentConfig, required: tuple[str, ...]) -> tuple[list[dict], list[dict]]:
-    source = get_registry().get("dataset", cfg.dataset.type).load()
-    train, evals = source(cfg.dataset, cfg.seed, required)
+def load_data(
+    cfg: ExperimentConfig, required: tuple[str, ...], needed_by: str | None = None
+) -> tuple[list[dict], list[dict]]:
+    """``(train, eval)`` records of the selected dataset, checked under the
+    dataset contract (``areal_kernel.data.contract``): every record has the
+    ``required`` fields and a unique string id. ``needed_by`` names who reads
+    them, for messages (default: the selected workflow)."""
+    from areal_kernel.data.contract import load_dataset
+
+    spec = get_registry().get("dataset", cfg.dataset.type)
+    who = needed_by or f"workflow '{cfg.workflow.type}'"
+    train, evals = load_dataset(spec, cfg.dataset, cfg.seed, required, who)
     if not train:
         raise ArealError(f"dataset '{cfg.dataset.type}' produced no training records")
     return train, evals[: cfg.trainer.eval_size]
+
+
+def reward_settings(cfg: ExperimentConfig) -> dict[str, Any]:
+    """The selected reward's validated ``reward.<name>`` section as JSON data
+    (every field of its ``config_model``, defaults included); ``{}`` when the
+    reward declares no settings. These are the keywords the reward receives."""
+    settings = cfg.reward.plugin_config
+    if settings is None:
+        return {}
+    if isinstance(settings, BaseModel):
+        # mode="json": what reaches the worker process is what JSON can carry.
+        return settings.model_dump(mode="json")
+    return dict(settings)
+
+
+def make_reward_pool(cfg: ExperimentConfig) -> Any:
+    """The run's ``RewardPool``, with the selected reward's settings bound to
+    it: every ``pool.ascore(reward_target, completion, answer)`` (any
+    workflow's) calls ``reward(completion, answer, **reward_settings(cfg))``."""
+    from areal_kernel.reward.pool import RewardPool
+
+    spec = get_registry().get("reward", cfg.reward.type)
+    # Warm math-verify up in the workers only when it is the reward (~1 s of CPU per worker start).
+    preload = ("areal_kernel.reward.math:warmup",) if spec.target.startswith("areal_kernel.reward.math") else ()
+    return RewardPool(
+        n_workers=cfg.reward.workers,
+        timeout_s=cfg.reward.timeout_s,
+        preload=preload,
+        settings={spec.target: reward_settings(cfg)},
+    )
 
 
 def generation_config(cfg: ExperimentConfig) -> GenerationConfig:
@@ -73,8 +114,6 @@ class Rollout:
     addresses: list[str] = field(default_factory=list)
 
     def start(self) -> "Rollout":
-        from areal_kernel.reward.pool import RewardPool
-
         cfg, reg = self.cfg, get_registry()
         backend_spec = reg.get("inference_engine", cfg.rollout.allocation.backend)
         self.backend = backend_spec.load()(cfg)
@@ -89,9 +128,7 @@ class Rollout:
 
         self.supervisor = start_supervisor(self.backend, self.engine, cfg.rollout)
         reward_spec = reg.get("reward", cfg.reward.type)
-        # Warm math-verify up in the workers only when it is the reward (~1 s of CPU per worker start).
-        preload = ("areal_kernel.reward.math:warmup",) if reward_spec.target.startswith("areal_kernel.reward.math") else ()
-        self.reward_pool = RewardPool(n_workers=cfg.reward.workers, timeout_s=cfg.reward.timeout_s, preload=preload)
+        self.reward_pool = make_reward_pool(cfg)
         wf_spec = reg.get("workflow", cfg.workflow.type)
         self.workflow = wf_spec.load()(
             tokenizer=self.tokenizer,

@@ -76,7 +76,7 @@ class OfflineTrainer:
         write_run_config(cfg, self.run_dir)
         self.model_dir = resolve_model_dir(cfg)
         self.tokenizer = load_tokenizer(self.model_dir)
-        train_records, eval_records = load_data(cfg, self.required_fields())
+        train_records, eval_records = load_data(cfg, self.required_fields(), f"algorithm '{cfg.algorithm.type}'")
         self.train_examples = self.encode(train_records, "train")
         self.eval_examples = self.encode(eval_records, "eval") if eval_records else []
         if not self.train_examples:

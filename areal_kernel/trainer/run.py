@@ -558,21 +558,26 @@ def run_trainer(trainer_cls: Any, cfg: ExperimentConfig) -> int:
     by the RL loop and the offline trainers."""
     import json
 
+    from areal_kernel.plugins.blame import plugin_failures_reported
+
     setup_logging(level=cfg.logging.level, json_logs=cfg.logging.json_logs)
     _raise_on_sigterm()
-    trainer = trainer_cls(cfg)
-    status = "failed"
-    try:
-        trainer.setup()
-        result = trainer.train()
-        status = "completed"
-        with open(os.path.join(trainer.run_dir, "result.json"), "w", encoding="utf-8") as f:
-            json.dump(result, f, indent=2)
-        return 0
-    except KeyboardInterrupt:
-        status = "interrupted"
-        raise
-    finally:
-        trainer.close(status)
+    # A plain exception from plugin code (a dataset, a sink, a hook, ...) ends
+    # as one line naming the plugin; its traceback goes to <run_dir>/error.log.
+    with plugin_failures_reported(cfg.resolved_run_dir()):
+        trainer = trainer_cls(cfg)
+        status = "failed"
+        try:
+            trainer.setup()
+            result = trainer.train()
+            status = "completed"
+            with open(os.path.join(trainer.run_dir, "result.json"), "w", encoding="utf-8") as f:
+                json.dump(result, f, indent=2)
+            return 0
+        except KeyboardInterrupt:
+            status = "interrupted"
+            raise
+        finally:
+            trainer.close(status)
 
 

@@ -76,6 +76,34 @@ def _broken_plugin(ctx: Ctx) -> list[str]:
     return ["validate", "/dev/null", "reward.type=faultplug"]
 
 
+def _dataset_plugin(body: str) -> Callable[[Ctx], list[str]]:
+    """A real installed distribution (as in ``_broken_plugin``) registering
+    dataset ``faultdata``, whose source ``(config, seed, required)`` is
+    ``body``; the command is ``areal check`` with it selected."""
+
+    def setup(ctx: Ctx) -> list[str]:
+        site = ctx.tmp / "site"
+        (site / "areal_fault_data").mkdir(parents=True)
+        (site / "areal_fault_data" / "__init__.py").write_text("")
+        (site / "areal_fault_data" / "plugin.py").write_text(
+            "from areal_kernel import hookimpl\n\n\n"
+            "@hookimpl\n"
+            "def areal_register_datasets(register):\n"
+            "    register('faultdata', 'areal_fault_data.plugin:source')\n\n\n"
+            "def source(config, seed, required):\n"
+            "    records = [{'id': f'q{i}', 'prompt': f'{i}+1', 'answer': str(i + 1)} for i in range(4)]\n"
+            f"    {body}\n"
+        )
+        info = site / "areal_fault_data-0.0.2.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text("Metadata-Version: 2.1\nName: areal-fault-data\nVersion: 0.0.2\n")
+        (info / "entry_points.txt").write_text("[areal.plugins]\nfaultdata = areal_fault_data.plugin\n")
+        ctx.env["PYTHONPATH"] = os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+        return ["check", "/dev/null", f"model.path={_fake_model(ctx)}", "dataset.type=faultdata"]
+
+    return setup
+
+
 def _taken_port(ctx: Ctx) -> list[str]:
     s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     s.bind(("127.0.0.1", 0))
@@ -181,6 +209,20 @@ CASES: list[Case] = [
          ("p.jsonl", "'answer'", "field_map={'solution': 'answer'}")),
     Case("data-extension", "dataset file with an unsupported extension",
          lambda ctx: _data(ctx, "d.txt", "1+1,2\n"), ("d.txt", "supported: .jsonl")),
+    # -- plugin datasets and plugin code (areal check)
+    Case("plugin-dataset-shape", "a plugin dataset that returns a dict instead of a list of records",
+         _dataset_plugin("return {'train': records}"),
+         ("dataset 'faultdata'", "plugin 'faultdata' (areal-fault-data 0.0.2)", "returned a dict", "list of record dicts")),
+    Case("plugin-dataset-no-answer", "a plugin dataset whose record 1 lacks the workflow's `answer` field",
+         _dataset_plugin("del records[1]['answer']; return records"),
+         ("dataset 'faultdata'", "areal-fault-data 0.0.2", ": record 1 ", "'answer'", "workflow 'rlvr'")),
+    Case("plugin-dataset-duplicate-id", "a plugin dataset with two records of the same `id`",
+         _dataset_plugin("records[3]['id'] = 'q0'; return records, []"),
+         ("dataset 'faultdata'", "train records 0 and 3", "'q0'", "unique")),
+    Case("plugin-code-raises", "plugin code (a dataset) that raises a plain `ValueError`",
+         _dataset_plugin("raise ValueError('no records today')"),
+         ("dataset 'faultdata' of plugin 'faultdata' (areal-fault-data 0.0.2)", "ValueError: no records today",
+          "areal_fault_data/plugin.py", "error.log")),
     # -- servers and runs
     Case("port-taken", "`rollout.embedded.port` already taken by another process", _taken_port,
          ("rollout.embedded.port", "already in use", "leave it unset")),
