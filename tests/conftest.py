@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from areal_kernel.testing.packages import use_private_site
+
 REPO = Path(__file__).resolve().parent.parent
 PLUGIN_PACKAGES = REPO / "tests" / "plugin_packages"
 
@@ -49,9 +51,4 @@ def plugin_env(test_plugins_site: Path) -> dict[str, str]:
 @pytest.fixture
 def with_test_plugins(test_plugins_site: Path, monkeypatch: pytest.MonkeyPatch, areal_env):
     """Make the test plugins visible to this process (sys.path + fresh registry)."""
-    monkeypatch.syspath_prepend(str(test_plugins_site))
-    import importlib
-
-    importlib.invalidate_caches()
-    areal_env()
-    return test_plugins_site
+    return use_private_site(test_plugins_site, monkeypatch, areal_env)

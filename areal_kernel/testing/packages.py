@@ -6,6 +6,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any, Callable
 
 
 def pip_install_private(src: str | Path, workdir: str | Path) -> Path:
@@ -22,3 +23,16 @@ def pip_install_private(src: str | Path, workdir: str | Path) -> Path:
         check=True, capture_output=True, text=True,
     )  # fmt: skip
     return target
+
+
+def use_private_site(site: str | Path, monkeypatch: Any, areal_env: Callable[..., Any]) -> Path:
+    """Make a private site (``pip_install_private``) visible to this test's
+    own process: first on ``sys.path``, import caches dropped, and the
+    kernel's plugin state reset through the ``areal_env`` fixture so the next
+    registry use discovers its plugins."""
+    import importlib
+
+    monkeypatch.syspath_prepend(str(site))
+    importlib.invalidate_caches()
+    areal_env()
+    return Path(site)

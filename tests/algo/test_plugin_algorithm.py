@@ -9,7 +9,7 @@ import pytest
 import torch
 from test_grpo import _fixed_batch
 
-from areal_kernel.testing.packages import pip_install_private
+from areal_kernel.testing.packages import pip_install_private, use_private_site
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
@@ -22,12 +22,7 @@ def algo_plugin_site(tmp_path_factory) -> Path:
 
 @pytest.fixture
 def with_algo_plugin(algo_plugin_site, monkeypatch, areal_env):
-    import importlib
-
-    monkeypatch.syspath_prepend(str(algo_plugin_site))
-    importlib.invalidate_caches()
-    areal_env()
-    return algo_plugin_site
+    return use_private_site(algo_plugin_site, monkeypatch, areal_env)
 
 
 def test_plugin_estimator_and_loss_selected_by_config(with_algo_plugin, tiny_llama_dir):

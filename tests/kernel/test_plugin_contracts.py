@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from areal_kernel.errors import ConfigError, DataError
-from areal_kernel.testing.packages import pip_install_private
+from areal_kernel.testing.packages import pip_install_private, use_private_site
 
 HERE = Path(__file__).resolve().parent
 ORIGIN = "of plugin 'contract' (areal-test-contract 0.3.0)"
@@ -35,12 +35,7 @@ def contract_site(tmp_path_factory) -> Path:
 
 @pytest.fixture
 def with_contract_plugin(contract_site, monkeypatch, areal_env):
-    import importlib
-
-    monkeypatch.syspath_prepend(str(contract_site))
-    importlib.invalidate_caches()
-    areal_env()
-    return contract_site
+    return use_private_site(contract_site, monkeypatch, areal_env)
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +64,15 @@ def _fake_model(tmp_path: Path) -> str:
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text("{}\n")
     return str(tmp_path / "model")
+
+
+def _check_error_line(run_areal, contract_env, tmp_path: Path, mode: str) -> str:
+    """`areal check` with the contract dataset in ``mode``; the one error line it must end with."""
+    proc = run_areal(
+        "check", "/dev/null", f"model.path={_fake_model(tmp_path)}", "dataset.type=contract_data",
+        f"dataset.contract_data.mode={mode}", env=contract_env, cwd=str(tmp_path),
+    )  # fmt: skip
+    return _one_error_line(proc)
 
 
 def _one_error_line(proc) -> str:
@@ -154,11 +158,7 @@ def test_dataset_returning_a_plain_list_is_split_by_the_kernel(with_contract_plu
     [("wrong_shape", "returned a dict;"), ("three", "returned a tuple of 3 (list, list, list);")],
 )
 def test_dataset_with_the_wrong_return_shape_is_one_clear_line(run_areal, contract_env, tmp_path, mode, shape):
-    proc = run_areal(
-        "check", "/dev/null", f"model.path={_fake_model(tmp_path)}", "dataset.type=contract_data",
-        f"dataset.contract_data.mode={mode}", env=contract_env, cwd=str(tmp_path),
-    )  # fmt: skip
-    line = _one_error_line(proc)
+    line = _check_error_line(run_areal, contract_env, tmp_path, mode)
     assert f"dataset 'contract_data' {ORIGIN} {shape}" in line
     assert "list of record dicts or a (train, eval) tuple" in line
 
@@ -167,11 +167,7 @@ def test_dataset_with_the_wrong_return_shape_is_one_clear_line(run_areal, contra
 
 
 def test_record_without_the_workflows_field_fails_before_any_server(run_areal, contract_env, tmp_path):
-    proc = run_areal(
-        "check", "/dev/null", f"model.path={_fake_model(tmp_path)}", "dataset.type=contract_data",
-        "dataset.contract_data.mode=no_answer", env=contract_env, cwd=str(tmp_path),
-    )  # fmt: skip
-    line = _one_error_line(proc)
+    line = _check_error_line(run_areal, contract_env, tmp_path, "no_answer")
     assert f"dataset 'contract_data' {ORIGIN}: train record 2 has no 'answer' field, which workflow 'rlvr' needs" in line
     assert not list(tmp_path.rglob("server-*.log"))  # found before anything started
 
@@ -257,10 +253,6 @@ def test_plugin_workflow_crash_leaves_the_executor_naming_the_workflow(with_cont
 
 
 def test_areal_error_from_a_plugin_stays_its_own_line(run_areal, contract_env, tmp_path):
-    proc = run_areal(
-        "check", "/dev/null", f"model.path={_fake_model(tmp_path)}", "dataset.type=contract_data",
-        "dataset.contract_data.mode=areal_error", env=contract_env, cwd=str(tmp_path),
-    )  # fmt: skip
-    line = _one_error_line(proc)
+    line = _check_error_line(run_areal, contract_env, tmp_path, "areal_error")
     assert line == "areal: error: contract_data: the record server is down; set dataset.contract_data.mode=list"
     assert not list(tmp_path.rglob("error.log"))  # a reported user error is not a crash
