@@ -20,7 +20,7 @@ Phases
 The ``register`` callback
 -------------------------
 ``register(name, target, *, config_model=None, platforms=None,
-capabilities=(), description="", success_threshold=None)``
+capabilities=(), description="", success_threshold=None, worker_preload=())``
 
 - ``name``: what users write in config (``"fsdp"``, ``"math"``).
 - ``target``: ``"pkg.module:Attr"``, imported only when the name is used.
@@ -30,6 +30,8 @@ capabilities=(), description="", success_threshold=None)``
 - ``capabilities``: free-form strings (``"pause"``, ``"broadcast_update"``).
 - ``success_threshold``: rewards only; the reward of a solved sample
   (``eval/accuracy`` counts answers that reach it; default 1.0).
+- ``worker_preload``: rewards only; ``"pkg.module"`` (imported) or
+  ``"pkg.module:function"`` (called) in each reward worker at start.
 """
 from __future__ import annotations
 

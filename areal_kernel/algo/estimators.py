@@ -10,8 +10,8 @@ Contract (what a plugin's estimator must accept; see docs/algorithms.md)::
 * ``loss_masks``: per-token 0/1 rows (1 = a token the policy chose).
 * ``token_rewards``: per-token rewards to add (the KL penalty when
   ``algorithm.kl_in: reward``), or ``None``.
-* ``values``: per-token critic values (only for estimators with
-  ``needs_values = True``), else ``None``.
+* ``values``: per-token critic values (only for estimators registered with
+  ``capabilities=["needs_values"]``), else ``None``.
 * ``norm``: the user's ``algorithm.adv_norm`` (``group``/``batch``/``none``),
   ``None`` meaning the estimator's own default.
 * extra ``algorithm.advantage_kwargs`` arrive as further keywords; accept
@@ -184,9 +184,6 @@ def gae(
     adv, ret = gae_advantages(rows, values, loss_masks, gamma, lam)
     adv = whiten_tokens(adv, loss_masks, norm or "batch", group_ids, std_normalize=std_normalize, eps=eps)
     return AdvantageResult(adv, ret)
-
-
-gae.needs_values = True  # type: ignore[attr-defined]
 
 
 def to_token_rows(

@@ -112,10 +112,14 @@ def prox_interpolation_alpha(
     return out
 
 
-def _load(kind: str, name: str) -> Any:
+def _spec(kind: str, name: str) -> Any:
     from areal_kernel.plugins import get_registry
 
-    return get_registry().get(kind, name, platform="").load()
+    return get_registry().get(kind, name, platform="")
+
+
+def _load(kind: str, name: str) -> Any:
+    return _spec(kind, name).load()
 
 
 def loss_options(cfg: RLConfig) -> dict[str, Any]:
@@ -220,7 +224,7 @@ def rl_train_step(
     ``loss`` default to the registry entries ``cfg.advantage`` / ``cfg.loss``.
     ``ref_logprobs`` is required when ``cfg.kl_coef > 0``; ``critic`` (with
     ``compute_values`` and ``train_values``) when the estimator has
-    ``needs_values``. Returns the actor's stats (averaged over minibatches),
+    ``needs_values`` in its registered capabilities. Returns the actor's stats (averaged over minibatches),
     ``critic_*`` stats, ``reward`` (raw batch mean) and ``adv_abs`` (mean over
     sequences of the mean |advantage| on their loss tokens)."""
     if len(batch) == 0:
@@ -239,7 +243,9 @@ def rl_train_step(
     loss_impl = loss if loss is not None else _load("loss", cfg.loss)
 
     values = None
-    if getattr(est, "needs_values", False):
+    # Read from the registration (capabilities=["needs_values"]) of the
+    # configured estimator, which is what a third-party estimator can declare.
+    if "needs_values" in _spec("advantage_estimator", cfg.advantage).capabilities:
         if critic is None:
             raise ConfigError(f"advantage estimator '{cfg.advantage}' needs a critic (values), none was given")
         values = critic.compute_values(batch)

@@ -22,7 +22,9 @@ def areal_register_train_engines(register: Any) -> None:
         "torch",
         "areal_kernel.engine.torch_engine:TorchTrainEngine",
         config_model="areal_kernel.engine.config:TorchEngineConfig",
-        capabilities=["packing", "disk_export", "broadcast_export"],
+        # critic / reward_model: the kernel's scalar-head models (TorchCriticEngine,
+        # ScalarHeadEngine) are built from this engine's settings section.
+        capabilities=["packing", "disk_export", "broadcast_export", "critic", "reward_model"],
         description="single-process PyTorch + transformers",
     )
 
@@ -75,6 +77,8 @@ def areal_register_rewards(register: Any) -> None:
         config_model=f"{settings}:MathRewardSettings",
         description="math-verify equivalence (0/1)",
         success_threshold=1.0,
+        # Importing math-verify costs ~1 s of CPU: pay it at worker start, not on the first sample.
+        worker_preload=["areal_kernel.reward.math:warmup"],
     )
     register(
         "exact_match",
@@ -128,7 +132,13 @@ def areal_register_losses(register: Any) -> None:
 
 @hookimpl
 def areal_register_metric_sinks(register: Any) -> None:
-    register("console", "areal_kernel.metrics.sinks:ConsoleSink", description="One progress line per step")
+    # total_steps: its constructor takes total_steps= (it shows progress).
+    register(
+        "console",
+        "areal_kernel.metrics.sinks:ConsoleSink",
+        capabilities=["total_steps"],
+        description="One progress line per step",
+    )
     register("jsonl", "areal_kernel.metrics.sinks:JsonlSink", description="<run_dir>/metrics.jsonl")
     register("tensorboard", "areal_kernel.metrics.sinks:TensorBoardSink", description="<run_dir>/tensorboard")
 
@@ -145,11 +155,11 @@ def areal_select_weight_transport(train_backend: str, inference_backend: str, pl
         return mode
     from areal_kernel.plugins.registry import get_registry
 
+    from areal_kernel.platforms import platform_named
+
     spec = get_registry().find("inference_engine", inference_backend)
-    if platform == "cpu":
-        # Measured (bench/bench_weight_update.py, SmolLM2): the safetensors
-        # round trip through the page cache pauses generation ~0.15 s, a gloo
-        # broadcast blocks both sides ~1.5 s.
+    if not platform_named(platform).prefers_in_memory_weight_updates:
+        # The platform measured a disk round trip as the cheaper pause (cpu).
         return "disk"
     return "broadcast" if spec is not None and "broadcast_update" in spec.capabilities else "disk"
 

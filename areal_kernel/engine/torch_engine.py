@@ -577,9 +577,9 @@ class TorchTrainEngine(TrainEngine):
             )
             opt = save_optimizer_state(self.optimizer, os.path.join(tmp, "optimizer.safetensors"))
             rng = {"torch_cpu": torch.get_rng_state()}
-            dev_type = current_platform().device_type
-            if dev_type != "cpu":
-                rng["device"] = torch.get_device_module(dev_type).get_rng_state()
+            dev_rng = current_platform().device_rng_state()
+            if dev_rng is not None:
+                rng["device"] = dev_rng
             save_file(rng, os.path.join(tmp, "rng.safetensors"))
             meta = {
                 "format": _STATE_FORMAT,
@@ -637,9 +637,7 @@ class TorchTrainEngine(TrainEngine):
 
         rng = load_file(os.path.join(path, "rng.safetensors"))
         torch.set_rng_state(rng["torch_cpu"])
-        dev_type = current_platform().device_type
-        if "device" in rng and dev_type != "cpu":
-            torch.get_device_module(dev_type).set_rng_state(rng["device"])
+        current_platform().set_device_rng_state(rng.get("device"))
         random.setstate(_py_random_state_from_json(meta["python_random"]))
         self._step = int(meta["step"])
         self._version = int(meta["version"])

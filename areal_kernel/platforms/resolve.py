@@ -70,6 +70,16 @@ def current_platform() -> Platform:
     return _current
 
 
+def platform_named(name: str) -> Platform:
+    """The platform registered as ``name`` (the current one when it has that
+    name). For hooks that receive a platform *name* and must ask it questions
+    instead of comparing the name."""
+    cur = current_platform()
+    if not name or cur.name == name:
+        return cur
+    return _from_registry(name)
+
+
 def reset_current_platform() -> None:
     """Forget the resolved platform (tests; after changing AREAL_PLATFORM)."""
     global _current

@@ -207,6 +207,7 @@ class PluginManager:
             capabilities: list[str] | tuple[str, ...] = (),
             description: str = "",
             success_threshold: float | None = None,
+            worker_preload: list[str] | tuple[str, ...] = (),
         ) -> None:
             if not isinstance(name, str) or not name:
                 raise ValueError(f"plugin '{rec.name}' registered a {kind} with an empty name")
@@ -227,6 +228,18 @@ class PluginManager:
                         f"{success_threshold!r}; expected a finite number (the reward of a solved sample)"
                     )
                 success_threshold = float(success_threshold)
+            worker_preload = tuple(worker_preload)
+            if worker_preload:
+                if kind != "reward":
+                    raise ValueError(
+                        f"plugin '{rec.name}' gave {kind} '{name}' a worker_preload; only rewards run in workers"
+                    )
+                bad = [p for p in worker_preload if not isinstance(p, str) or not p.strip(":. ") or p.count(":") > 1]
+                if bad:
+                    raise ValueError(
+                        f"plugin '{rec.name}' registered reward '{name}' with worker_preload entries {bad!r}; "
+                        "expected 'package.module' (imported) or 'package.module:function' (called)"
+                    )
             spec = FactorySpec(
                 kind=kind,
                 name=name,
@@ -237,6 +250,7 @@ class PluginManager:
                 capabilities=frozenset(capabilities),
                 description=description,
                 success_threshold=success_threshold,
+                worker_preload=worker_preload,
             )
             self.registry.add(spec, builtin=rec.name == BUILTIN)
             rec.registered.append((kind, name))

@@ -56,6 +56,9 @@ class FactorySpec:
     # Rewards only: a sample whose reward reaches this value counts as solved
     # (eval/accuracy). Partial credit below it still counts in eval/reward.
     success_threshold: float | None = None
+    # Rewards only: "pkg.module" (imported) or "pkg.module:function" (called)
+    # in every reward worker process before its first sample.
+    worker_preload: tuple[str, ...] = ()
 
     def load(self) -> Any:
         """Import the factory; a failure names the plugin and keeps the real cause."""
@@ -93,6 +96,7 @@ class FactorySpec:
             "capabilities": sorted(self.capabilities),
             "description": self.description,
             "success_threshold": self.success_threshold,
+            "worker_preload": list(self.worker_preload),
             "config_model": self.config_model
             if isinstance(self.config_model, str) or self.config_model is None
             else f"{self.config_model.__module__}:{self.config_model.__qualname__}",

@@ -28,7 +28,7 @@ class LocalScheduler:
         """Device ids per process: ``{"actor": [[0], [1]], "rollout": [[2, 3]]}``."""
         actor = self.config.actor.allocation
         rollout = self.config.rollout.allocation
-        if self.platform.device_type == "cpu":
+        if not self.platform.exclusive_devices:  # shared host cores: no ids to hand out
             return {"actor": [[] for _ in range(actor.world_size)], "rollout": [[] for _ in range(rollout.d)]}
         need = actor.world_size + rollout.d * rollout.devices_per_replica
         have = self.platform.device_count()

@@ -1,7 +1,6 @@
 """``areal plan``: the processes and devices each role needs, and whether they fit."""
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from areal_kernel.config.models import ExperimentConfig
@@ -11,9 +10,10 @@ def make_plan(cfg: ExperimentConfig) -> dict[str, Any]:
     from areal_kernel.platforms import current_platform
 
     plat = current_platform()
-    on_cpu = plat.device_type == "cpu"
-    # On CPU a "device" is a core: every process runs single-threaded.
-    available = (os.cpu_count() or 1) if on_cpu else plat.device_count()
+    # Without exclusive devices a "device" is a host core: every process runs
+    # single-threaded and processes may share cores.
+    shared = not plat.exclusive_devices
+    available = plat.compute_units()
     actor = cfg.actor.allocation
     rollout = cfg.rollout.allocation
     roles = [
@@ -37,7 +37,7 @@ def make_plan(cfg: ExperimentConfig) -> dict[str, Any]:
         )
     needed = sum(r["devices"] for r in roles)
     notes = []
-    if on_cpu and needed > available:
+    if shared and needed > available:
         notes.append(
             f"{needed} single-threaded processes on {available} core(s): they will share cores and run slower"
         )
@@ -45,12 +45,12 @@ def make_plan(cfg: ExperimentConfig) -> dict[str, Any]:
         notes.append(f"actor expert parallel e{actor.e} does not divide the world size {actor.world_size}")
     return {
         "platform": plat.name,
-        "device_unit": "CPU cores" if on_cpu else f"{plat.device_type} devices",
+        "device_unit": plat.compute_unit_name,
         "available_devices": available,
         "roles": roles,
         "devices_needed": needed,
-        # CPU processes can oversubscribe cores; accelerators cannot be shared.
-        "fits": True if on_cpu else needed <= available,
+        # Shared cores can be oversubscribed; exclusive devices cannot.
+        "fits": True if shared else needed <= available,
         "notes": notes,
     }
 

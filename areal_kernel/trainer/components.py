@@ -80,12 +80,11 @@ def make_reward_pool(cfg: ExperimentConfig) -> Any:
     from areal_kernel.reward.pool import RewardPool
 
     spec = get_registry().get("reward", cfg.reward.type)
-    # Warm math-verify up in the workers only when it is the reward (~1 s of CPU per worker start).
-    preload = ("areal_kernel.reward.math:warmup",) if spec.target.startswith("areal_kernel.reward.math") else ()
     return RewardPool(
         n_workers=cfg.reward.workers,
         timeout_s=cfg.reward.timeout_s,
-        preload=preload,
+        # What the reward's registration asked its workers to load up front (worker_preload=).
+        preload=spec.worker_preload,
         settings={spec.target: reward_settings(cfg)},
     )
 

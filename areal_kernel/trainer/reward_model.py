@@ -31,11 +31,15 @@ class RewardModelTrainer(PairTrainer):
     def make_engine(self) -> Any:
         from areal_kernel.engine.scalar_head import ScalarHeadEngine
 
+        from areal_kernel.plugins import get_registry
+
         backend = self.cfg.actor.allocation.backend
-        if backend != "torch":
+        # Engines declare "reward_model" when the kernel's scalar-head variant
+        # can be built from their settings section.
+        if "reward_model" not in get_registry().get("train_engine", backend).capabilities:
             raise ConfigError(
-                f"actor.backend: the reward-model trainer (algorithm.type rm) runs on the 'torch' engine's "
-                f"scalar-head variant; {backend!r} is not supported"
+                f"actor.backend: the reward-model trainer (algorithm.type rm) needs a train engine with the "
+                f"'reward_model' capability (the kernel's scalar-head variant); {backend!r} does not declare it"
             )
         return ScalarHeadEngine(self.cfg.actor.plugin_config)
 

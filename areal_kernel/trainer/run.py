@@ -17,7 +17,7 @@ import yaml
 
 from areal_kernel.api.io import FinetuneSpec, TrajectoryBatch
 from areal_kernel.config.models import ExperimentConfig
-from areal_kernel.errors import ArealError
+from areal_kernel.errors import ArealError, ConfigError
 from areal_kernel.logging import get_logger, setup_logging
 from areal_kernel.plugins import get_plugin_manager, get_registry
 from areal_kernel.rollout.executor import RolloutExecutor, staleness_histogram, zero_variance
@@ -88,12 +88,35 @@ class RecordStream:
             self.position += 1
 
 
+def needs_critic(cfg: ExperimentConfig) -> bool:
+    """Whether the run trains a critic: the advantage estimator declares
+    ``needs_values``. Then the actor's train engine must declare ``critic``
+    (the kernel builds the value model from that engine's settings), else one
+    error names the capability."""
+    reg = get_registry()
+    est = reg.get("advantage_estimator", cfg.algorithm.advantage, platform="")
+    if "needs_values" not in est.capabilities:
+        return False
+    backend = cfg.actor.allocation.backend
+    engine = reg.get("train_engine", backend)
+    if "critic" not in engine.capabilities:
+        with_critic = sorted(s.name for s in reg.specs("train_engine") if "critic" in s.capabilities)
+        raise ConfigError(
+            f"algorithm.advantage={cfg.algorithm.advantage!r} needs a critic (the estimator declares "
+            f"'needs_values'), but actor.backend {backend!r} does not declare the 'critic' capability; "
+            f"train engines that do: {with_critic or 'none installed'}"
+        )
+    return True
+
+
 def make_sinks(cfg: ExperimentConfig, run_dir: str, total_steps: int) -> list[Any]:
     """The metric sinks named in ``logging.sinks`` (shared by every trainer)."""
     sinks = []
     for name in cfg.logging.sinks:
-        cls = get_registry().get("metric_sink", name).load()
-        sinks.append(cls(run_dir, total_steps=total_steps) if name == "console" else cls(run_dir))
+        spec = get_registry().get("metric_sink", name)
+        cls = spec.load()
+        # Sinks that show progress declare the "total_steps" capability.
+        sinks.append(cls(run_dir, total_steps=total_steps) if "total_steps" in spec.capabilities else cls(run_dir))
     return sinks
 
 
@@ -217,6 +240,7 @@ class Trainer:
         cfg, reg = self.cfg, get_registry()
         # Everything that can fail on user input comes before anything is
         # written into run_dir (an earlier run's files stay as they were).
+        self.needs_critic = needs_critic(cfg)
         self.model_dir = resolve_model_dir(cfg)
         self.tokenizer = load_tokenizer(self.model_dir)
         self.train_records, self.eval_records = load_data(cfg, workflow_required_fields(cfg))
@@ -259,7 +283,7 @@ class Trainer:
         opt_steps = self.ft.total_train_steps * cfg.algorithm.ppo_n_minibatches
         self.train_engine = engine_spec.load()(engine_cfg)
         self.train_engine.initialize(self.model_dir, opt_steps)
-        if getattr(self.estimator, "needs_values", False):
+        if self.needs_critic:
             self.critic = self._make_critic(engine_cfg, opt_steps)
         if cfg.algorithm.kl_coef > 0:
             # A frozen copy of the initial policy, only ever used for scoring.
@@ -353,11 +377,8 @@ class Trainer:
         from areal_kernel.engine.critic import TorchCriticEngine
         from areal_kernel.engine.config import TorchEngineConfig
 
-        if not isinstance(engine_cfg, TorchEngineConfig) and engine_cfg is not None:
-            raise ArealError(
-                f"algorithm.advantage={self.cfg.algorithm.advantage!r} needs a critic, which is only built on the "
-                f"torch train engine settings (actor.backend is {self.cfg.actor.allocation.backend!r})"
-            )
+        # needs_critic() checked the engine's "critic" capability: its settings
+        # section is one TorchEngineConfig accepts.
         ccfg = TorchEngineConfig.parse(engine_cfg)
         if self.cfg.algorithm.critic_lr is not None:
             ccfg = ccfg.model_copy(update={"lr": self.cfg.algorithm.critic_lr})

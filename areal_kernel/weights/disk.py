@@ -57,9 +57,7 @@ def save_state_dict_dir(
             raise DataError(f"save_state_dict_dir: tensor name {name!r} appears twice")
         seen.add(name)
         t = tensor.detach()
-        if t.device.type != "cpu":
-            t = t.to("cpu")
-        t = t.contiguous()
+        t = t.to("cpu").contiguous()  # .to() returns host tensors as they are
         n = _nbytes(t)
         if shards[-1] and size + n > shard_bytes:
             shards.append({})

@@ -102,7 +102,12 @@ def test_gae_estimator_whitens_and_needs_values():
     assert sum(toks) == pytest.approx(0.0, abs=1e-9)
     assert math.sqrt(sum(t * t for t in toks) / 3) == pytest.approx(1.0)
     assert res.returns[0] == pytest.approx([0.0, 0.71712, 0.846, 1.0])  # before whitening
-    assert E.gae.needs_values and not getattr(E.grpo, "needs_values", False)
+    # Declared at registration (what a third-party estimator can do), not as an attribute.
+    from areal_kernel.plugins import get_registry
+
+    reg = get_registry()
+    assert "needs_values" in reg.get("advantage_estimator", "gae").capabilities
+    assert "needs_values" not in reg.get("advantage_estimator", "grpo").capabilities
     with pytest.raises(DataError, match="critic"):
         E.gae([1.0], ["a"], loss_masks=[[0, 1]])
 

@@ -105,10 +105,10 @@ class FSDPRankEngine(TorchTrainEngine):
             output_dtype=_torch_dtype(mp.output_dtype),
             cast_forward_inputs=mp.cast_forward_inputs,
         )
-        # Offloading moves shards from the accelerator to host memory; on the
-        # cpu platform they are in host memory already (and FSDP's policy
-        # refuses a cpu device), so it is a no-op there.
-        offload = CPUOffloadPolicy() if cfg.cpu_offload and plat.device_type != "cpu" else OffloadPolicy()
+        # Offloading moves shards from the accelerator to host memory; where
+        # they are in host memory already (and FSDP's policy refuses a cpu
+        # device) the platform says it cannot, and it is a no-op there.
+        offload = CPUOffloadPolicy() if cfg.cpu_offload and plat.supports_cpu_offload else OffloadPolicy()
         kw = dict(mesh=mesh, reshard_after_forward=cfg.reshard_after_forward, mp_policy=mp_policy, offload_policy=offload)
         wrapped = 0
         if cfg.wrap_policy == "decoder_layer":
@@ -160,7 +160,7 @@ class FSDPRankEngine(TorchTrainEngine):
     def _comm_device(self) -> Any:
         import torch
 
-        return torch.device("cpu") if current_platform().dist_backend == "gloo" else self.device
+        return torch.device("cpu") if current_platform().collectives_on_host else self.device
 
     def barrier(self) -> None:
         import torch.distributed as dist
@@ -359,7 +359,7 @@ class FSDPRankEngine(TorchTrainEngine):
         for name in names:
             full = _full(sd[name]).detach()
             if self.rank == 0:
-                out.append((name, full.to("cpu") if str(full.device) != "cpu" else full))
+                out.append((name, full.to("cpu")))  # no copy when it is a host tensor already
             del full
         return out
 
@@ -466,9 +466,9 @@ class FSDPRankEngine(TorchTrainEngine):
         msd, osd = get_state_dict(self.model, self.optimizer)
         dcp.save({"model": msd, "optim": osd}, checkpoint_id=os.path.join(tmp_dir, "dcp"))
         rng = {"torch_cpu": torch.get_rng_state()}
-        dev_type = current_platform().device_type
-        if dev_type != "cpu":
-            rng["device"] = torch.get_device_module(dev_type).get_rng_state()
+        dev_rng = current_platform().device_rng_state()
+        if dev_rng is not None:
+            rng["device"] = dev_rng
         save_file(rng, os.path.join(tmp_dir, f"rng-rank{self.rank}.safetensors"))
         self.barrier()
 
@@ -486,9 +486,7 @@ class FSDPRankEngine(TorchTrainEngine):
         if os.path.isfile(rng_path):  # absent when resuming with more ranks than were saved
             rng = load_file(rng_path)
             torch.set_rng_state(rng["torch_cpu"])
-            dev_type = current_platform().device_type
-            if "device" in rng and dev_type != "cpu":
-                torch.get_device_module(dev_type).set_rng_state(rng["device"])
+            current_platform().set_device_rng_state(rng.get("device"))
         self._step = int(step)
         self._set_lr()
         self.barrier()
@@ -566,8 +564,8 @@ def main(argv: list[str] | None = None) -> int:
     conn = Client((host, int(port)), authkey=bytes.fromhex(os.environ.pop(AUTHKEY_ENV)))
     conn.send_bytes(pickle.dumps(("hello", rank, os.getpid())))
     plat = current_platform()
-    if plat.device_type != "cpu":
-        plat.set_device(0)  # the scheduler made exactly this rank's device visible
+    # The scheduler made exactly this rank's device visible (a no-op on host cores).
+    plat.set_device(0)
     dist.init_process_group(
         backend=plat.dist_backend, timeout=datetime.timedelta(seconds=args.dist_timeout_s)
     )

@@ -40,9 +40,11 @@ def areal_select_weight_transport(train_backend: str, inference_backend: str, pl
     if mode == "broadcast":
         return "sglang_broadcast"
     if mode == "auto":
-        # On CPU the safetensors round trip pauses generation less than a gloo
-        # broadcast (the kernel's measurement); SGLang has no CPU build anyway.
-        if platform == "cpu" or train_backend not in _IN_PROCESS_TRAIN_ENGINES:
+        # Where the platform measured a disk round trip as the cheaper pause
+        # (cpu; SGLang has no CPU build anyway), follow it.
+        from areal_kernel.platforms import platform_named
+
+        if not platform_named(platform).prefers_in_memory_weight_updates or train_backend not in _IN_PROCESS_TRAIN_ENGINES:
             return "disk"
         return "sglang_broadcast"
     return None

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from areal_kernel.api.engine import ServerInfo, ServerLauncher
 from areal_kernel.errors import ServerError
+from areal_kernel.platforms import Platform
 from areal_kernel.utils.network import find_free_port
 
 from areal_vllm.config import VLLMServerConfig
@@ -98,7 +99,7 @@ class VLLMLauncher(ServerLauncher):
         ]  # fmt: skip
         if c.enforce_eager:
             cmd.append("--enforce-eager")
-        if self._device_type() != "cpu":
+        if not self._platform().host_memory:  # a fraction of device memory; host RAM is sized below
             cmd += ["--gpu-memory-utilization", str(c.gpu_memory_utilization)]
         if c.max_num_seqs is not None:
             cmd += ["--max-num-seqs", str(c.max_num_seqs)]
@@ -107,10 +108,10 @@ class VLLMLauncher(ServerLauncher):
         return cmd + list(c.extra_args)
 
     @staticmethod
-    def _device_type() -> str:
+    def _platform() -> Platform:
         from areal_kernel.platforms import current_platform
 
-        return current_platform().device_type
+        return current_platform()
 
     def environment(self, index: int, n_servers: int, device_ids: list[int]) -> dict[str, str]:
         from areal_kernel.platforms import current_platform
@@ -134,7 +135,7 @@ class VLLMLauncher(ServerLauncher):
         env["XDG_CACHE_HOME"] = os.path.join(scratch, "cache")
         env["VLLM_CACHE_ROOT"] = os.path.join(scratch, "cache", "vllm")
         platform = current_platform()
-        if platform.device_type == "cpu":
+        if platform.host_memory:  # vLLM's CPU backend: KV cache in host RAM, cores shared
             env["VLLM_CPU_KVCACHE_SPACE"] = f"{c.kv_cache_space_gb:g}"
             ncores = os.cpu_count() or 1
             if n_servers > 1 and c.cpu_bind_cores:

@@ -130,11 +130,12 @@ class AReaLWeightTransferEngine(WeightTransferEngine[AReaLInitInfo, AReaLUpdateI
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # The base class synchronizes through torch.accelerator, which has no
-        # CPU backend; on CPU the copies are already complete when
-        # receive_weights returns.
+        # CPU backend; the platform's synchronize() is a no-op where the copies
+        # are already complete when receive_weights returns.
+        from areal_kernel.platforms import current_platform
+
         self.receive_weights(self.parse_update_info(update_info))
-        if self.device.type != "cpu":
-            torch.accelerator.synchronize()
+        current_platform().synchronize()
 
     def receive_weights(self, update_info: AReaLUpdateInfo) -> None:
         from areal_kernel.weights.broadcast import recv_buckets
