@@ -131,6 +131,12 @@ def areal_register_metric_sinks(register: Any) -> None:
     register("console", "areal_kernel.metrics.sinks:ConsoleSink", description="One progress line per step")
     register("jsonl", "areal_kernel.metrics.sinks:JsonlSink", description="<run_dir>/metrics.jsonl")
     register("tensorboard", "areal_kernel.metrics.sinks:TensorBoardSink", description="<run_dir>/tensorboard")
+    register(
+        "wandb",
+        "areal_kernel.metrics.wandb_sink:WandbSink",
+        config_model="areal_kernel.metrics.wandb_sink:WandbSettings",
+        description="Weights & Biases (logging.wandb: project, entity, mode online/offline/disabled, ...)",
+    )
 
 
 @hookimpl
