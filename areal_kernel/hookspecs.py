@@ -25,7 +25,8 @@ capabilities=(), description="", success_threshold=None, worker_preload=())``
 - ``name``: what users write in config (``"fsdp"``, ``"math"``).
 - ``target``: ``"pkg.module:Attr"``, imported only when the name is used.
 - ``config_model``: a pydantic model (or its ``"pkg.module:Model"`` path)
-  validating the factory's own config section (``actor.fsdp: {...}``).
+  validating the factory's own config section (``actor.fsdp: {...}``,
+  ``algorithm.<estimator or loss>: {...}``, ``logging.<sink>: {...}``).
 - ``platforms``: platform names it runs on (``None``: all).
 - ``capabilities``: free-form strings (``"pause"``, ``"broadcast_update"``).
 - ``success_threshold``: rewards only; the reward of a solved sample
@@ -142,7 +143,9 @@ def areal_register_advantage_estimators(register: Register) -> None:
 
     Target: ``fn(rewards, group_ids, *, loss_masks, **kwargs)`` returning one
     advantage per trajectory, one row per trajectory (per token) or an
-    ``areal_kernel.algo.estimators.AdvantageResult``; see docs/algorithms.md.
+    ``areal_kernel.algo.estimators.AdvantageResult``; the shared algorithm
+    knobs and the fields of its ``algorithm.<name>`` settings arrive as
+    keywords; see docs/algorithms.md.
     """
 
 
@@ -152,7 +155,8 @@ def areal_register_losses(register: Register) -> None:
 
     Target: ``fn(logprobs, data, *, entropy, **kwargs) -> (loss, stats)``
     following the train engine's token-sum contract; the algorithm's loss
-    knobs arrive as keywords (see docs/algorithms.md).
+    knobs and the fields of its ``algorithm.<name>`` settings arrive as
+    keywords (see docs/algorithms.md).
     """
 
 
@@ -160,8 +164,10 @@ def areal_register_losses(register: Register) -> None:
 def areal_register_metric_sinks(register: Register) -> None:
     """Register metric sinks (``logging.sinks``), e.g. ``console``, ``jsonl``, ``tensorboard``.
 
-    Target: a class with ``log(step: int, metrics: dict[str, float])`` and
-    ``close()``. Instantiated in the controller process.
+    Target: a class built as ``Sink(run_dir, total_steps=..., **settings)``
+    (``settings``: the fields of its validated ``logging.<name>`` section)
+    with ``log(step: int, metrics: dict[str, float])`` and ``close()``.
+    Instantiated in the controller process; see docs/plugin-authoring.md.
     """
 
 

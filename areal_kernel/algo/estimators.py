@@ -14,8 +14,10 @@ Contract (what a plugin's estimator must accept; see docs/algorithms.md)::
   ``capabilities=["needs_values"]``), else ``None``.
 * ``norm``: the user's ``algorithm.adv_norm`` (``group``/``batch``/``none``),
   ``None`` meaning the estimator's own default.
-* extra ``algorithm.advantage_kwargs`` arrive as further keywords; accept
-  ``**kwargs`` and ignore what you do not use.
+* an estimator that registered a ``config_model`` also gets its validated
+  ``algorithm.<name>`` settings as keywords: every field, defaults
+  included (declare them without defaults: the model holds the only ones).
+  Accept ``**kwargs`` and ignore what you do not use.
 
 Return one value per trajectory (broadcast to its loss tokens), one row per
 trajectory (per-token advantages), or an ``AdvantageResult`` that also carries
@@ -35,6 +37,10 @@ from areal_kernel.algo.advantages import (
     whiten_tokens,
 )
 from areal_kernel.errors import DataError
+
+# What the kernel passes every estimator besides (rewards, group_ids); a
+# config_model field of the same name is refused (it could never arrive).
+ESTIMATOR_KEYWORDS = ("loss_masks", "token_rewards", "values", "gamma", "lam", "norm", "std_normalize", "eps")
 
 
 @dataclass

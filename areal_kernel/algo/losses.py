@@ -18,6 +18,13 @@ KL_ESTIMATORS = ("k1", "k2", "k3")
 RATIO_LEVELS = ("token", "sequence")
 BEHAV_MODES = ("mask", "clamp")
 LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+# What the kernel passes every loss besides (logprobs, data) (see
+# areal_kernel.algo.rl.loss_options); a config_model field of the same name
+# is refused (it could never arrive).
+LOSS_KEYWORDS = (
+    "entropy", "eps_clip", "eps_clip_high", "dual_clip", "ratio_level", "behav_imp_weight_cap",
+    "behav_imp_weight_mode", "kl_coef", "kl_estimator", "entropy_coef", "loss_agg",
+)  # fmt: skip
 
 
 def make_aggregator(data: dict[str, Any], mask: Any, mode: str, norm: Any = None) -> Callable[[Any], Any]:

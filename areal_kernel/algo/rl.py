@@ -43,7 +43,10 @@ class RLConfig(BaseModel):
     overlong_buffer_len: int | None = Field(None, ge=1, description="DAPO soft overlong punishment window (tokens)")
     overlong_penalty_factor: float = Field(1.0, ge=0)
     max_new_tokens: int | None = Field(None, ge=1, description="generation limit (needed for overlong shaping)")
-    advantage_kwargs: dict[str, Any] = Field(default_factory=dict)
+    advantage_settings: Any = Field(
+        None,
+        description="the estimator's settings (its registered config_model; a mapping is validated against it)",
+    )
     # policy loss
     eps_clip: float = Field(0.2, ge=0)
     eps_clip_high: float | None = Field(None, ge=0, description="upper clip (DAPO clip-higher); None = eps_clip")
@@ -58,7 +61,9 @@ class RLConfig(BaseModel):
     kl_in: Literal["loss", "reward"] = "loss"
     entropy_coef: float = 0.0
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
-    loss_kwargs: dict[str, Any] = Field(default_factory=dict)
+    loss_settings: Any = Field(
+        None, description="the loss's settings (its registered config_model; a mapping is validated against it)"
+    )
     recompute_proximal: bool = Field(
         False, description="score the batch with the current weights as proximal policy (decoupled PPO)"
     )
@@ -76,6 +81,19 @@ class RLConfig(BaseModel):
             raise ValueError("recompute_proximal and prox_interpolate are alternatives; enable at most one")
         if self.overlong_buffer_len is not None and self.max_new_tokens is None:
             raise ValueError("overlong_buffer_len needs max_new_tokens (the generation limit)")
+        # A registered name's settings are validated here even when left unset,
+        # so a config_model's defaults reach a step built without a config file.
+        # An unregistered name (a callable passed to rl_train_step) keeps its mapping.
+        from areal_kernel.config.sections import validate_settings
+        from areal_kernel.plugins import get_registry
+
+        reg = get_registry()
+        for kind, name, attr in (
+            ("advantage_estimator", self.advantage, "advantage_settings"),
+            ("loss", self.loss, "loss_settings"),
+        ):
+            if reg.find(kind, name) is not None:
+                object.__setattr__(self, attr, validate_settings(f"algorithm.{name}", kind, name, getattr(self, attr)))
         return self
 
 
@@ -122,8 +140,17 @@ def _load(kind: str, name: str) -> Any:
     return _spec(kind, name).load()
 
 
+def _settings_kwargs(settings: Any) -> dict[str, Any]:
+    from areal_kernel.config.sections import settings_kwargs
+
+    if settings is None or isinstance(settings, BaseModel):
+        return settings_kwargs(settings)
+    return dict(settings)
+
+
 def loss_options(cfg: RLConfig) -> dict[str, Any]:
-    """Keyword options passed to the registered loss (plus ``cfg.loss_kwargs``)."""
+    """Keyword options passed to the registered loss: the shared knobs
+    (``losses.LOSS_KEYWORDS``) plus every field of ``cfg.loss_settings``."""
     opts = dict(
         eps_clip=cfg.eps_clip,
         eps_clip_high=cfg.eps_clip_high,
@@ -136,7 +163,7 @@ def loss_options(cfg: RLConfig) -> dict[str, Any]:
         entropy_coef=cfg.entropy_coef,
         loss_agg=cfg.loss_agg,
     )
-    opts.update(cfg.loss_kwargs)
+    opts.update(_settings_kwargs(cfg.loss_settings))
     return opts
 
 
@@ -194,7 +221,7 @@ def compute_advantages(
         norm=cfg.adv_norm,
         std_normalize=cfg.std_normalize,
         eps=cfg.adv_eps,
-        **cfg.advantage_kwargs,
+        **_settings_kwargs(cfg.advantage_settings),
     )
     return to_token_rows(result, masks, cfg.advantage)
 

@@ -132,15 +132,15 @@ def areal_register_losses(register: Any) -> None:
 
 @hookimpl
 def areal_register_metric_sinks(register: Any) -> None:
-    # total_steps: its constructor takes total_steps= (it shows progress).
-    register(
-        "console",
-        "areal_kernel.metrics.sinks:ConsoleSink",
-        capabilities=["total_steps"],
-        description="One progress line per step",
-    )
+    register("console", "areal_kernel.metrics.sinks:ConsoleSink", description="One progress line per step")
     register("jsonl", "areal_kernel.metrics.sinks:JsonlSink", description="<run_dir>/metrics.jsonl")
     register("tensorboard", "areal_kernel.metrics.sinks:TensorBoardSink", description="<run_dir>/tensorboard")
+    register(
+        "wandb",
+        "areal_kernel.metrics.wandb_sink:WandbSink",
+        config_model="areal_kernel.metrics.wandb_sink:WandbSettings",
+        description="Weights & Biases (logging.wandb: project, entity, mode online/offline/disabled, ...)",
+    )
 
 
 @hookimpl

@@ -56,20 +56,24 @@ def json_schema() -> dict[str, Any]:
     schema = ExperimentConfig.model_json_schema()
     defs = schema.setdefault("$defs", {})
     reg = get_registry()
-    for section_cls in (
-        c for c in _plugin_section_classes() if c.__name__ in defs
-    ):
-        props = defs[section_cls.__name__].setdefault("properties", {})
-        for spec in reg.specs(section_cls.registry_kind):
+    # Sections holding settings named after a registered factory: the plugin
+    # sections, plus algorithm (estimators, losses) and logging (metric sinks).
+    sections = [(c.__name__, (c.registry_kind,)) for c in _plugin_section_classes()]
+    sections += [("AlgorithmConfig", ("advantage_estimator", "loss")), ("LoggingConfig", ("metric_sink",))]
+    for section_name, kinds in sections:
+        if section_name not in defs:
+            continue
+        props = defs[section_name].setdefault("properties", {})
+        for spec in (s for kind in kinds for s in reg.specs(kind)):
             model_cls = spec.config_model_cls()
-            if model_cls is None:
+            if model_cls is None or spec.name in props:
                 continue
             sub = model_cls.model_json_schema()
             for k, v in sub.pop("$defs", {}).items():
                 defs.setdefault(k, v)
-            sub["description"] = f"Settings of {section_cls.registry_kind} '{spec.name}' (plugin '{spec.plugin}')."
+            sub["description"] = f"Settings of {spec.kind} '{spec.name}' (plugin '{spec.plugin}')."
             props[spec.name] = sub
-        defs[section_cls.__name__]["additionalProperties"] = False
+        defs[section_name]["additionalProperties"] = False
     return schema
 
 

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from areal_kernel.config.offline import DPOConfig, RMConfig, SFTConfig
-from areal_kernel.config.sections import PluginSection, StrictModel
+from areal_kernel.config.sections import PluginSection, StrictModel, unknown_section_error, validate_settings
+from areal_kernel.errors import ConfigError
 
 
 class ModelConfig(StrictModel):
@@ -114,6 +115,14 @@ class RewardConfig(PluginSection):
 
 
 class AlgorithmConfig(StrictModel):
+    """The fields below are the knobs every estimator and loss receives. An
+    estimator or loss that registered a ``config_model`` takes its own
+    settings from ``algorithm.<its name>: {...}`` (validated against that
+    model; see ``advantage_settings`` / ``loss_settings``)."""
+
+    # Extra keys are the settings sections; _settings_sections checks each.
+    model_config = ConfigDict(extra="allow", validate_assignment=True)
+
     type: Literal["grpo", "sft", "dpo", "ipo", "rm"] = "grpo"
     advantage: str = Field("grpo", description="Registered advantage estimator.")
     loss: str = Field("ppo", description="Registered policy loss.")
@@ -138,13 +147,11 @@ class AlgorithmConfig(StrictModel):
         None, ge=1, description="DAPO soft overlong penalty over the last N tokens before max_new_tokens."
     )
     overlong_penalty_factor: float = Field(1.0, ge=0)
-    advantage_kwargs: dict[str, Any] = Field(default_factory=dict, description="Extra options for the estimator.")
     dual_clip: float | None = Field(None, gt=1, description="Dual-clip PPO bound for negative advantages.")
     ratio_level: Literal["token", "sequence"] = Field("token", description="'sequence': GSPO ratios.")
     behav_imp_weight_mode: Literal["mask", "clamp"] = "mask"
     kl_in: Literal["loss", "reward"] = "loss"
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
-    loss_kwargs: dict[str, Any] = Field(default_factory=dict, description="Extra options for the loss.")
     prox_interpolate: bool = Field(False, description="Version-interpolated proximal logprobs (no recompute pass).")
     ppo_n_minibatches: int = Field(1, ge=1, description="Optimizer steps per batch.")
     value_eps_clip: float | None = Field(0.2, gt=0, description="Critic value clipping (gae).")
@@ -174,6 +181,84 @@ class AlgorithmConfig(StrictModel):
             raise ValueError("recompute_proximal and prox_interpolate are alternatives; set recompute_proximal: false")
         return self
 
+    @model_validator(mode="before")
+    @classmethod
+    def _old_kwargs(cls, data: Any) -> Any:
+        # The untyped option bags were replaced; say where their content goes now.
+        if isinstance(data, dict):
+            for key, field in (("advantage_kwargs", "advantage"), ("loss_kwargs", "loss")):
+                if key in data:
+                    name = data.get(field) or cls.model_fields[field].default
+                    raise ConfigError(
+                        f"algorithm.{key}: no longer exists; write the {field}'s settings as "
+                        f"algorithm.{name}: {{...}} (validated against the config_model it registered)"
+                    )
+        return data
+
+    @model_validator(mode="after")
+    def _settings_sections(self) -> "AlgorithmConfig":
+        from areal_kernel.algo.estimators import ESTIMATOR_KEYWORDS
+        from areal_kernel.algo.losses import LOSS_KEYWORDS
+
+        extras = self.__pydantic_extra__ if self.__pydantic_extra__ is not None else {}
+        selected = {"advantage_estimator": self.advantage, "loss": self.loss}
+        for key in list(extras):
+            if key not in selected.values():
+                raise unknown_section_error(
+                    "algorithm", key, [*type(self).model_fields, *sorted(set(selected.values()))],
+                    f"a settings section is named after the selected advantage '{self.advantage}' or loss '{self.loss}'",
+                )
+        validated: dict[str, Any] = {}
+        for kind, name in selected.items():
+            where = f"algorithm.{name}"
+            settings = validate_settings(where, kind, name, extras.get(name))
+            if settings is None:
+                continue
+            if name in type(self).model_fields:
+                raise ConfigError(f"{where}: {kind} '{name}' declares settings, but '{name}' is an algorithm key")
+            if name in validated:
+                raise ConfigError(
+                    f"{where}: the advantage estimator and the loss are both '{name}' and both declare settings; "
+                    "one section cannot hold both"
+                )
+            reserved = ESTIMATOR_KEYWORDS if kind == "advantage_estimator" else LOSS_KEYWORDS
+            clash = sorted(set(type(settings).model_fields) & set(reserved))
+            if clash:
+                # The kernel passes these itself; a settings field of the same name could never arrive.
+                raise ConfigError(
+                    f"{where}: the config_model of {kind} '{name}' has field(s) {', '.join(clash)}, which the "
+                    f"kernel already passes (algorithm.{clash[0]}); rename them in the plugin"
+                )
+            validated[name] = settings
+        for key in list(extras):
+            if key in validated:
+                extras[key] = validated[key]
+            elif not extras[key]:
+                del extras[key]  # an empty section of a factory without settings
+        return self
+
+    @property
+    def advantage_settings(self) -> Any:
+        """The estimator's validated ``algorithm.<advantage>`` settings (``None`` without a config_model)."""
+        return self._settings_for("advantage_estimator", self.advantage)
+
+    @property
+    def loss_settings(self) -> Any:
+        """The loss's validated ``algorithm.<loss>`` settings (``None`` without a config_model)."""
+        return self._settings_for("loss", self.loss)
+
+    def _settings_for(self, kind: str, name: str) -> Any:
+        from pydantic import BaseModel
+
+        value = (self.__pydantic_extra__ or {}).get(name)
+        if not isinstance(value, BaseModel):
+            return None
+        from areal_kernel.plugins.registry import get_registry
+
+        # An estimator and a loss may share a name; only the owner's model counts.
+        model_cls = get_registry().get(kind, name, platform="").config_model_cls()
+        return value if model_cls is not None and isinstance(value, model_cls) else None
+
 
 class TrainerConfig(StrictModel):
     batch_size: int = Field(8, ge=1, description="Prompts (groups) per training step.")
@@ -200,6 +285,14 @@ class CheckpointConfig(StrictModel):
 
 
 class LoggingConfig(StrictModel):
+    """``sinks``: the metric sinks, by registered name. A sink that registered
+    a ``config_model`` takes its settings from ``logging.<sink name>: {...}``
+    (e.g. ``logging.wandb: {project: x, mode: offline}``); a section is
+    allowed only for a sink listed in ``sinks``, like the other kinds."""
+
+    # Extra keys are the sinks' settings sections; _sink_sections checks each.
+    model_config = ConfigDict(extra="allow", validate_assignment=True)
+
     sinks: list[str] = Field(default_factory=lambda: ["console", "jsonl", "tensorboard"])
     level: Literal["debug", "info", "warning", "error"] = "info"
     json_logs: bool = False
@@ -216,6 +309,27 @@ class LoggingConfig(StrictModel):
             names = ", ".join(sorted(s.name for s in reg.specs("metric_sink")))
             raise ValueError(f"no metric sink named {unknown[0]!r} is registered; registered: {names}")
         return v
+
+    @model_validator(mode="after")
+    def _sink_sections(self) -> "LoggingConfig":
+        extras = self.__pydantic_extra__ if self.__pydantic_extra__ is not None else {}
+        for key in list(extras):
+            if key not in self.sinks:
+                raise unknown_section_error(
+                    "logging", key, [*type(self).model_fields, *self.sinks],
+                    f"a settings section is named after a sink in logging.sinks: {', '.join(self.sinks)}",
+                )
+        for name in self.sinks:
+            settings = validate_settings(f"logging.{name}", "metric_sink", name, extras.get(name))
+            if settings is not None:
+                extras[name] = settings
+            elif name in extras:
+                del extras[name]  # an empty section of a sink without settings
+        return self
+
+    def sink_settings(self, name: str) -> Any:
+        """Sink ``name``'s validated ``logging.<name>`` settings (``None`` without a config_model)."""
+        return (self.__pydantic_extra__ or {}).get(name)
 
 
 class SchedulerConfig(StrictModel):

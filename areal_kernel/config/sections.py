@@ -124,20 +124,53 @@ class PluginSection(BaseModel):
                 f"{where}.{key}: unknown key{hint} (settings for the selected {self.registry_kind} "
                 f"'{name}' go under {where}.{name})"
             )
-        model_cls = spec.config_model_cls()
-        raw = extras.get(name, {})
-        if model_cls is None:
-            if raw:
-                raise ConfigError(f"{where}.{name}: {self.registry_kind} '{name}' takes no settings")
-            return self
-        if isinstance(raw, BaseModel):
-            raw = raw.model_dump()
-        if raw is None:
-            raw = {}
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{where}.{name}: expected a mapping of settings, got {type(raw).__name__}")
-        try:
-            extras[name] = model_cls.model_validate(raw)
-        except ValidationError as ve:
-            raise ConfigError(format_validation_error(ve, prefix=f"{where}.{name}", model=model_cls)) from None
+        extras[name] = validate_settings(f"{where}.{name}", self.registry_kind, name, extras.get(name), spec=spec)
+        if extras[name] is None:
+            del extras[name]
         return self
+
+
+def validate_settings(where: str, kind: str, name: str, raw: Any, *, spec: Any = None) -> BaseModel | None:
+    """``raw`` (the user's ``where: {...}`` mapping, or ``None``) validated
+    against the ``config_model`` registered for ``kind`` ``name``: an instance
+    of that model (defaults filled in), or ``None`` for a factory without one.
+    Every kind's settings go through here, so each gives the same errors."""
+    from areal_kernel.plugins.registry import get_registry
+
+    if spec is None:
+        spec = get_registry().get(kind, name, platform="")
+    model_cls = spec.config_model_cls()
+    if isinstance(raw, BaseModel):
+        if model_cls is not None and isinstance(raw, model_cls):
+            return raw
+        raw = raw.model_dump()
+    if model_cls is None:
+        if raw:
+            raise ConfigError(f"{where}: {kind} '{name}' takes no settings")
+        return None
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: expected a mapping of settings, got {type(raw).__name__}")
+    try:
+        return model_cls.model_validate(raw)
+    except ValidationError as ve:
+        raise ConfigError(format_validation_error(ve, prefix=where, model=model_cls)) from None
+
+
+def settings_kwargs(settings: BaseModel | None) -> dict[str, Any]:
+    """Validated settings as keyword arguments: every field, defaults included
+    (so the config model holds the only defaults), values as validated (a
+    nested model stays a model). ``None`` (no config model) gives none."""
+    if settings is None:
+        return {}
+    return {k: getattr(settings, k) for k in type(settings).model_fields}
+
+
+def unknown_section_error(where: str, key: str, known: list[str], what: str) -> ConfigError:
+    """The error for ``where.key`` that is neither a field nor an allowed
+    settings section: a 'did you mean' among ``known`` when one is close, and
+    ``what`` says which sections are allowed here."""
+    close = difflib.get_close_matches(key, known, n=1)
+    hint = f"; did you mean '{close[0]}'?" if close else ""
+    return ConfigError(f"{where}.{key}: unknown key{hint} ({what})")

@@ -1,5 +1,7 @@
-"""Metric sinks. Each has ``log(step, metrics)`` and ``close()``; the trainer
-fans metrics out to every sink listed in ``logging.sinks``."""
+"""Metric sinks. The trainer builds every sink listed in ``logging.sinks`` as
+``Sink(run_dir, total_steps=N, **settings)`` and fans metrics out with
+``log(step, metrics)``, then ``close()`` (contract: docs/plugin-authoring.md,
+Metric sinks). ``wandb`` lives in ``areal_kernel.metrics.wandb_sink``."""
 from __future__ import annotations
 
 import json
@@ -23,7 +25,7 @@ class JsonlSink:
     """Appends one JSON object per step to ``<run_dir>/metrics.jsonl`` (flushed each line,
     so a killed run keeps every completed step)."""
 
-    def __init__(self, run_dir: str, filename: str = "metrics.jsonl") -> None:
+    def __init__(self, run_dir: str, *, total_steps: int | None = None, filename: str = "metrics.jsonl") -> None:
         os.makedirs(run_dir, exist_ok=True)
         self.path = os.path.join(run_dir, filename)
         self._f = open(self.path, "a", encoding="utf-8")
@@ -38,7 +40,7 @@ class JsonlSink:
 
 
 class TensorBoardSink:
-    def __init__(self, run_dir: str) -> None:
+    def __init__(self, run_dir: str, *, total_steps: int | None = None) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
         self.writer = SummaryWriter(log_dir=os.path.join(run_dir, "tensorboard"))
@@ -65,7 +67,9 @@ class ConsoleSink:
         ("step_s", "perf/step_s"),
     )
 
-    def __init__(self, run_dir: str | None = None, total_steps: int | None = None, stream: TextIO | None = None) -> None:
+    def __init__(
+        self, run_dir: str | None = None, *, total_steps: int | None = None, stream: TextIO | None = None
+    ) -> None:
         self.total = total_steps
         self.stream = stream or sys.stdout
 

@@ -110,13 +110,15 @@ def needs_critic(cfg: ExperimentConfig) -> bool:
 
 
 def make_sinks(cfg: ExperimentConfig, run_dir: str, total_steps: int) -> list[Any]:
-    """The metric sinks named in ``logging.sinks`` (shared by every trainer)."""
+    """The metric sinks named in ``logging.sinks`` (shared by every trainer),
+    each built as ``Sink(run_dir, total_steps=..., **settings)`` with its
+    validated ``logging.<name>`` settings (docs/plugin-authoring.md, Metric sinks)."""
+    from areal_kernel.config.sections import settings_kwargs
+
     sinks = []
     for name in cfg.logging.sinks:
-        spec = get_registry().get("metric_sink", name)
-        cls = spec.load()
-        # Sinks that show progress declare the "total_steps" capability.
-        sinks.append(cls(run_dir, total_steps=total_steps) if "total_steps" in spec.capabilities else cls(run_dir))
+        cls = get_registry().get("metric_sink", name).load()
+        sinks.append(cls(run_dir, total_steps=total_steps, **settings_kwargs(cfg.logging.sink_settings(name))))
     return sinks
 
 
@@ -162,7 +164,7 @@ def _grpo_config(cfg: ExperimentConfig) -> Any:
         overlong_buffer_len=a.overlong_buffer_len,
         overlong_penalty_factor=a.overlong_penalty_factor,
         max_new_tokens=cfg.rollout.gconfig.max_new_tokens,
-        advantage_kwargs=a.advantage_kwargs,
+        advantage_settings=a.advantage_settings,
         eps_clip=a.eps_clip,
         eps_clip_high=a.eps_clip_high,
         dual_clip=a.dual_clip,
@@ -174,7 +176,7 @@ def _grpo_config(cfg: ExperimentConfig) -> Any:
         kl_in=a.kl_in,
         entropy_coef=a.entropy_coef,
         loss_agg=a.loss_agg,
-        loss_kwargs=a.loss_kwargs,
+        loss_settings=a.loss_settings,
         recompute_proximal=a.recompute_proximal,
         prox_interpolate=a.prox_interpolate,
         ppo_n_minibatches=a.ppo_n_minibatches,

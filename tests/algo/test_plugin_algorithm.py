@@ -38,8 +38,8 @@ def test_plugin_estimator_and_loss_selected_by_config(with_algo_plugin, tiny_lla
 
     cfg = load_config(
         str(REPO / "examples" / "grpo_arithmetic.yaml"),
-        ["algorithm.advantage=sign", "algorithm.loss=vanilla_pg", "algorithm.advantage_kwargs={scale: 2.0}",
-         "algorithm.loss_kwargs={pg_coef: 0.5}", "rollout.gconfig.temperature=1.0"],
+        ["algorithm.advantage=sign", "algorithm.loss=vanilla_pg", "algorithm.sign={scale: 2.0}",
+         "algorithm.vanilla_pg={pg_coef: 0.5}", "rollout.gconfig.temperature=1.0"],
     )  # fmt: skip
     rl_cfg = _grpo_config(cfg)
     engine = TorchTrainEngine({"lr": 1e-3, "seed": 0})
@@ -63,3 +63,59 @@ def test_unknown_names_are_config_errors_naming_the_field(areal_env):
         load_config(str(REPO / "examples" / "grpo_arithmetic.yaml"), ["algorithm.advantage=sign"])
     with pytest.raises(ConfigError, match=r"algorithm\.loss.*'vanilla'.*registered: ppo"):
         load_config(str(REPO / "examples" / "grpo_arithmetic.yaml"), ["algorithm.loss=vanilla"])
+
+
+def test_plugin_settings_are_typed_and_arrive_with_the_models_defaults(with_algo_plugin, tiny_llama_dir):
+    """``algorithm.<name>`` is validated against the registered config_model;
+    the validated values (defaults included) arrive as keywords."""
+    from areal_kernel.algo.rl import RLConfig, compute_advantages, loss_options
+    from areal_kernel.config.loader import load_config
+    from areal_kernel.trainer.run import _grpo_config
+
+    base = ["algorithm.advantage=sign", "algorithm.loss=vanilla_pg"]
+    cfg = load_config(str(REPO / "examples" / "grpo_arithmetic.yaml"), [*base, "algorithm.sign={scale: '3'}"])
+    assert type(cfg.algorithm.advantage_settings).__name__ == "SignSettings"
+    assert cfg.algorithm.advantage_settings.scale == 3.0  # coerced by the plugin's model
+    rl_cfg = _grpo_config(cfg)
+    assert loss_options(rl_cfg)["pg_coef"] == 1.0  # the model's default: the function has none
+    adv, _ = compute_advantages(_fixed_batch(), rl_cfg)
+    assert max(abs(a) for row in adv for a in row) == pytest.approx(3.0)
+    # Built without a config file: the model's defaults still arrive.
+    direct = RLConfig(advantage="sign", loss="vanilla_pg")
+    assert direct.advantage_settings.scale == 1.0 and loss_options(direct)["pg_coef"] == 1.0
+    assert cfg.dump()["algorithm"]["sign"] == {"scale": 3.0}  # config.yaml keeps the section
+
+
+@pytest.mark.parametrize(
+    "override, fragments",
+    [
+        ("algorithm.sign={scale: -1}", ("algorithm.sign.scale", "greater than 0")),
+        ("algorithm.sign={scale: big}", ("algorithm.sign.scale", "valid number")),
+        ("algorithm.sign={scal: 2}", ("algorithm.sign.scal", "unknown key", "did you mean 'scale'")),
+        ("algorithm.vanilla={pg_coef: 2}", ("algorithm.vanilla", "unknown key", "did you mean 'vanilla_pg'")),
+        ("algorithm.rloo={x: 1}", ("algorithm.rloo", "advantage 'sign' or loss 'vanilla_pg'")),
+        ("algorithm.advantage_kwargs={scale: 2}", ("algorithm.advantage_kwargs", "algorithm.sign")),
+    ],
+)
+def test_bad_plugin_settings_are_one_error_naming_the_field(with_algo_plugin, override, fragments):
+    from areal_kernel.config.loader import load_config
+    from areal_kernel.errors import ConfigError
+
+    with pytest.raises(ConfigError) as info:
+        load_config(
+            str(REPO / "examples" / "grpo_arithmetic.yaml"),
+            ["algorithm.advantage=sign", "algorithm.loss=vanilla_pg", override],
+        )
+    msg = str(info.value)
+    assert len(msg.splitlines()) == 1, msg
+    for fragment in fragments:
+        assert fragment in msg, msg
+
+
+def test_settings_for_a_name_without_a_config_model_are_refused(areal_env):
+    from areal_kernel.config.loader import load_config
+    from areal_kernel.errors import ConfigError
+
+    areal_env()
+    with pytest.raises(ConfigError, match=r"algorithm\.ppo: loss 'ppo' takes no settings"):
+        load_config(str(REPO / "examples" / "grpo_arithmetic.yaml"), ["algorithm.ppo={eps_clip: 0.1}"])

@@ -191,10 +191,10 @@ CASES: dict[str, tuple[list[str], dict[str, str], object]] = {
     # over before step 1 can be assembled.
     "hang": (["reward.type=fault_hang_first", "reward.timeout_s=1", "reward.workers=1", "trainer.max_steps=2"],
              {"AREAL_FAULT_HANGS": "2"}, None),
-    "nan_isolated": ([*NAN_BASE, "algorithm.loss_kwargs={nan_steps: [2]}", "trainer.max_steps=4",
+    "nan_isolated": ([*NAN_BASE, "algorithm.fault_nan_ppo={nan_steps: [2]}", "trainer.max_steps=4",
                       "checkpoint.keep_last=3"], {}, None),
     # Step 1 trains, steps 2.. are NaN; max_skipped_steps=1 allows one in a row.
-    "nan_streak": ([*NAN_BASE, "algorithm.loss_kwargs={nan_steps: [2, 3, 4, 5, 6]}", "trainer.max_skipped_steps=1",
+    "nan_streak": ([*NAN_BASE, "algorithm.fault_nan_ppo={nan_steps: [2, 3, 4, 5, 6]}", "trainer.max_skipped_steps=1",
                     "trainer.max_steps=6", "checkpoint.keep_last=2"], {}, None),
     "raise": (["reward.type=fault_raise_some", "trainer.max_steps=3"], {}, None),
     # Two episodes at a time and no run-ahead: the budget (checked once 20

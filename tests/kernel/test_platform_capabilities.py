@@ -76,7 +76,6 @@ def test_capabilities_the_kernel_reads_are_declared_by_the_builtins():
     reg = get_registry()
     assert "needs_values" in reg.get("advantage_estimator", "gae", platform="").capabilities
     assert {"critic", "reward_model"} <= reg.get("train_engine", "torch", platform="").capabilities
-    assert "total_steps" in reg.get("metric_sink", "console", platform="").capabilities
     fsdp = reg.find("train_engine", "fsdp")
     if fsdp is not None:  # it has no value model, so it must not claim one
         assert "critic" not in fsdp.capabilities

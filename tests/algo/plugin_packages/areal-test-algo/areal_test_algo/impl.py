@@ -1,7 +1,20 @@
-"""A sign estimator and a plain policy-gradient loss, following the kernel's contracts."""
+"""A sign estimator and a plain policy-gradient loss, following the kernel's
+contracts. Their settings models hold the only defaults: the kernel passes
+every field as a keyword, so the functions declare them without defaults."""
+from pydantic import BaseModel, ConfigDict, Field
 
 
-def sign_advantages(rewards, group_ids, *, loss_masks, scale=1.0, **kwargs):
+class SignSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    scale: float = Field(1.0, gt=0)
+
+
+class VanillaPGSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    pg_coef: float = 1.0
+
+
+def sign_advantages(rewards, group_ids, *, loss_masks, scale, **kwargs):
     groups = {}
     for r, g in zip(rewards, group_ids):
         groups.setdefault(g, []).append(r)
@@ -13,7 +26,7 @@ def sign_advantages(rewards, group_ids, *, loss_masks, scale=1.0, **kwargs):
     return out  # one value per trajectory: the kernel broadcasts it to the loss tokens
 
 
-def vanilla_pg(logprobs, data, *, entropy=None, pg_coef=1.0, **kwargs):
+def vanilla_pg(logprobs, data, *, entropy=None, pg_coef, **kwargs):
     mask = data["loss_mask"]
     norm = data.get("batch_loss_tokens", mask.sum())
     loss = -(pg_coef * data["advantages"] * logprobs * mask).sum() / norm

@@ -1,5 +1,5 @@
 """Fault injectors, driven by the environment (rewards run in worker
-processes that inherit it) or by ``algorithm.loss_kwargs`` (the loss).
+processes that inherit it) or by ``algorithm.fault_nan_ppo`` (the loss's settings).
 
 ``AREAL_FAULT_DIR``: a directory shared by the test and every reward worker.
 Each reward call appends ``<answer> <outcome>`` to ``calls.log`` there, so the
@@ -11,6 +11,15 @@ from __future__ import annotations
 
 import os
 import time
+
+from pydantic import BaseModel, ConfigDict
+
+
+class NanLossSettings(BaseModel):
+    """``algorithm.fault_nan_ppo``."""
+
+    model_config = ConfigDict(extra="forbid")
+    nan_steps: list[int] = []
 
 
 def _log(answer: str, outcome: str) -> None:
@@ -64,7 +73,7 @@ def hang_first_reward(completion: str, answer: str, **kwargs) -> float:
 _step = {"n": 0, "marker": None}
 
 
-def nan_ppo_loss(logprobs, data, *, nan_steps=(), **kwargs):
+def nan_ppo_loss(logprobs, data, *, nan_steps, **kwargs):
     """The built-in ppo loss, times NaN on the (1-based) training steps in
     ``nan_steps``. A step is one ``train_batch`` call: every micro-batch of a
     call shares the same ``batch_loss_tokens`` tensor object (held here, so

@@ -14,4 +14,9 @@ def areal_register_rewards(register):
 
 @hookimpl
 def areal_register_losses(register):
-    register("fault_nan_ppo", f"{_IMPL}:nan_ppo_loss", description="the ppo loss, NaN on the steps in nan_steps")
+    register(
+        "fault_nan_ppo",
+        f"{_IMPL}:nan_ppo_loss",
+        config_model=f"{_IMPL}:NanLossSettings",  # algorithm.fault_nan_ppo: {nan_steps: [...]}
+        description="the ppo loss, NaN on the steps in nan_steps",
+    )

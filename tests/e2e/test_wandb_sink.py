@@ -1,0 +1,75 @@
+"""The built-in ``wandb`` metric sink in offline mode through a real
+``areal train``: the metrics are read back from the offline run directory
+with wandb's own record format (protobuf ``Record`` messages in its
+LevelDB-style log), not from anything the sink reports about itself."""
+import glob
+import json
+import os
+import struct
+
+import pytest
+from e2e_paths import EXAMPLE
+
+pytest.importorskip("wandb")
+
+
+def wandb_history(run_file: str) -> dict[int, dict[str, float]]:
+    """``step -> {key: value}`` from the history records of a ``run-<id>.wandb`` file.
+
+    The file is wandb's LevelDB-style log: a 7-byte header (``:W&B``, magic,
+    version), then 32 KiB blocks of chunks, each with a 7-byte header (crc32,
+    length, type: 1 full, 2 first, 3 middle, 4 last); a block's last < 7
+    bytes are padding."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data = open(run_file, "rb").read()
+    assert data[:4] == b":W&B", data[:7]
+    pos, pending, rows = 7, b"", {}
+    while pos + 7 <= len(data):
+        left = 32768 - pos % 32768
+        if left < 7:
+            pos += left
+            continue
+        _crc, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        chunk = data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind == 0:
+            continue
+        pending += chunk
+        if kind not in (1, 4):
+            continue
+        record = pb.Record()
+        record.ParseFromString(pending)
+        pending = b""
+        if record.WhichOneof("record_type") == "history":
+            row = {"/".join(i.nested_key) or i.key: json.loads(i.value_json) for i in record.history.item}
+            rows.setdefault(int(row["_step"]), {}).update(row)
+    return rows
+
+
+def test_wandb_offline_run_holds_the_logged_metrics(run_areal, tiny_chat_model, tmp_path):
+    run_dir = tmp_path / "run"
+    wandb_dir = tmp_path / "wandb-files"
+    wandb_dir.mkdir()
+    env = {"WANDB_MODE": "offline", "WANDB_DIR": str(wandb_dir), "WANDB_SILENT": "true"}
+    proc = run_areal(
+        "train", EXAMPLE,
+        f"model.path={tiny_chat_model}", f"run_dir={run_dir}", "trainer.max_steps=2", "trainer.batch_size=2",
+        "trainer.eval_size=2", "rollout.gconfig.n_samples=2", "rollout.gconfig.max_new_tokens=4",
+        "algorithm.dynamic_filter=false", "checkpoint.save_every=0",
+        "logging.sinks=[jsonl, wandb]", "logging.wandb={project: areal-test, mode: offline, tags: [e2e]}",
+        env=env, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    runs = glob.glob(str(wandb_dir / "wandb" / "offline-run-*" / "run-*.wandb"))
+    assert len(runs) == 1, sorted(os.listdir(wandb_dir))
+    history = wandb_history(runs[0])
+    jsonl: dict[int, dict] = {}
+    with open(run_dir / "metrics.jsonl") as f:
+        for row in map(json.loads, f):  # a step's train row and eval row are separate lines
+            jsonl.setdefault(row["step"], {}).update(row)
+    assert sorted(history) == sorted(jsonl) == [0, 1, 2]  # eval at 0, train steps 1 and 2 (+ final eval at 2)
+    for step in (1, 2):
+        for key in ("reward/mean", "train/loss", "perf/step_s"):
+            assert history[step][key] == pytest.approx(jsonl[step][key]), (step, key)
+    assert history[2]["eval/accuracy"] == pytest.approx(jsonl[2]["eval/accuracy"])
