@@ -11,7 +11,7 @@ INSTALL_INPUTS := Makefile pyproject.toml constraints.txt requirements-test.txt 
 export OMP_NUM_THREADS ?= 1
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: install demo test bench clean
+.PHONY: install demo test lint bench clean
 
 install: $(STAMP)
 
@@ -36,8 +36,12 @@ $(STAMP): $(INSTALL_INPUTS)
 demo: install
 	$(VENV)/bin/areal train examples/grpo_arithmetic.yaml
 
-test: install
+test: install lint
 	$(PY) -m pytest
+
+# Runs before the tests: a lint failure is cheaper to see than a test run.
+lint: install
+	$(VENV)/bin/ruff check areal_kernel plugins tests bench examples
 
 bench: install
 	$(PY) bench/run_all.py

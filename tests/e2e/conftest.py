@@ -1,7 +1,6 @@
 import os
 
 import pytest
-from e2e_paths import REPO, EXAMPLE
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 

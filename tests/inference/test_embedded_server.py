@@ -1,7 +1,6 @@
 """The embedded server as a real process over real HTTP with a tiny Llama."""
 from __future__ import annotations
 
-import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor

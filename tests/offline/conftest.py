@@ -1,7 +1,6 @@
 import os
 
 import pytest
-from offline_paths import REPO, EXAMPLES
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 

@@ -3,13 +3,11 @@ stand-in SGLang servers (tests/sglang_standin.py) launched by the real launcher,
 and small model directories for the stand-in to "load"."""
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
