@@ -176,20 +176,11 @@ class CpuPlatform(Platform):
     # Shards already live in host memory; FSDP's offload policy refuses a cpu device.
     supports_cpu_offload = False
 
-    @property
-    def host_memory(self) -> bool:
-        return True
-
-    @property
-    def exclusive_devices(self) -> bool:
-        return False  # a "device" is a core; single-threaded processes share them
-
-    @property
-    def prefers_in_memory_weight_updates(self) -> bool:
-        # Measured (bench/bench_weight_update.py, SmolLM2): the safetensors
-        # round trip pauses generation ~0.15 s, a gloo broadcast blocks both
-        # sides ~1.5 s.
-        return False
+    # The derived answers hold here: host memory, shared cores (a "device" is
+    # a core; single-threaded processes share them), and no preference for
+    # in-memory weight updates over gloo, as measured (bench/bench_weight_update.py,
+    # SmolLM2): the safetensors round trip pauses generation ~0.15 s, a gloo
+    # broadcast blocks both sides ~1.5 s.
 
     @property
     def fused_masked_gqa_attention(self) -> bool:
@@ -211,32 +202,10 @@ class CudaPlatform(Platform):
     ray_resource_name = "GPU"
     supports_cpu_offload = True
 
-    @property
-    def host_memory(self) -> bool:
-        return False
-
-    @property
-    def exclusive_devices(self) -> bool:
-        return True
-
-    @property
-    def prefers_in_memory_weight_updates(self) -> bool:
-        return True  # NCCL broadcast of device tensors beats a disk round trip
-
-    @property
-    def fused_masked_gqa_attention(self) -> bool:
-        return False  # masked GQA falls back to the math kernel on CUDA
-
-    def device_rng_state(self) -> Any | None:
-        import torch
-
-        return torch.cuda.get_rng_state()
-
-    def set_device_rng_state(self, state: Any) -> None:
-        import torch
-
-        if state is not None:
-            torch.cuda.set_rng_state(state)
+    # The derived answers hold here: device memory, exclusive devices, in-memory
+    # (NCCL) weight updates preferred over a disk round trip, no fused masked
+    # GQA (it falls back to the math kernel), and the device RNG through
+    # torch.get_device_module("cuda").
 
     @classmethod
     def is_available(cls) -> bool:

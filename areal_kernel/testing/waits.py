@@ -35,15 +35,20 @@ def _get(url: str, timeout_s: float = 10.0) -> bytes:
         return r.read()
 
 
+def embedded_info(address: str) -> dict:
+    """An embedded server's ``/info`` (running, queued, tokens_generated, ...)."""
+    return json.loads(_get(f"http://{address}/info"))
+
+
 def embedded_running(address: str) -> int:
-    """Generations an embedded server is running now (its ``/info``), queued ones excluded."""
-    return int(json.loads(_get(f"http://{address}/info"))["running"])
+    """Generations an embedded server is running now, queued ones excluded."""
+    return int(embedded_info(address)["running"])
 
 
 
 def embedded_tokens_generated(address: str) -> int:
-    """Tokens an embedded server has sampled since it started (its ``/info``)."""
-    return int(json.loads(_get(f"http://{address}/info"))["tokens_generated"])
+    """Tokens an embedded server has sampled since it started."""
+    return int(embedded_info(address)["tokens_generated"])
 
 
 def wait_for_embedded_tokens(address: str, n: int, *, since: int | None = None, timeout_s: float = 60.0) -> None:

@@ -14,14 +14,13 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 
 import pytest
 
 from areal_kernel.api.engine import WeightUpdateMeta
 from areal_kernel.api.io import GenerationConfig, ModelRequest, StopReason, Trajectory, TrajectoryGroup
 from areal_kernel.errors import ServerError
-from areal_kernel.testing.waits import embedded_running, wait_until
+from areal_kernel.testing.waits import embedded_info, embedded_running, wait_until
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -71,11 +70,6 @@ class Stack:
         self.supervisor.stop()
         self.client.destroy()
         self.launcher.stop()
-
-
-def info(address: str) -> dict:
-    with urllib.request.urlopen(f"http://{address}/info", timeout=10) as r:
-        return json.loads(r.read())
 
 
 def wait_generating(stack: Stack, i: int, timeout: float = 30.0) -> None:
@@ -194,7 +188,7 @@ def test_restarted_server_serves_the_current_weight_version(tiny_dir, tmp_path):
         address = stack.infos[0].address
         assert stack.restarted == [(address, 1)]
         assert stack.launcher.servers[0].address == address
-        assert info(address)["weight_version"] == 1
+        assert embedded_info(address)["weight_version"] == 1
         again = asyncio.run(gen([ModelRequest(prompt, greedy)]))[0]
         assert again.output_ids == updated.output_ids and set(again.output_versions) == {1}
     finally:
