@@ -7,9 +7,14 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from areal_kernel.api.io import ModelRequest, ModelResponse, TrajectoryBatch
+
+if TYPE_CHECKING:
+    from areal_kernel.config.allocation import Allocation
+    from areal_kernel.config.models import ExperimentConfig
+    from areal_kernel.platforms.base import Platform
 
 
 @dataclass
@@ -87,17 +92,73 @@ class ServerLauncher(abc.ABC):
         """Stop every server this launcher started (whole process groups)."""
 
 
+@dataclass(frozen=True)
+class TrainEngineContext:
+    """Everything the kernel hands a train-engine factory (``actor.backend``).
+
+    The kernel builds one per engine and calls the registered class as
+    ``Engine.from_context(context)`` in the controller process, before
+    ``initialize``. Fields:
+
+    - ``settings``: the engine's own validated section (``actor.<name>: {...}``,
+      an instance of its registered ``config_model``; ``None`` without one).
+      The kernel may have adjusted it for the run (``temperature`` follows
+      ``rollout.gconfig.temperature``), so read settings from here, not from
+      ``config.actor``.
+    - ``config``: the whole validated ``ExperimentConfig`` of the run.
+    - ``allocation``: the parsed ``actor.backend`` (``fsdp:d2`` -> ``d=2``);
+      ``allocation.world_size`` is the number of processes the engine may use.
+    - ``platform``: the current ``Platform`` (device, collective backend).
+    - ``run_dir``: the run directory (exists); engines put their logs under it.
+    - ``scheduler``: the run's scheduler when one is running (the RL trainer
+      starts it for the inference servers), else ``None`` (offline trainers).
+      An engine may start its processes with ``scheduler.start_train_ranks``;
+      it must not call ``scheduler.stop()``: the run owns the scheduler.
+    - ``role``: ``"actor"`` (the policy being trained) or ``"ref"`` (a frozen
+      copy of the initial policy, used only for ``compute_logprobs``).
+    """
+
+    settings: Any
+    config: "ExperimentConfig"
+    allocation: "Allocation"
+    platform: "Platform"
+    run_dir: str
+    scheduler: Any = None
+    role: str = "actor"
+
+
 class TrainEngine(abc.ABC):
-    """A policy (or critic) under training. May span several processes."""
+    """A policy under training, driven by the single controller. It may span
+    several processes (ranks), but every method below is called in the
+    controller process, one call at a time, from the trainer's thread.
+
+    Life cycle: ``from_context`` -> ``initialize`` -> (``compute_logprobs`` /
+    ``train_batch`` / weight export / ``save_state`` ...)* -> ``destroy``.
+    ``tests/kernel/test_train_engine_api.py`` checks that the kernel calls
+    nothing on a train engine that this class does not declare.
+    """
+
+    @classmethod
+    def from_context(cls, context: TrainEngineContext) -> "TrainEngine":
+        """The factory the kernel calls: build (do not yet load) an engine for
+        ``context``. The default passes only the settings section, as
+        ``cls(context.settings)``; override it to use the allocation, the
+        scheduler or the run directory."""
+        return cls(context.settings)  # type: ignore[call-arg]
 
     @abc.abstractmethod
-    def initialize(self, model_path: str, total_train_steps: int) -> None: ...
+    def initialize(self, model_path: str, total_train_steps: int) -> None:
+        """Load the HF model in ``model_path`` and build the optimizer and the
+        lr schedule over ``total_train_steps`` optimizer steps. Called once,
+        right after ``from_context``; start any rank processes here."""
 
     @abc.abstractmethod
     def compute_logprobs(self, batch: TrajectoryBatch, only_loss_tokens: bool = False) -> list[list[float]]:
         """Per-token logprobs of ``input_ids`` under the current weights
         (entry ``i`` scores token ``i``; position 0 gets 0.0). With
-        ``only_loss_tokens`` an engine may leave non-loss entries at 0.0."""
+        ``only_loss_tokens`` an engine may leave non-loss entries at 0.0.
+        Called before a step (proximal logprobs, reference-model scores) and
+        by the offline trainers' evaluation; must not change any state."""
 
     @abc.abstractmethod
     def train_batch(
@@ -106,22 +167,91 @@ class TrainEngine(abc.ABC):
         loss_fn: Callable[..., Any],
         extra: dict[str, list[list[float]]] | None = None,
     ) -> dict[str, float]:
-        """One optimizer step over ``batch``. ``loss_fn`` sees per-token
-        tensors (see ``areal_kernel.algo``); returns scalar statistics."""
+        """One optimizer step over ``batch`` (``ppo_n_minibatches`` calls per
+        trainer step). ``loss_fn`` sees per-token tensors under the loss
+        contract (``areal_kernel.engine.torch_engine``); ``extra`` holds one
+        row per trajectory for keys such as ``advantages``. Returns scalar
+        statistics, at least ``loss``, ``grad_norm``, ``lr`` and ``skipped``
+        (1.0 when a non-finite loss or gradient left the weights unchanged)."""
 
     @abc.abstractmethod
     def save_hf(self, path: str) -> None:
-        """Write the weights as an HF directory (safetensors + config)."""
+        """Write the current weights as an HF directory (safetensors, config,
+        tokenizer files of the source model) at ``path``, atomically (see
+        ``areal_kernel.utils.fs``). Called for ``checkpoint.save_hf_every`` and
+        the final checkpoint; the directory must load with ``from_pretrained``."""
 
     @abc.abstractmethod
     def send_weights(self, meta: WeightUpdateMeta) -> None:
-        """Push weights to inference servers according to ``meta``."""
+        """Push the weights to inference servers after each step:
+        ``kind="disk"`` writes an HF directory at ``meta.path`` (like
+        ``save_hf``); ``kind="broadcast"`` streams ``named_weights_for_transfer``
+        over the group joined by ``init_weight_group`` in buckets of
+        ``meta.bucket_bytes`` (``areal_kernel.weights.broadcast.send_buckets``),
+        while the receivers run ``recv_buckets`` with the same metadata."""
+
+    @abc.abstractmethod
+    def named_weights_for_transfer(self) -> list[tuple[str, Any]]:
+        """``(HF name, tensor)`` of every weight in send order, tied aliases
+        dropped (what ``from_pretrained`` accepts). The broadcast transport
+        calls it before each update for the metadata (name, dtype, shape) the
+        receivers need and the byte count; an engine whose weights live in
+        other processes may return ``device="meta"`` tensors."""
+
+    @abc.abstractmethod
+    def save_state(self, path: str) -> None:
+        """Write everything exact recovery needs into the directory ``path``
+        (weights, optimizer moments, lr-schedule step, ``get_version()``, RNG
+        states), atomically. Called at ``checkpoint.save_every`` with the
+        rollout drained; ``load_state`` into a fresh engine must continue with
+        identical results."""
+
+    @abc.abstractmethod
+    def load_state(self, path: str) -> None:
+        """Restore what ``save_state`` wrote into this initialized engine
+        (same model architecture), version included. Called once when a run
+        resumes, after ``initialize``; raise ``DataError`` naming ``path``
+        when it is not such a checkpoint."""
+
+    def init_weight_group(
+        self,
+        master_addr: str,
+        master_port: int,
+        world_size: int,
+        rank: int = 0,
+        group_name: str = "areal_weights",
+        backend: str | None = None,
+        timeout_s: float = 300,
+    ) -> Any:
+        """Join the torch.distributed group of the broadcast weight transport
+        as its sender (``rank`` 0; the inference servers are 1..n). Called
+        once, after ``initialize``, when ``weight_update`` resolved to
+        ``broadcast``, while the servers join concurrently. The default says
+        that this engine cannot broadcast."""
+        from areal_kernel.errors import ConfigError
+
+        raise ConfigError(
+            f"weight_update.mode: the train engine {type(self).__name__} cannot send weights by broadcast; "
+            "use weight_update.mode: disk"
+        )
+
+    @property
+    def temperature(self) -> float | None:
+        """The temperature logits are divided by before the log-softmax, or
+        ``None`` when the engine has no such setting. The RL step refuses to
+        run when it differs from the sampling temperature."""
+        return None
 
     def get_version(self) -> int:
+        """The weight version (number of updates sent to the servers). Read by
+        the RL step to date proximal logprobs and stored by ``save_state``."""
         return getattr(self, "_version", 0)
 
     def set_version(self, version: int) -> None:
+        """Called after every weight update and after ``load_state`` with the
+        version the servers now serve."""
         self._version = version
 
     def destroy(self) -> None:
-        """Free resources (process groups, memory)."""
+        """Free everything (rank processes, process groups, memory). Called
+        once when the run ends, whatever its status; must not raise."""

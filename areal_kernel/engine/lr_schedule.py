@@ -6,6 +6,7 @@ lambda) makes checkpoints trivial: the step counter is the whole state.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from areal_kernel.errors import ConfigError
 
@@ -44,3 +45,17 @@ def lr_factor(
     else:
         shape = 0.5 * (1.0 + math.cos(math.pi * progress))
     return min_lr_ratio + (1.0 - min_lr_ratio) * shape
+
+
+def scheduled_lr(config: Any, step: int, total_train_steps: int) -> float:
+    """The lr of optimizer step ``step`` for an engine settings section with
+    the ``TorchEngineConfig`` schedule fields (``lr``, ``lr_scheduler``,
+    ``warmup_steps_proportion``, ``min_lr_ratio``). Shared by every engine
+    that follows that schedule, so their lr agree step by step."""
+    return config.lr * lr_factor(
+        step,
+        total_train_steps,
+        scheduler=config.lr_scheduler,
+        warmup_steps_proportion=config.warmup_steps_proportion,
+        min_lr_ratio=config.min_lr_ratio,
+    )

@@ -20,9 +20,36 @@ from typing import Any
 
 from areal_kernel.api.io import TrajectoryBatch
 from areal_kernel.engine.config import TorchEngineConfig
+from areal_kernel.engine.microbatch import MicroBatchRunner
 from areal_kernel.engine.packing import PackedRow
 from areal_kernel.engine.torch_engine import TorchTrainEngine
 from areal_kernel.errors import ConfigError
+
+
+class ScalarHeadRunner(MicroBatchRunner):
+    """The micro-batch runner with the scalar head's forward."""
+
+    def forward(
+        self, row: PackedRow, *, entropy_grad: bool, scored: Any = None, tree: Any = None
+    ) -> tuple[Any, Any]:
+        """Per-token scores of one packed row (only at ``scored`` positions
+        when given, 0 elsewhere) and a zero entropy."""
+        import torch
+
+        if tree is not None:  # pragma: no cover - share_prompts is forced off by ScalarHeadEngine
+            raise ConfigError("ScalarHeadEngine does not run shared-prompt tree rows")
+        n = row.input_ids.shape[0]
+        dev = row.input_ids.device
+        wanted = torch.ones(n, dtype=torch.bool, device=dev) if scored is None else scored
+        pos = torch.nonzero(wanted, as_tuple=False)[:, 0]
+        base = getattr(self.model, self.model.base_model_prefix)
+        with self.autocast():
+            hidden = base(
+                input_ids=row.input_ids[None], position_ids=row.position_ids[None], use_cache=False
+            ).last_hidden_state[0]
+            sel = self.model.score(hidden.index_select(0, pos))[:, 0]
+        values = torch.zeros(n, dtype=torch.float32, device=dev).index_put((pos,), sel.float())
+        return values, torch.zeros(n, dtype=torch.float32, device=dev)
 
 
 class ScalarHeadEngine(TorchTrainEngine):
@@ -33,7 +60,7 @@ class ScalarHeadEngine(TorchTrainEngine):
             # rows (exact, block-diagonal) are used here.
             self.config = self.config.model_copy(update={"share_prompts": False})
 
-    def _load_model(self, model_path: str, dtype: Any) -> Any:
+    def load_model(self, model_path: str, dtype: Any) -> Any:
         from transformers import AutoConfig, AutoModelForSequenceClassification
 
         hf_cfg = AutoConfig.from_pretrained(model_path)
@@ -59,27 +86,8 @@ class ScalarHeadEngine(TorchTrainEngine):
             )
         return model
 
-    def _forward(
-        self, row: PackedRow, *, entropy_grad: bool, scored: Any = None, tree: Any = None
-    ) -> tuple[Any, Any]:
-        """Per-token scores of one packed row (only at ``scored`` positions
-        when given, 0 elsewhere) and a zero entropy."""
-        import torch
-
-        if tree is not None:  # pragma: no cover - share_prompts is forced off in __init__
-            raise ConfigError("ScalarHeadEngine does not run shared-prompt tree rows")
-        n = row.input_ids.shape[0]
-        dev = row.input_ids.device
-        wanted = torch.ones(n, dtype=torch.bool, device=dev) if scored is None else scored
-        pos = torch.nonzero(wanted, as_tuple=False)[:, 0]
-        base = getattr(self.model, self.model.base_model_prefix)
-        with self._autocast():
-            hidden = base(
-                input_ids=row.input_ids[None], position_ids=row.position_ids[None], use_cache=False
-            ).last_hidden_state[0]
-            sel = self.model.score(hidden.index_select(0, pos))[:, 0]
-        values = torch.zeros(n, dtype=torch.float32, device=dev).index_put((pos,), sel.float())
-        return values, torch.zeros(n, dtype=torch.float32, device=dev)
+    def make_runner(self, model: Any) -> MicroBatchRunner:
+        return ScalarHeadRunner(model, self.config, self.device)
 
     def compute_values(self, batch: TrajectoryBatch, only_loss_tokens: bool = False) -> list[list[float]]:
         """Per-token scores under the current weights (the sequence's reward is

@@ -1,7 +1,8 @@
 """Build the parts of a run from the validated config through the registry.
 
 Shared by ``areal train`` and ``areal check`` so both see exactly the same
-data, workflow, reward and inference engine.
+data, workflow, reward and inference engine; every trainer builds its train
+engines with ``build_train_engine``.
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from areal_kernel.api.engine import TrainEngine, TrainEngineContext
 from areal_kernel.api.io import GenerationConfig
 from areal_kernel.config.models import ExperimentConfig
 from areal_kernel.errors import ArealError, ConfigError
@@ -18,6 +20,43 @@ from areal_kernel.logging import get_logger
 from areal_kernel.plugins import get_plugin_manager, get_registry
 
 log = get_logger(__name__)
+
+_SECTION = object()  # build_train_engine's default: the validated actor.<backend> section
+
+
+def build_train_engine(
+    cfg: ExperimentConfig,
+    run_dir: str,
+    *,
+    settings: Any = _SECTION,
+    scheduler: Any = None,
+    role: str = "actor",
+) -> TrainEngine:
+    """The train engine of ``actor.backend``, built by its registered class as
+    ``Engine.from_context(TrainEngineContext(...))`` (not yet initialized).
+    ``settings`` defaults to the validated ``actor.<backend>`` section; a
+    trainer passes an adjusted copy when it overrides a setting for the run."""
+    from areal_kernel.platforms import current_platform
+
+    alloc = cfg.actor.allocation
+    spec = get_registry().get("train_engine", alloc.backend)
+    target = spec.load()
+    if not (isinstance(target, type) and issubclass(target, TrainEngine)):
+        raise ConfigError(
+            f"actor.backend: train engine '{alloc.backend}' (plugin '{spec.plugin}') registered {spec.target}, "
+            "which is not a subclass of areal_kernel.api.engine.TrainEngine; the kernel builds train engines "
+            "with Engine.from_context(context)"
+        )
+    context = TrainEngineContext(
+        settings=cfg.actor.plugin_config if settings is _SECTION else settings,
+        config=cfg,
+        allocation=alloc,
+        platform=current_platform(),
+        run_dir=run_dir,
+        scheduler=scheduler,
+        role=role,
+    )
+    return target.from_context(context)
 
 
 def resolve_model_dir(cfg: ExperimentConfig) -> str:

@@ -15,12 +15,13 @@ import math
 import time
 from typing import Any
 
+from areal_kernel.api.engine import TrainEngine
 from areal_kernel.api.io import FinetuneSpec
 from areal_kernel.config.models import ExperimentConfig
 from areal_kernel.errors import ArealError, ConfigError, DataError
 from areal_kernel.logging import get_logger
-from areal_kernel.plugins import get_plugin_manager, get_registry
-from areal_kernel.trainer.components import load_data, load_tokenizer, resolve_model_dir
+from areal_kernel.plugins import get_plugin_manager
+from areal_kernel.trainer.components import build_train_engine, load_data, load_tokenizer, resolve_model_dir
 from areal_kernel.trainer.run import (
     RecordStream,
     make_sinks,
@@ -41,7 +42,7 @@ class OfflineTrainer:
         self.cfg = cfg
         self.run_dir = cfg.resolved_run_dir()
         self.hook = get_plugin_manager().hook
-        self.engine: Any = None
+        self.engine: TrainEngine | None = None
         self.sinks: list[Any] = []
         self.step = 0
 
@@ -58,9 +59,8 @@ class OfflineTrainer:
     def evaluate(self) -> dict[str, float]:
         raise NotImplementedError
 
-    def make_engine(self) -> Any:
-        spec = get_registry().get("train_engine", self.cfg.actor.allocation.backend)
-        return spec.load()(self.cfg.actor.plugin_config)
+    def make_engine(self) -> TrainEngine:
+        return build_train_engine(self.cfg, self.run_dir)
 
     def extra_setup(self) -> None:
         """After the engine is ready (e.g. the DPO reference model)."""
@@ -173,7 +173,7 @@ class OfflineTrainer:
             sink.close()
         self.hook.areal_on_run_end(status=status, run_dir=self.run_dir)
 
-    def engines(self) -> list[Any]:
+    def engines(self) -> list[TrainEngine]:
         return [e for e in (self.engine,) if e is not None]
 
 

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from areal_kernel.api.engine import TrainEngine
 from areal_kernel.api.io import TrajectoryBatch
 from areal_kernel.errors import ConfigError
 from areal_kernel.logging import get_logger
-from areal_kernel.plugins import get_plugin_manager, get_registry
+from areal_kernel.plugins import get_plugin_manager
+from areal_kernel.trainer.components import build_train_engine
 from areal_kernel.trainer.offline import OfflineTrainer
 from areal_kernel.trainer.offline_data import (
     PAIR_FIELDS,
@@ -86,10 +88,10 @@ class PairTrainer(OfflineTrainer):
     def adapt(self, pair: PairExample) -> PairExample:
         return pair
 
-    def scores(self, engine: Any, items: list[PairExample]) -> tuple[list[float], list[float]]:
+    def scores(self, engine: TrainEngine, items: list[PairExample]) -> tuple[list[float], list[float]]:
         raise NotImplementedError
 
-    def scores_chunked(self, engine: Any, items: list[PairExample]) -> tuple[list[float], list[float]]:
+    def scores_chunked(self, engine: TrainEngine, items: list[PairExample]) -> tuple[list[float], list[float]]:
         bs = max(self.cfg.trainer.batch_size, 1)
         c: list[float] = []
         r: list[float] = []
@@ -114,7 +116,7 @@ class PreferenceTrainer(PairTrainer):
 
     def __init__(self, cfg: Any) -> None:
         super().__init__(cfg)
-        self.ref_engine: Any = None
+        self.ref_engine: TrainEngine | None = None
         self._ref: dict[int, tuple[float, float]] = {}
 
     def format_config(self) -> Any:
@@ -132,15 +134,14 @@ class PreferenceTrainer(PairTrainer):
             ref_dir = get_plugin_manager().hook.areal_resolve_model_path(name_or_path=c.ref_model_path)
             if not ref_dir:
                 raise ConfigError(f"algorithm.dpo.ref_model_path: cannot resolve {c.ref_model_path!r} to a local model")
-        spec = get_registry().get("train_engine", self.cfg.actor.allocation.backend)
         # A frozen copy, only ever used for scoring.
-        self.ref_engine = spec.load()(self.cfg.actor.plugin_config)
+        self.ref_engine = build_train_engine(self.cfg, self.run_dir, role="ref")
         self.ref_engine.initialize(ref_dir, 1)
 
-    def engines(self) -> list[Any]:
+    def engines(self) -> list[TrainEngine]:
         return [e for e in (self.engine, self.ref_engine) if e is not None]
 
-    def scores(self, engine: Any, items: list[PairExample]) -> tuple[list[float], list[float]]:
+    def scores(self, engine: TrainEngine, items: list[PairExample]) -> tuple[list[float], list[float]]:
         rows = engine.compute_logprobs(pair_batch(items), only_loss_tokens=True)
         return sequence_scores(items, rows, self.average)
 

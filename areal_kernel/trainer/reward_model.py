@@ -7,11 +7,14 @@ The final checkpoint is an HF sequence-classification directory (one label).
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from areal_kernel.errors import ConfigError
 from areal_kernel.trainer.offline_data import Encoded, PairExample
 from areal_kernel.trainer.preference import PairTrainer, pair_batch
+
+if TYPE_CHECKING:
+    from areal_kernel.engine.scalar_head import ScalarHeadEngine
 
 
 def _last_token_only(e: Encoded) -> Encoded:
@@ -28,7 +31,7 @@ class RewardModelTrainer(PairTrainer):
     def adapt(self, pair: PairExample) -> PairExample:
         return PairExample(_last_token_only(pair.chosen), _last_token_only(pair.rejected), pair.record_id)
 
-    def make_engine(self) -> Any:
+    def make_engine(self) -> ScalarHeadEngine:
         from areal_kernel.engine.scalar_head import ScalarHeadEngine
 
         from areal_kernel.plugins import get_registry
@@ -43,7 +46,7 @@ class RewardModelTrainer(PairTrainer):
             )
         return ScalarHeadEngine(self.cfg.actor.plugin_config)
 
-    def scores(self, engine: Any, items: list[PairExample]) -> tuple[list[float], list[float]]:
+    def scores(self, engine: ScalarHeadEngine, items: list[PairExample]) -> tuple[list[float], list[float]]:
         rows = engine.compute_values(pair_batch(items), only_loss_tokens=True)
         s = [row[-1] for row in rows]
         return s[0::2], s[1::2]

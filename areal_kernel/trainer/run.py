@@ -15,6 +15,7 @@ from typing import Any
 
 import yaml
 
+from areal_kernel.api.engine import TrainEngine
 from areal_kernel.api.io import FinetuneSpec, TrajectoryBatch
 from areal_kernel.config.models import ExperimentConfig
 from areal_kernel.errors import ArealError, ConfigError
@@ -23,6 +24,7 @@ from areal_kernel.plugins import get_plugin_manager, get_registry
 from areal_kernel.rollout.executor import RolloutExecutor, staleness_histogram, zero_variance
 from areal_kernel.trainer.components import (
     Rollout,
+    build_train_engine,
     load_data,
     load_tokenizer,
     resolve_model_dir,
@@ -128,7 +130,7 @@ def write_run_config(cfg: ExperimentConfig, run_dir: str) -> None:
         yaml.safe_dump(cfg.dump(), f, sort_keys=False)
 
 
-def save_hf_checkpoint(engine: Any, run_dir: str, tag: str, keep_last: int, step: int) -> str:
+def save_hf_checkpoint(engine: TrainEngine, run_dir: str, tag: str, keep_last: int, step: int) -> str:
     """``engine.save_hf`` into ``<run_dir>/checkpoints/<tag>``, keeping the
     newest ``keep_last`` ``step<N>`` directories; fires ``areal_on_checkpoint``."""
     import shutil
@@ -220,8 +222,8 @@ class Trainer:
         self.run_dir = cfg.resolved_run_dir()
         self.hook = get_plugin_manager().hook
         self.rollout: Rollout | None = None
-        self.train_engine: Any = None
-        self.ref_engine: Any = None  # frozen initial policy, only when algorithm.kl_coef > 0
+        self.train_engine: TrainEngine | None = None
+        self.ref_engine: TrainEngine | None = None  # frozen initial policy, only when algorithm.kl_coef > 0
         self.critic: Any = None  # value model, only for estimators that need values (gae)
         self.transport: Any = None
         self.executor: RolloutExecutor | None = None
@@ -273,7 +275,6 @@ class Trainer:
         log.info("starting inference servers", backend=str(cfg.rollout.allocation), model=self.model_dir)
         self.rollout = Rollout(cfg, self.run_dir, self.model_dir, self.tokenizer).start()
         log.info("inference servers ready", addresses=self.rollout.addresses)
-        engine_spec = reg.get("train_engine", cfg.actor.allocation.backend)
         engine_cfg = cfg.actor.plugin_config
         if engine_cfg is not None and hasattr(engine_cfg, "temperature"):
             # Logprob ratios must compare the distribution the sampler used.
@@ -283,13 +284,14 @@ class Trainer:
         self.loss = reg.get("loss", cfg.algorithm.loss, platform="").load()
         # Each batch takes ppo_n_minibatches optimizer steps: the lr schedule counts them all.
         opt_steps = self.ft.total_train_steps * cfg.algorithm.ppo_n_minibatches
-        self.train_engine = engine_spec.load()(engine_cfg)
+        sched = self.rollout.scheduler
+        self.train_engine = build_train_engine(cfg, self.run_dir, settings=engine_cfg, scheduler=sched)
         self.train_engine.initialize(self.model_dir, opt_steps)
         if self.needs_critic:
             self.critic = self._make_critic(engine_cfg, opt_steps)
         if cfg.algorithm.kl_coef > 0:
             # A frozen copy of the initial policy, only ever used for scoring.
-            self.ref_engine = engine_spec.load()(engine_cfg)
+            self.ref_engine = build_train_engine(cfg, self.run_dir, settings=engine_cfg, scheduler=sched, role="ref")
             self.ref_engine.initialize(self.model_dir, self.ft.total_train_steps)
         transport_name = self.hook.areal_select_weight_transport(
             train_backend=cfg.actor.allocation.backend,
@@ -538,11 +540,14 @@ class Trainer:
     def close(self, status: str) -> None:
         if self.executor is not None:
             self.executor.stop()
-        if self.rollout is not None:
-            self.rollout.stop()
+        # Engines before the rollout: an engine may have started its ranks
+        # through the run's scheduler, which rollout.stop() stops (killing
+        # whatever is left); destroyed first, the ranks shut down cleanly.
         for engine in (self.train_engine, self.ref_engine, self.critic):
             if engine is not None:
                 engine.destroy()
+        if self.rollout is not None:
+            self.rollout.stop()
         for sink in self.sinks:
             sink.close()
         if self.samples_log is not None:

@@ -11,7 +11,7 @@ import shutil
 import time
 from typing import Any
 
-from areal_kernel.api.engine import WeightUpdateMeta
+from areal_kernel.api.engine import TrainEngine, WeightUpdateMeta
 
 
 def _dir_bytes(path: str) -> int:
@@ -23,8 +23,8 @@ class DiskTransport:
 
     name = "disk"
 
-    def __init__(self, train_engine: Any, infer_engine: Any, run_dir: str, bucket_bytes: int = 0) -> None:
-        self.train = train_engine
+    def __init__(self, train_engine: TrainEngine, infer_engine: Any, run_dir: str, bucket_bytes: int = 0) -> None:
+        self.train: TrainEngine = train_engine
         self.infer = infer_engine
         self.root = os.path.join(run_dir, "weights")
         self._last: str | None = None
@@ -62,8 +62,8 @@ class BroadcastTransport:
     name = "broadcast"
     group_name = "areal_weights"
 
-    def __init__(self, train_engine: Any, infer_engine: Any, run_dir: str, bucket_bytes: int = 256 << 20) -> None:
-        self.train = train_engine
+    def __init__(self, train_engine: TrainEngine, infer_engine: Any, run_dir: str, bucket_bytes: int = 256 << 20) -> None:
+        self.train: TrainEngine = train_engine
         self.infer = infer_engine
         self.bucket_bytes = bucket_bytes
         self._meta: list[dict] | None = None

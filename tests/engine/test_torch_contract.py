@@ -4,6 +4,8 @@ import pytest
 from areal_kernel.engine.torch_engine import TorchTrainEngine
 from areal_kernel.testing.contracts import TrainEngineContract
 
+SETTINGS = {"lr": 1e-3, "max_tokens_per_mb": 8}
+
 
 @pytest.fixture
 def contract_model_dir(tiny_model_dir):
@@ -11,9 +13,18 @@ def contract_model_dir(tiny_model_dir):
 
 
 @pytest.fixture
-def train_engine(contract_model_dir):
-    e = TorchTrainEngine({"lr": 1e-3, "max_tokens_per_mb": 8})
-    e.initialize(contract_model_dir, 10)
+def make_train_engine(contract_model_dir):
+    def make(model_dir=None):
+        e = TorchTrainEngine(SETTINGS)
+        e.initialize(model_dir or contract_model_dir, 10)
+        return e
+
+    return make
+
+
+@pytest.fixture
+def train_engine(make_train_engine):
+    e = make_train_engine()
     yield e
     e.destroy()
 

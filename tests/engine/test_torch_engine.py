@@ -369,11 +369,11 @@ def test_scoring_only_loss_tokens_matches_the_full_vocab_path(tiny_model_dir):
     engine.model.zero_grad()
     row = pack_row(list(range(len(ids))), ids, fields, {}, engine.device)
     data = dict(row.data, batch_loss_tokens=torch.tensor(n_loss))
-    lp, ent = engine._forward(row, entropy_grad=False)
+    lp, ent = engine.runner.forward(row, entropy_grad=False)
     ppo_like_loss(lp, ent, data)[0].backward()
     ref = {n: p.grad.clone() for n, p in engine.model.named_parameters() if p.grad is not None}
     engine.model.zero_grad()
-    lp2, ent2 = engine._forward(row, entropy_grad=False, scored=data["loss_mask"] > 0)
+    lp2, ent2 = engine.runner.forward(row, entropy_grad=False, scored=data["loss_mask"] > 0)
     ppo_like_loss(lp2, ent2, data)[0].backward()
     for n, p in engine.model.named_parameters():
         if n in ref:

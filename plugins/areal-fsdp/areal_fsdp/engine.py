@@ -26,12 +26,10 @@ collective, every rank is stopped and the engine refuses further calls.
 """
 from __future__ import annotations
 
-import json
 import multiprocessing.connection as mpc
 import os
 import pickle
 import secrets
-import shutil
 import sys
 import tempfile
 import threading
@@ -39,19 +37,20 @@ import time
 from collections import deque
 from typing import Any, Callable
 
-from areal_kernel.api.engine import TrainEngine, WeightUpdateMeta
+from areal_kernel.api.engine import TrainEngine, TrainEngineContext, WeightUpdateMeta
 from areal_kernel.api.io import TrajectoryBatch
 from areal_kernel.config.allocation import Allocation, parse_allocation
-from areal_kernel.engine.torch_engine import TorchTrainEngine, _atomic_replace_dir, _tmp_dir_beside
-from areal_kernel.errors import ArealError, ConfigError, DataError
+from areal_kernel.engine.lr_schedule import scheduled_lr
+from areal_kernel.engine.microbatch import check_batch, count_loss_tokens, merge_stats
+from areal_kernel.engine.state import check_param_names, read_engine_state, write_engine_state
+from areal_kernel.errors import ArealError, ConfigError
 from areal_kernel.logging import get_logger
+from areal_kernel.utils.fs import atomic_dir
 
-from areal_fsdp import context
 from areal_fsdp.config import FSDPEngineConfig
 from areal_fsdp.rank import AUTHKEY_ENV, CONTROL_ENV
 
 log = get_logger(__name__)
-_STATE_FORMAT = 1
 _ERROR_GRACE_S = 20.0  # after one rank failed, how long the others get to answer
 
 
@@ -70,10 +69,13 @@ def _tail(path: str, n: int = 30) -> str:
 class FSDPTrainEngine(TrainEngine):
     """FSDP2 train engine over ``world_size`` rank processes.
 
-    ``allocation``: ``"fsdp:d2"`` (or an ``Allocation``); ``world_size`` is a
-    shortcut for ``fsdp:d<world_size>``. Without either, the allocation of the
-    run being trained (``actor.backend`` of ``areal train``'s config) is used,
-    else one rank.
+    The kernel builds it with ``FSDPTrainEngine.from_context(context)``: the
+    allocation (``actor.backend: fsdp:d2``) gives the rank count, the run's
+    scheduler starts the ranks, their logs go to
+    ``<run_dir>/fsdp-ranks`` (``fsdp-ranks-<role>`` for a reference model).
+    Built directly (tests, scripts): ``allocation`` is ``"fsdp:d2"`` or an
+    ``Allocation``, ``world_size`` a shortcut for ``fsdp:d<world_size>``
+    (default one rank), and a ``local`` scheduler of its own starts the ranks.
     """
 
     def __init__(
@@ -83,15 +85,12 @@ class FSDPTrainEngine(TrainEngine):
         *,
         world_size: int | None = None,
         log_dir: str | None = None,
+        scheduler: Any = None,
+        run_config: Any = None,
     ) -> None:
         self.config = FSDPEngineConfig.parse(config)
-        run_cfg, run_dir = context.current_run()
-        from_run = False
         if allocation is None and world_size is not None:
             allocation = f"fsdp:d{int(world_size)}"
-        if allocation is None and run_cfg is not None and run_cfg.actor.allocation.backend == "fsdp":
-            allocation = run_cfg.actor.allocation
-            from_run = True
         self.allocation = parse_allocation(allocation) if isinstance(allocation, str) else (allocation or parse_allocation("fsdp"))
         if (self.allocation.t, self.allocation.p, self.allocation.c) != (1, 1, 1):
             raise ConfigError(
@@ -99,18 +98,33 @@ class FSDPTrainEngine(TrainEngine):
                 "engine does not do; use data-parallel dims only (e.g. 'fsdp:d2')"
             )
         self.world_size = self.allocation.world_size
-        self._run_cfg = run_cfg if from_run else None
-        self.log_dir = log_dir or (os.path.join(run_dir, "fsdp-ranks") if run_dir and self._run_cfg else None)
+        self.log_dir = log_dir
+        self.run_config = run_config  # the run's ExperimentConfig (scheduler choice) when built by the kernel
         self.model_path: str | None = None
         self.total_train_steps = 0
         self._step = 0
-        self._version = 0
         self._transfer_meta: list[dict[str, Any]] = []
-        self._scheduler: Any = None
+        # The run's scheduler is used, never stopped (the run owns it); one made
+        # here is this engine's own and is stopped with the ranks.
+        self._scheduler: Any = scheduler
+        self._owns_scheduler = False
         self._procs: list[Any] = []
         self._conns: list[Any] = []
         self._broken: str | None = None
         self._lock = threading.Lock()
+
+    @classmethod
+    def from_context(cls, context: TrainEngineContext) -> "FSDPTrainEngine":
+        """The kernel's factory: settings, allocation, scheduler and log
+        directory from the run (docs/plugin-authoring.md, Train engines)."""
+        sub = "fsdp-ranks" if context.role == "actor" else f"fsdp-ranks-{context.role}"
+        return cls(
+            context.settings,
+            context.allocation,
+            log_dir=os.path.join(context.run_dir, sub),
+            scheduler=context.scheduler,
+            run_config=context.config,
+        )
 
     # ----------------------------------------------------------- properties
     @property
@@ -122,25 +136,30 @@ class FSDPTrainEngine(TrainEngine):
         return self._step
 
     def current_lr(self) -> float:
-        return TorchTrainEngine.current_lr(self)  # type: ignore[arg-type]  # needs config/_step/total_train_steps only
+        return scheduled_lr(self.config, self._step, self.total_train_steps)
 
     # ---------------------------------------------------------- rank control
-    def _make_scheduler(self) -> Any:
+    def _get_scheduler(self) -> Any:
+        """The scheduler that starts the ranks: the run's when the kernel gave
+        one, else a new one (``scheduler.type`` of the run config, or ``local``
+        with an actor allocation of this engine's shape)."""
         from areal_kernel.plugins import get_plugin_manager, get_registry
 
-        cfg = self._run_cfg
-        if cfg is None:
-            # Used outside `areal train` (tests, scripts): the local scheduler
-            # with an actor allocation of this engine's shape.
-            from areal_kernel.config.models import ExperimentConfig
-
-            cfg = ExperimentConfig.model_validate({"actor": {"backend": str(self.allocation)}})
-            name = "local"
+        if self._scheduler is not None:
+            sched, name = self._scheduler, type(self._scheduler).__name__
         else:
-            name = cfg.scheduler.type
-            if name == "auto":
-                name = get_plugin_manager().hook.areal_select_scheduler(config=cfg) or "local"
-        sched = get_registry().get("scheduler", name).load()(cfg)
+            cfg = self.run_config
+            if cfg is None:
+                from areal_kernel.config.models import ExperimentConfig
+
+                cfg = ExperimentConfig.model_validate({"actor": {"backend": str(self.allocation)}})
+                name = "local"
+            else:
+                name = cfg.scheduler.type
+                if name == "auto":
+                    name = get_plugin_manager().hook.areal_select_scheduler(config=cfg) or "local"
+            sched = get_registry().get("scheduler", name).load()(cfg)
+            self._scheduler, self._owns_scheduler = sched, True
         if not hasattr(sched, "start_train_ranks"):
             raise ConfigError(
                 f"scheduler.type: scheduler '{name}' cannot start train-engine ranks (it has no "
@@ -165,8 +184,7 @@ class FSDPTrainEngine(TrainEngine):
             "--parent-pid", str(os.getpid()),
             "--dist-timeout-s", str(self.config.dist_timeout_s),
         ]  # fmt: skip
-        self._scheduler = self._make_scheduler()
-        self._procs = self._scheduler.start_train_ranks(argv, log_dir, env)
+        self._procs = self._get_scheduler().start_train_ranks(argv, log_dir, env)
         if len(self._procs) != self.world_size:
             self._stop_ranks()
             raise ArealError(f"the scheduler started {len(self._procs)} ranks, expected {self.world_size}")
@@ -222,7 +240,7 @@ class FSDPTrainEngine(TrainEngine):
             except OSError:
                 pass
         self._conns = []
-        if self._scheduler is not None:
+        if self._owns_scheduler:
             self._scheduler.stop()
         else:
             for p in self._procs:
@@ -336,7 +354,7 @@ class FSDPTrainEngine(TrainEngine):
         return TrajectoryBatch([batch.trajectories[i] for i in idx])
 
     def _score(self, batch: TrajectoryBatch, only_loss_tokens: bool, with_entropy: bool) -> tuple[list, list | None]:
-        TorchTrainEngine._check_batch(self, batch, None)  # type: ignore[arg-type]  # uses no engine state
+        check_batch(batch)
         parts = self._partition(batch)
         answers = self._call(
             "score_part",
@@ -371,11 +389,9 @@ class FSDPTrainEngine(TrainEngine):
         stats by max/min; ``grad_norm`` is the global norm of the sharded
         gradients before clipping."""
         t0 = time.perf_counter()
-        TorchTrainEngine._check_batch(self, batch, extra)  # type: ignore[arg-type]
+        check_batch(batch, extra)
         trajs = batch.trajectories
-        n_loss_tokens = sum(int(sum(1 for m in t.loss_mask if m)) for t in trajs)
-        if n_loss_tokens == 0:
-            raise DataError("the batch has no loss tokens (every loss_mask is 0): nothing to train on")
+        n_loss_tokens = count_loss_tokens(batch)
         parts = self._partition(batch)
         kwargs = [
             {
@@ -392,7 +408,7 @@ class FSDPTrainEngine(TrainEngine):
         self._step += 1
         stats: dict[str, float] = {}
         for a in answers:
-            TorchTrainEngine._merge_stats(stats, a["stats"])
+            merge_stats(stats, a["stats"])
         first = answers[0]
         out = dict(stats)
         out.update(
@@ -448,13 +464,8 @@ class FSDPTrainEngine(TrainEngine):
         shard_bytes = int(max_shard_bytes or (self.config.export_shard_mb << 20))
         if shard_bytes <= 0:
             raise ConfigError(f"max_shard_bytes must be > 0, got {max_shard_bytes}")
-        tmp = _tmp_dir_beside(path)
-        try:
+        with atomic_dir(path) as tmp:
             self._call("export_hf", {"tmp_dir": tmp, "shard_bytes": shard_bytes})
-            _atomic_replace_dir(tmp, os.path.abspath(path))
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
 
     def init_weight_group(
         self,
@@ -496,44 +507,25 @@ class FSDPTrainEngine(TrainEngine):
         writes its shards), per-rank RNG states, and the step/version in
         ``engine_state.json``; written atomically."""
         self._require_init()
-        tmp = _tmp_dir_beside(path)
-        try:
+        with atomic_dir(path) as tmp:
             self._call("dcp_save", {"tmp_dir": tmp})
-            meta = {
-                "format": _STATE_FORMAT,
-                "engine": "fsdp",
+            write_engine_state(tmp, "fsdp", {
                 "step": self._step,
                 "version": self.get_version(),
                 "total_train_steps": self.total_train_steps,
                 "world_size": self.world_size,
                 "param_names": [m["name"] for m in self._transfer_meta],
                 "config": self.config.model_dump(),
-            }
-            with open(os.path.join(tmp, "engine_state.json"), "w") as f:
-                json.dump(meta, f, indent=1)
-            _atomic_replace_dir(tmp, os.path.abspath(path))
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+            })  # fmt: skip
 
     def load_state(self, path: str) -> None:
         """Restore what ``save_state`` wrote (any rank count: DCP reshards)."""
         self._require_init()
-        meta_path = os.path.join(path, "engine_state.json")
-        if not os.path.isfile(meta_path):
-            raise DataError(f"{path!r} is not an engine checkpoint (no engine_state.json)")
-        with open(meta_path) as f:
-            meta = json.load(f)
-        if meta.get("format") != _STATE_FORMAT or meta.get("engine") != "fsdp":
-            raise DataError(
-                f"{meta_path}: not an fsdp engine checkpoint of format {_STATE_FORMAT} "
-                f"(engine={meta.get('engine')!r}, format={meta.get('format')!r})"
-            )
-        if meta["param_names"] != [m["name"] for m in self._transfer_meta]:
-            raise DataError(f"{path!r} was saved from a different model architecture (parameter names differ)")
+        meta = read_engine_state(path, "fsdp")
+        check_param_names(path, meta["param_names"], [m["name"] for m in self._transfer_meta])
         self._call("dcp_load", {"path": os.path.abspath(path), "step": int(meta["step"])})
         self._step = int(meta["step"])
-        self._version = int(meta["version"])
+        self.set_version(int(meta["version"]))
 
     def destroy(self) -> None:
         """Stop the rank processes (politely first, then their process groups)."""

@@ -15,14 +15,3 @@ def areal_register_train_engines(register: Any) -> None:
         capabilities=["packing", "disk_export", "broadcast_export", "multi_process", "dcp_checkpoint"],
         description="PyTorch FSDP2 (fully_shard) over N rank processes (allocation fsdp:dN)",
     )
-
-
-@hookimpl
-def areal_on_run_start(config: Any, run_dir: str) -> None:
-    # The trainer builds train engines from their own config section only; the
-    # allocation (``fsdp:d2``: how many ranks) and the scheduler choice live in
-    # the run config, which reaches plugins through this hook. Remember it for
-    # the engine the trainer constructs next in this process.
-    from areal_fsdp import context
-
-    context.set_run(config, run_dir)

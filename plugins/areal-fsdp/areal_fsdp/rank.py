@@ -6,11 +6,15 @@ to the controller's control socket, and executes the commands the
 controller's ``FSDPTrainEngine`` sends, every rank the same command (each on
 its share of the data), so the collectives of FSDP line up.
 
-``FSDPRankEngine`` is the kernel's ``TorchTrainEngine`` with the model
-sharded by ``fully_shard``: packing, the shared-prompt plan, the forward
-(logprobs/entropy), the lr schedule and the stats rules are inherited; what
-sharding changes (equal micro-batch counts on every rank, summed instead of
-averaged gradients, the global grad norm, gathered exports, DCP) is here.
+``FSDPRankEngine`` holds the model shard and optimizer of one rank. It is
+built from the kernel's public engine parts, the same ones the single-process
+``TorchTrainEngine`` uses: ``areal_kernel.engine.microbatch`` (packing, the
+shared-prompt plan, the forward, the micro-batch loop and the stats rules),
+``.hf`` (model loading, the transfer weight list, the HF writer), ``.state``
+(optimizer, RNG, lr) and ``.lr_schedule``. What sharding changes is here:
+``RankSync`` (equal micro-batch counts on every rank, the global finite check
+and grad norm), summed instead of averaged gradients, gathered exports and
+DCP checkpoints.
 
 A rank exits when its control connection closes or when the controller (its
 parent) disappears, so no rank outlives the run that started it.
@@ -18,7 +22,6 @@ parent) disappears, so no rank outlives the run that started it.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import pickle
@@ -29,8 +32,10 @@ import traceback
 from typing import Any, Callable
 
 from areal_kernel.api.io import TrajectoryBatch
-from areal_kernel.engine.packing import pack_row
-from areal_kernel.engine.torch_engine import _WEIGHT_SUFFIXES, TorchTrainEngine
+from areal_kernel.engine.hf import finish_hf_dir, hf_files, load_causal_lm, weights_for_transfer, write_hf_weights
+from areal_kernel.engine.lr_schedule import scheduled_lr
+from areal_kernel.engine.microbatch import MicroBatchHooks, MicroBatchRunner
+from areal_kernel.engine.state import load_rng_state, make_optimizer, save_rng_state, set_lr, torch_dtype
 from areal_kernel.errors import ArealError, ConfigError
 from areal_kernel.platforms import current_platform
 
@@ -38,12 +43,6 @@ from areal_fsdp.config import FSDPEngineConfig
 
 CONTROL_ENV = "AREAL_FSDP_CONTROL"
 AUTHKEY_ENV = "AREAL_FSDP_AUTHKEY"
-
-
-def _torch_dtype(name: str | None) -> Any:
-    import torch
-
-    return None if name is None else getattr(torch, name)
 
 
 def _local(t: Any) -> Any:
@@ -56,19 +55,73 @@ def _full(t: Any) -> Any:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-class FSDPRankEngine(TorchTrainEngine):
+def _all_reduce(values: list[float], op: str) -> list[float]:
+    import torch
+    import torch.distributed as dist
+
+    plat = current_platform()
+    dev = torch.device("cpu") if plat.collectives_on_host else plat.device()
+    t = torch.tensor(values, dtype=torch.float64, device=dev)
+    dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op])
+    return t.cpu().tolist()
+
+
+class RankSync(MicroBatchHooks):
+    """The micro-batch runner's hooks on a rank of a sharded model: every rank
+    runs as many micro-batches as the busiest one, every forward and backward
+    (lockstep), and the finite check and the grad norm span all ranks."""
+
+    lockstep = True
+
+    def micro_batch_count(self, local: int) -> int:
+        return int(_all_reduce([float(local)], "max")[0])
+
+    def all_finite(self, local: bool) -> bool:
+        return _all_reduce([1.0 if local else 0.0], "min")[0] > 0
+
+    def clip_grad_norm(self, params: list[Any], max_norm: float | None) -> float:
+        """Global L2 norm of the sharded gradients (each rank sums the squares
+        of its shards, one all-reduce adds them up), then clip every shard by
+        the same factor. Returns the norm before clipping."""
+        import torch
+
+        grads = [p.grad for p in params]
+        local = 0.0
+        if grads:
+            sq = torch.stack([_local(g).detach().float().pow(2).sum() for g in grads]).sum()
+            local = float(sq)
+        total = math.sqrt(_all_reduce([local], "sum")[0])
+        if max_norm is not None and max_norm > 0 and math.isfinite(total):
+            coef = max_norm / (total + 1e-6)
+            if coef < 1.0:
+                with torch.no_grad():
+                    for g in grads:
+                        _local(g).mul_(coef)
+        return total
+
+
+class FSDPRankEngine:
     """The model shard and optimizer of one rank."""
 
     def __init__(self, config: FSDPEngineConfig | dict[str, Any] | None, rank: int, world_size: int) -> None:
-        super().__init__(FSDPEngineConfig.parse(config))
-        self.config: FSDPEngineConfig
+        self.config = FSDPEngineConfig.parse(config)
         self.rank = rank
         self.world_size = world_size
+        self.model: Any = None
+        self.optimizer: Any = None
+        self.runner: MicroBatchRunner | None = None
+        self.model_path: str | None = None
+        self.total_train_steps = 0
+        self.step = 0
+        self.weight_group: Any = None
         self.transfer_meta: list[dict[str, Any]] = []
+
+    @property
+    def device(self) -> Any:
+        return current_platform().device()
 
     # ------------------------------------------------------------------ setup
     def initialize(self, model_path: str, total_train_steps: int) -> dict[str, Any]:
-        import torch
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
@@ -85,24 +138,22 @@ class FSDPRankEngine(TorchTrainEngine):
         plat = current_platform()
         # Same seed on every rank: any random init (e.g. a new head) is identical before sharding.
         plat.manual_seed(cfg.seed)
-        dtype = torch.float32 if cfg.param_dtype == "float32" else torch.bfloat16
         # Every rank reads the (memory-mapped) safetensors and keeps only its
         # shard after fully_shard; the full copy is transient.
-        model = self._load_model(model_path, dtype)
+        model = load_causal_lm(model_path, torch_dtype(cfg.param_dtype), cfg.attn_implementation)
         model.to(self.device)
         # What exports and broadcasts send, in order (tied aliases dropped), from
         # the unsharded model: the same list the single-process engine sends.
-        self.model = model
-        self.transfer_meta = tensor_meta(TorchTrainEngine.named_weights_for_transfer(self))
+        self.transfer_meta = tensor_meta(weights_for_transfer(model))
         if cfg.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
         mesh = init_device_mesh(plat.device_type, (self.world_size,))
         mp = cfg.mixed_precision
         mp_policy = MixedPrecisionPolicy(
-            param_dtype=_torch_dtype(mp.param_dtype),
-            reduce_dtype=_torch_dtype(mp.reduce_dtype),
-            output_dtype=_torch_dtype(mp.output_dtype),
+            param_dtype=torch_dtype(mp.param_dtype),
+            reduce_dtype=torch_dtype(mp.reduce_dtype),
+            output_dtype=torch_dtype(mp.output_dtype),
             cast_forward_inputs=mp.cast_forward_inputs,
         )
         # Offloading moves shards from the accelerator to host memory; where
@@ -128,109 +179,34 @@ class FSDPRankEngine(TorchTrainEngine):
                 m.set_force_sum_reduction_for_comms(True)
         model.train()
         self.model = model
+        # The sharded model is only called as a whole (split_head=False): calling
+        # the decoder and the LM head separately would bypass the root unit's
+        # hooks, which gather the embedding, final norm and head.
+        self.runner = MicroBatchRunner(model, cfg, self.device, hooks=RankSync(), split_head=False)
         self.model_path = os.path.abspath(model_path)
         self.total_train_steps = int(total_train_steps)
-        self.optimizer = torch.optim.AdamW(
-            model.parameters(),
-            lr=cfg.lr,
-            betas=(cfg.adam_beta1, cfg.adam_beta2),
-            eps=cfg.adam_eps,
-            weight_decay=cfg.weight_decay,
-        )
-        self._step = 0
-        self._set_lr()
+        self.optimizer = make_optimizer(model.parameters(), cfg)
+        self.step = 0
+        self.set_lr()
         return {"transfer_meta": self.transfer_meta, "wrapped_blocks": wrapped}
 
-    def _head_split(self) -> None:
-        """Always run the whole model. The kernel engine may call the decoder and
-        the LM head separately (head on loss positions only); under FSDP that
-        would bypass the root unit's hooks, which gather the embedding, final
-        norm and head, so the sharded model is only called as a whole."""
-        return None
+    def set_lr(self) -> float:
+        return set_lr(self.optimizer, scheduled_lr(self.config, self.step, self.total_train_steps))
 
-    # ------------------------------------------------------------ collectives
-    def _all_reduce(self, values: list[float], op: str) -> list[float]:
-        import torch
-        import torch.distributed as dist
-
-        t = torch.tensor(values, dtype=torch.float64, device=self._comm_device())
-        dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op])
-        return t.cpu().tolist()
-
-    def _comm_device(self) -> Any:
-        import torch
-
-        return torch.device("cpu") if current_platform().collectives_on_host else self.device
+    def _runner(self) -> MicroBatchRunner:
+        if self.runner is None:
+            raise ArealError("fsdp rank: initialize was not called")
+        return self.runner
 
     def barrier(self) -> None:
         import torch.distributed as dist
 
         dist.barrier()
 
-    # The kernel engine's shared-prompt plan (``_plan``/``_tree``) is used when
-    # the installed kernel has it; plain packing otherwise.
-    def _mb_plan(self, part: TrajectoryBatch) -> list[tuple[list[int], Any]]:
-        plan = getattr(self, "_plan", None)
-        if plan is not None:
-            return plan(part)
-        return [(mb, None) for mb in self._micro_batches(part)]
-
-    def _tree_row(self, chunks: Any, ids: list[list[int]]) -> Any:
-        return self._tree(chunks, ids) if chunks is not None else None
-
-    def _fwd(self, row: Any, *, entropy_grad: bool, scored: Any = None, tree: Any = None) -> tuple[Any, Any]:
-        if tree is None:
-            return self._forward(row, entropy_grad=entropy_grad, scored=scored)
-        return self._forward(row, entropy_grad=entropy_grad, scored=scored, tree=tree)
-
-    def _padded_plan(self, part: TrajectoryBatch) -> tuple[list[Any], int]:
-        """This rank's micro-batch plan and the number of micro-batches every
-        rank runs (the maximum): FSDP gathers parameters in each forward, so all
-        ranks must run the same number of forwards and backwards."""
-        plan = self._mb_plan(part) if len(part) else []
-        n = int(self._all_reduce([float(len(plan))], "max")[0])
-        return plan, n
-
-    def _filler_forward(self, entropy_grad: bool = False) -> Any:
-        """A 2-token forward whose output only serves to keep this rank in step
-        with ranks that have more micro-batches (its loss is 0)."""
-        row = pack_row([0], [[0, 0]], {}, {}, self.device)
-        lp, _ = self._fwd(row, entropy_grad=entropy_grad)
-        return lp
-
     # ---------------------------------------------------------------- scoring
     def score_part(self, part: TrajectoryBatch, only_loss_tokens: bool, with_entropy: bool) -> tuple[list, list | None]:
-        import torch
-
-        ids = [t.input_ids for t in part.trajectories]
-        out_lp: list[list[float]] = [[] for _ in ids]
-        out_ent: list[list[float]] = [[] for _ in ids]
-        plan, n_mbs = self._padded_plan(part)
-        was_training = self.model.training
-        self.model.eval()
-        try:
-            with torch.no_grad():
-                for j in range(n_mbs):
-                    if j >= len(plan):
-                        self._filler_forward()
-                        continue
-                    mb, chunks = plan[j]
-                    tree = self._tree_row(chunks, ids)
-                    if only_loss_tokens:
-                        masks = {"loss_mask": [[1.0 if m else 0.0 for m in t.loss_mask] for t in part.trajectories]}
-                        row = pack_row(mb, ids, masks, {}, self.device)
-                        lp, ent = self._fwd(row, entropy_grad=False, scored=row.data["loss_mask"] > 0, tree=tree)
-                    else:
-                        row = pack_row(mb, ids, {}, {}, self.device)
-                        lp, ent = self._fwd(row, entropy_grad=False, tree=tree)
-                    lp_l, ent_l = lp.cpu().tolist(), ent.cpu().tolist()
-                    for k, i in enumerate(row.seq_index):
-                        a, b = row.cu_seqlens[k], row.cu_seqlens[k + 1]
-                        out_lp[i] = lp_l[a:b]
-                        out_ent[i] = ent_l[a:b]
-        finally:
-            self.model.train(was_training)
-        return out_lp, (out_ent if with_entropy else None)
+        lp, ent = self._runner().score(part, only_loss_tokens)
+        return lp, (ent if with_entropy else None)
 
     # --------------------------------------------------------------- training
     def train_part(
@@ -246,108 +222,29 @@ class FSDPRankEngine(TorchTrainEngine):
         trajectories ``global_index`` of the batch; the loss normalisers are
         the whole batch's, so summing every rank's gradients gives the
         single-process gradient."""
-        import torch
-
+        runner = self._runner()
         t0 = time.perf_counter()
-        trajs = part.trajectories
-        loss_tokens = [int(sum(1 for m in t.loss_mask if m)) for t in trajs]
-        ids = [t.input_ids for t in trajs]
-        float_fields: dict[str, list[list[float]]] = {
-            "loss_mask": [[1.0 if m else 0.0 for m in t.loss_mask] for t in trajs],
-            "old_logprobs": [list(t.logprobs) for t in trajs],
-            "rewards": [[float(t.reward)] * len(t.input_ids) for t in trajs],
-            "seq_loss_tokens": [[float(max(c, 1))] * len(t.input_ids) for c, t in zip(loss_tokens, trajs)],
-        }
-        float_fields.update(extra or {})
-        long_fields = {"versions": [list(t.versions) for t in trajs]}
-        dev = self.device
-        batch_scalars = {
-            "batch_loss_tokens": torch.tensor(float(batch_loss_tokens), device=dev),
-            "batch_n_seqs": torch.tensor(float(batch_n_seqs), device=dev),
-        }
-        to_global = torch.tensor(global_index or [0], dtype=torch.long, device=dev)
-        entropy_grad = bool(getattr(loss_fn, "needs_entropy_grad", False))
-
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        lr = self._set_lr()
-        plan, n_mbs = self._padded_plan(part)
-        total_loss = 0.0
-        entropy_sum = 0.0
-        stats: dict[str, float] = {}
-        finite = True
-        model_tokens = 0
-        for j in range(n_mbs):
-            if j >= len(plan):
-                (self._filler_forward() * 0.0).sum().backward()
-                continue
-            mb, chunks = plan[j]
-            row = pack_row(mb, ids, float_fields, long_fields, dev)
-            tree = self._tree_row(chunks, ids)
-            model_tokens += (tree or row).n_tokens
-            data = dict(row.data)
-            # Loss functions see batch-wide sequence ids, as in one process.
-            data["seq_ids"] = to_global.index_select(0, data["seq_ids"])
-            data.update(batch_scalars)
-            logprobs, entropy = self._fwd(row, entropy_grad=entropy_grad, scored=data["loss_mask"] > 0, tree=tree)
-            loss, mb_stats = loss_fn(logprobs, entropy, data)
-            loss_val = float(loss.detach()) if torch.is_tensor(loss) else float(loss)
-            if not math.isfinite(loss_val):
-                finite = False
-            # Every rank must run every backward (each one reduce-scatters), even
-            # after a non-finite loss: the step is then skipped on all ranks.
-            if torch.is_tensor(loss) and loss.requires_grad:
-                loss.backward()
-            else:
-                (logprobs * 0.0).sum().backward()
-            total_loss += loss_val
-            with torch.no_grad():
-                entropy_sum += float((entropy.detach() * data["loss_mask"]).sum())
-            self._merge_stats(stats, mb_stats or {})
-
-        finite = self._all_reduce([1.0 if finite else 0.0], "min")[0] > 0
-        grad_norm = float("nan")
-        if finite:
-            grad_norm = self._clip_grad_norm()
-            finite = math.isfinite(grad_norm)
-        if finite:
-            self.optimizer.step()
-        else:
-            self.optimizer.zero_grad(set_to_none=True)
-        self._step += 1
+        lr = self.set_lr()
+        acc = runner.accumulate(
+            part, loss_fn, extra, batch_loss_tokens=batch_loss_tokens, batch_n_seqs=batch_n_seqs,
+            seq_index=global_index,
+        )  # fmt: skip
+        grad_norm, applied = runner.apply_gradients(self.optimizer, acc.finite, self.config.max_grad_norm)
+        self.step += 1
         current_platform().synchronize()
         return {
-            "loss": total_loss,
-            "entropy_sum": entropy_sum,
-            "stats": stats,
+            "loss": acc.loss,
+            "entropy_sum": acc.entropy_sum,
+            "stats": acc.stats,
             "grad_norm": grad_norm,
-            "skipped": 0.0 if finite else 1.0,
+            "skipped": 0.0 if applied else 1.0,
             "lr": lr,
-            "n_mbs": float(len(plan)),
-            "n_model_tokens": float(model_tokens),
+            "n_mbs": float(acc.n_mbs),
+            "n_model_tokens": float(acc.n_model_tokens),
             "step_time_s": time.perf_counter() - t0,
         }
-
-    def _clip_grad_norm(self) -> float:
-        """Global L2 norm of the sharded gradients (each rank sums the squares
-        of its shards, one all-reduce adds them up), then clip every shard by
-        the same factor. Returns the norm before clipping."""
-        import torch
-
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        local = 0.0
-        if grads:
-            sq = torch.stack([_local(g).detach().float().pow(2).sum() for g in grads]).sum()
-            local = float(sq)
-        total = math.sqrt(self._all_reduce([local], "sum")[0])
-        max_norm = self.config.max_grad_norm
-        if max_norm is not None and max_norm > 0 and math.isfinite(total):
-            coef = max_norm / (total + 1e-6)
-            if coef < 1.0:
-                with torch.no_grad():
-                    for g in grads:
-                        _local(g).mul_(coef)
-        return total
 
     # ---------------------------------------------------------------- weights
     def _named_sharded(self) -> dict[str, Any]:
@@ -364,56 +261,22 @@ class FSDPRankEngine(TorchTrainEngine):
         return out
 
     def export_hf(self, tmp_dir: str, shard_bytes: int) -> dict[str, Any]:
-        """Write an HF directory into ``tmp_dir``: rank 0 gathers at most
-        ``shard_bytes`` of weights at a time and writes them as one
-        safetensors file, so its memory stays bounded by one file."""
-        from safetensors.torch import save_file
-
-        from areal_kernel.weights.broadcast import plan_buckets
-
+        """Write an HF directory into ``tmp_dir`` with the kernel's HF writer
+        (``areal_kernel.engine.hf``): every rank helps gather one file's
+        weights at a time (at most ``shard_bytes``), rank 0 writes it, so its
+        memory stays bounded by one file."""
         sd = self._named_sharded()
-        meta = self.transfer_meta
-        shards = plan_buckets(meta, shard_bytes)
-        files = (
-            ["model.safetensors"]
-            if len(shards) == 1
-            else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-        )
-        weight_map: dict[str, str] = {}
-        total = 0
-        for fname, shard in zip(files, shards):
-            named = self._gather_group(sd, [meta[i]["name"] for i in shard])
+        files: dict[str, dict[str, Any]] = {}
+        plan = hf_files(self.transfer_meta, shard_bytes)
+        for fname, names in plan:
+            named = self._gather_group(sd, names)
             if self.rank == 0:
-                tensors = {n: t.contiguous() for n, t in named}
-                total += sum(t.numel() * t.element_size() for t in tensors.values())
-                save_file(tensors, os.path.join(tmp_dir, fname), metadata={"format": "pt"})
-                weight_map.update({n: fname for n in tensors})
+                files[fname] = write_hf_weights(tmp_dir, fname, named)
             del named
         if self.rank == 0:
-            if len(files) > 1:
-                with open(os.path.join(tmp_dir, "model.safetensors.index.json"), "w") as f:
-                    json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
-            self.model.config.save_pretrained(tmp_dir)
-            gen = getattr(self.model, "generation_config", None)
-            if gen is not None:
-                gen.save_pretrained(tmp_dir)
-            self._copy_side_files(tmp_dir)
+            finish_hf_dir(tmp_dir, self.model, files, self.model_path)
         self.barrier()
-        return {"files": len(files)}
-
-    def _copy_side_files(self, tmp_dir: str) -> None:
-        """Tokenizer, chat template etc. from the source model dir (weights and
-        configs are written fresh)."""
-        import shutil
-
-        src = self.model_path
-        if not src or not os.path.isdir(src):
-            return
-        for name in os.listdir(src):
-            s = os.path.join(src, name)
-            if not os.path.isfile(s) or name.endswith(_WEIGHT_SUFFIXES) or os.path.exists(os.path.join(tmp_dir, name)):
-                continue
-            shutil.copy2(s, os.path.join(tmp_dir, name))
+        return {"files": len(plan)}
 
     def init_weight_group(
         self,
@@ -425,9 +288,14 @@ class FSDPRankEngine(TorchTrainEngine):
         backend: str | None = None,
         timeout_s: float = 300,
     ) -> None:
-        # Only rank 0 talks to the inference servers; the other ranks help gather.
+        """Only rank 0 joins the broadcast group (it talks to the inference
+        servers); the other ranks only help gather."""
+        from areal_kernel.weights.broadcast import init_weight_group
+
         if self.rank == 0:
-            super().init_weight_group(master_addr, master_port, world_size, rank, group_name, backend, timeout_s)
+            self.weight_group = init_weight_group(
+                master_addr, master_port, world_size, rank, group_name, backend=backend, timeout_s=timeout_s
+            )
 
     def broadcast_weights(self, bucket_bytes: int) -> dict[str, Any]:
         """Stream the full weights to the servers in buckets of at most
@@ -436,7 +304,7 @@ class FSDPRankEngine(TorchTrainEngine):
         buckets from the same metadata (``plan_buckets``)."""
         from areal_kernel.weights.broadcast import plan_buckets, send_buckets
 
-        if self.rank == 0 and self._weight_group is None:
+        if self.rank == 0 and self.weight_group is None:
             raise ArealError("broadcast needs the weight group: call init_weight_group(...) first")
         sd = self._named_sharded()
         meta = self.transfer_meta
@@ -445,7 +313,7 @@ class FSDPRankEngine(TorchTrainEngine):
             named = self._gather_group(sd, [meta[i]["name"] for i in bucket])
             if self.rank == 0:
                 # One planned bucket re-plans to exactly one bucket on this sub-list.
-                send_buckets(self._weight_group, named, bucket_bytes)
+                send_buckets(self.weight_group, named, bucket_bytes)
             del named
             n_buckets += 1
         current_platform().synchronize()
@@ -458,24 +326,16 @@ class FSDPRankEngine(TorchTrainEngine):
 
     # ------------------------------------------------------------- checkpoint
     def dcp_save(self, tmp_dir: str) -> None:
-        import torch
         import torch.distributed.checkpoint as dcp
-        from safetensors.torch import save_file
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         msd, osd = get_state_dict(self.model, self.optimizer)
         dcp.save({"model": msd, "optim": osd}, checkpoint_id=os.path.join(tmp_dir, "dcp"))
-        rng = {"torch_cpu": torch.get_rng_state()}
-        dev_rng = current_platform().device_rng_state()
-        if dev_rng is not None:
-            rng["device"] = dev_rng
-        save_file(rng, os.path.join(tmp_dir, f"rng-rank{self.rank}.safetensors"))
+        save_rng_state(os.path.join(tmp_dir, f"rng-rank{self.rank}.safetensors"))
         self.barrier()
 
     def dcp_load(self, path: str, step: int) -> None:
-        import torch
         import torch.distributed.checkpoint as dcp
-        from safetensors.torch import load_file
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
         msd, osd = get_state_dict(self.model, self.optimizer)
@@ -484,20 +344,19 @@ class FSDPRankEngine(TorchTrainEngine):
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         rng_path = os.path.join(path, f"rng-rank{self.rank}.safetensors")
         if os.path.isfile(rng_path):  # absent when resuming with more ranks than were saved
-            rng = load_file(rng_path)
-            torch.set_rng_state(rng["torch_cpu"])
-            current_platform().set_device_rng_state(rng.get("device"))
-        self._step = int(step)
-        self._set_lr()
+            load_rng_state(rng_path)
+        self.step = int(step)
+        self.set_lr()
         self.barrier()
 
     def get_step(self) -> int:
-        return self._step
+        return self.step
 
     def destroy(self) -> None:
         self.model = None
+        self.runner = None
         self.optimizer = None
-        self._weight_group = None
+        self.weight_group = None
 
 
 # ---------------------------------------------------------------- the process

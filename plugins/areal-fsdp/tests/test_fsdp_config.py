@@ -1,6 +1,7 @@
 """``actor.fsdp`` validation, allocation handling and the light entry point (no ranks started)."""
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 
@@ -56,17 +57,37 @@ def test_model_parallel_dims_are_refused():
     assert FSDPTrainEngine({}, allocation="fsdp:d4").world_size == 4
 
 
-def test_engine_takes_the_allocation_of_the_run():
-    from areal_fsdp import context
+def test_engine_is_built_from_the_kernel_context(tmp_path):
+    """The kernel's factory call: rank count from the allocation, settings
+    from the validated section, logs under the run directory, the run's
+    scheduler used (never stopped by the engine)."""
     from areal_fsdp.engine import FSDPTrainEngine
 
-    try:
-        context.set_run(_cfg({"backend": "fsdp:d3"}), "/tmp/run")
-        e = FSDPTrainEngine({})
-        assert e.world_size == 3 and e.log_dir == "/tmp/run/fsdp-ranks"
-        assert FSDPTrainEngine({}, world_size=2).world_size == 2  # explicit wins
-    finally:
-        context.clear()
+    from areal_kernel.api.engine import TrainEngineContext
+    from areal_kernel.platforms import current_platform
+    from areal_kernel.scheduling.local import LocalScheduler
+
+    cfg = _cfg({"backend": "fsdp:d3", "fsdp": {"lr": 0.5}})
+    sched = LocalScheduler(cfg)
+    ctx = TrainEngineContext(settings=cfg.actor.plugin_config, config=cfg, allocation=cfg.actor.allocation,
+                             platform=current_platform(), run_dir=str(tmp_path), scheduler=sched)  # fmt: skip
+    e = FSDPTrainEngine.from_context(ctx)
+    assert e.world_size == 3 and e.config.lr == 0.5
+    assert e.log_dir == str(tmp_path / "fsdp-ranks")
+    assert e._get_scheduler() is sched and not e._owns_scheduler
+    ref = FSDPTrainEngine.from_context(dataclasses.replace(ctx, role="ref"))
+    assert ref.log_dir == str(tmp_path / "fsdp-ranks-ref")
+
+
+def test_kernel_builds_the_registered_engine_through_from_context(tmp_path):
+    from areal_fsdp.engine import FSDPTrainEngine
+
+    from areal_kernel.trainer.components import build_train_engine
+
+    cfg = _cfg({"backend": "fsdp:d2", "fsdp": {"lr": 0.25}})
+    e = build_train_engine(cfg, str(tmp_path))
+    assert isinstance(e, FSDPTrainEngine) and e.world_size == 2 and e.config.lr == 0.25
+    assert e.run_config is cfg and e.log_dir == str(tmp_path / "fsdp-ranks")
 
 
 def test_entry_point_module_is_light():

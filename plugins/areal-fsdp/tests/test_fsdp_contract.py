@@ -1,4 +1,7 @@
-"""The fsdp engine (2 real ranks) passes the kernel's train-engine contract."""
+"""The fsdp engine (2 real ranks) passes the kernel's train-engine contract.
+
+Most checks run on the session's shared engine; the recovery check starts one
+more 2-rank engine to load the checkpoint into."""
 import pytest
 
 from areal_kernel.testing.contracts import TrainEngineContract
@@ -14,6 +17,19 @@ def contract_model_dir(tiny_model_dir):
 @pytest.fixture
 def train_engine(shared_engine):
     return shared_engine
+
+
+@pytest.fixture
+def make_train_engine(contract_model_dir):
+    from areal_fsdp.engine import FSDPTrainEngine
+
+    def make(model_dir=None):
+        # The shared engine's settings (conftest.shared_engine).
+        e = FSDPTrainEngine({"lr": 1e-3, "max_tokens_per_mb": 8}, world_size=2)
+        e.initialize(model_dir or contract_model_dir, 20)
+        return e
+
+    return make
 
 
 class TestFSDPEngineContract(TrainEngineContract):
