@@ -58,8 +58,12 @@ Register = Callable[..., None]
 def areal_register_train_engines(register: Register) -> None:
     """Register train engines (``actor.backend``), e.g. ``torch``, ``fsdp``.
 
-    Target: a ``TrainEngine`` subclass taking ``(config, backend_config,
-    allocation)``. Called once per process on first registry use.
+    Target: a ``TrainEngine`` subclass. The kernel builds it in the
+    controller as ``Target.from_context(context)``, where ``context`` is a
+    ``TrainEngineContext`` (validated settings, the whole config, the
+    allocation, the platform, the run directory, the run's scheduler, the
+    role); see ``areal_kernel.api.engine``. Called once per process on
+    first registry use.
     """
 
 

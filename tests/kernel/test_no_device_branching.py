@@ -31,11 +31,6 @@ ALLOWED: dict[tuple[str, str], str] = {
     # A plugin checking its *own* registered name: the hook is called for every
     # inference backend and answers only for its own.
     ("plugins/areal-sglang/areal_sglang/plugin.py", "inference_backend != 'sglang'"): "own name",
-    # The fsdp engine adopting the run's allocation only when the run selected
-    # this very engine (it is also built standalone in tests and tools).
-    ("plugins/areal-fsdp/areal_fsdp/engine.py", "run_cfg.actor.allocation.backend == 'fsdp'"): "own name",
-    # A format tag the fsdp engine writes into its own checkpoints.
-    ("plugins/areal-fsdp/areal_fsdp/engine.py", "meta.get('engine') != 'fsdp'"): "own checkpoint tag",
 }
 
 

@@ -1,5 +1,6 @@
 from pydantic import BaseModel, ConfigDict, Field
 
+from areal_kernel.api.engine import TrainEngine
 from areal_kernel.platforms import Platform
 
 
@@ -13,9 +14,19 @@ class ToyEngineConfig(BaseModel):
     layers: int = Field(2, ge=1)
 
 
-class ToyEngine:
-    def __init__(self, config=None, backend_config=None, allocation=None):
-        self.backend_config = backend_config
+class ToyEngine(TrainEngine):
+    """Registered for the config-validation tests only: built by the kernel
+    with the inherited ``from_context`` (``ToyEngine(context.settings)``),
+    never trained."""
+
+    def __init__(self, settings=None):
+        self.settings = settings
+
+    def _unsupported(self, *args, **kwargs):
+        raise NotImplementedError("the toy engine exists for config-validation tests only")
+
+    initialize = compute_logprobs = train_batch = save_hf = send_weights = _unsupported
+    named_weights_for_transfer = save_state = load_state = _unsupported
 
 
 class TestAccelPlatform(Platform):
