@@ -333,7 +333,7 @@ class TrainEngineContract:
         a = train_engine.train_batch(nxt, loss, self._ppo_inputs(nxt, train_engine))
         a_lp = train_engine.compute_logprobs(probe)
 
-        fresh = make_train_engine()
+        fresh: TrainEngine = make_train_engine()
         try:
             # Control: the fresh engine starts elsewhere, so matching below means loading worked.
             assert self._max_diff(fresh.compute_logprobs(probe), saved_lp) > 1e-6
