@@ -208,7 +208,45 @@ class TestRLVRWorkflow(WorkflowContract):
 # -- weight transports ---------------------------------------------------------------------
 
 
-class TestDiskTransport(WeightTransportContract):
+@pytest.fixture(scope="module")
+def shared_train_engine(areal_tiny_model_dir):
+    """One torch engine for both transports (each restores the weights it changes)."""
+    from areal_kernel.engine.torch_engine import TorchTrainEngine
+
+    engine = TorchTrainEngine({"lr": 1e-3, "seed": 0})
+    engine.initialize(areal_tiny_model_dir, 4)
+    yield engine
+    engine.destroy()
+
+
+@pytest.fixture(scope="module")
+def shared_server(areal_tiny_model_dir, tmp_path_factory):
+    """One embedded server (fp32) for both transports: a server start costs seconds."""
+    from areal_kernel.inference.client import RemoteInferenceEngine
+    from areal_kernel.inference.embedded.backend import EmbeddedProtocol
+    from areal_kernel.inference.embedded.launcher import EmbeddedLauncher, EmbeddedServerConfig
+
+    launcher = EmbeddedLauncher(EmbeddedServerConfig(dtype="float32"), run_dir=str(tmp_path_factory.mktemp("server")))
+    infos = launcher.launch(areal_tiny_model_dir, n_servers=1, devices_per_server=0)
+    engine = RemoteInferenceEngine([i.address for i in infos], EmbeddedProtocol())
+    yield engine
+    engine.destroy()
+    launcher.stop()
+
+
+class _SharedEngines:
+    @pytest.fixture(scope="class")
+    @classmethod
+    def transport_train_engine(cls, shared_train_engine):
+        return shared_train_engine
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def transport_inference_engine(cls, shared_server):
+        return shared_server
+
+
+class TestDiskTransport(_SharedEngines, WeightTransportContract):
     @pytest.fixture(scope="class")
     @classmethod
     def transport_name(cls):
@@ -224,7 +262,7 @@ class TestDiskTransport(WeightTransportContract):
         assert list_safetensors_files(os.path.join(root, "v42"))
 
 
-class TestBroadcastTransport(WeightTransportContract):
+class TestBroadcastTransport(_SharedEngines, WeightTransportContract):
     @pytest.fixture(scope="class")
     @classmethod
     def transport_name(cls):
