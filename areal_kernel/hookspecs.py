@@ -81,7 +81,11 @@ def areal_register_inference_engines(register: Register) -> None:
 def areal_register_weight_transports(register: Register) -> None:
     """Register weight transports (``disk``, ``broadcast``, ...).
 
-    Target: a callable moving train-engine weights into inference servers.
+    Target: a class built as ``Transport(train_engine, inference_engine,
+    run_dir, bucket_bytes)`` with ``name``, ``setup()`` and
+    ``update(version) -> dict[str, float]`` (servers serve the train
+    engine's weights as ``version`` when it returns), used in the
+    controller; see docs/plugin-authoring.md, "Weight transports".
     Called once per process on first registry use.
     """
 
@@ -90,8 +94,12 @@ def areal_register_weight_transports(register: Register) -> None:
 def areal_register_schedulers(register: Register) -> None:
     """Register schedulers (``local``; third parties: Ray, Slurm).
 
-    Target: a class that starts the processes of each role. Called once per
-    process on first registry use.
+    Target: a class built as ``Scheduler(config)`` that starts the
+    processes of each role: ``platform``, ``start_inference(backend,
+    model_dir, run_dir) -> addresses``, optionally
+    ``start_train_ranks(argv, log_dir, env)``, and ``stop()``; see
+    docs/plugin-authoring.md, "Schedulers". Called once per process on
+    first registry use.
     """
 
 
@@ -135,9 +143,12 @@ def areal_register_rewards(register: Register) -> None:
 def areal_register_workflows(register: Register) -> None:
     """Register rollout workflows (``workflow.type``), e.g. ``rlvr``, ``multi_turn``.
 
-    Target: a class whose ``arun_episode(engine, record)`` returns a
-    ``TrajectoryGroup`` (or ``None`` to reject). Runs in the controller's
-    asyncio loop.
+    Target: a class built with the keywords ``tokenizer``, ``gconfig``,
+    ``reward_target``, ``reward_pool`` and ``config`` whose
+    ``arun_episode(engine, record)`` returns a ``TrajectoryGroup`` (or
+    ``None`` to reject) and ``aevaluate(engine, record, max_new_tokens)``
+    a ``(reward, text)`` pair; see docs/plugin-authoring.md, "Workflows".
+    Runs in the controller's asyncio loop.
     """
 
 

@@ -1,6 +1,41 @@
 """Test support shipped with the kernel: pytest fixtures and contract suites.
 
-Backend plugins (ours and third parties') subclass the contract classes in
-``areal_kernel.testing.contracts`` and provide the fixtures they ask for; the
-pytest plugin (entry point ``areal_testing``) supplies shared fixtures.
+Plugins (ours and third parties') subclass the contract suites and provide
+the fixtures they ask for; the pytest plugin (entry point ``areal_testing``)
+supplies shared fixtures. Every suite is importable from here::
+
+    from areal_kernel.testing import DatasetContract, RewardContract
+
+Engines and platforms: ``areal_kernel.testing.contracts``; the other kinds
+(datasets, metric sinks, advantage estimators, losses, workflows, weight
+transports, schedulers): ``areal_kernel.testing.kinds``. The names resolve
+on first use, so importing a helper module of this package (``models``,
+``waits``) does not import pytest.
 """
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_SUITES = {
+    "PlatformContract": "contracts",
+    "RewardContract": "contracts",
+    "InferenceEngineContract": "contracts",
+    "TrainEngineContract": "contracts",
+    "DatasetContract": "kinds",
+    "MetricSinkContract": "kinds",
+    "AdvantageEstimatorContract": "kinds",
+    "LossContract": "kinds",
+    "WorkflowContract": "kinds",
+    "WeightTransportContract": "kinds",
+    "SchedulerContract": "kinds",
+}
+
+__all__ = sorted(_SUITES)
+
+
+def __getattr__(name: str) -> Any:
+    module = _SUITES.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)

@@ -52,3 +52,22 @@ def run_areal() -> Callable[..., subprocess.CompletedProcess]:
         )
 
     return run
+
+
+@pytest.fixture(scope="session")
+def areal_tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A tiny random Llama (vocab 256, no tokenizer) written once per test
+    session: what the contract suites train, serve and update by default."""
+    from areal_kernel.testing.models import make_tiny_llama
+
+    return make_tiny_llama(tmp_path_factory.mktemp("areal-tiny-model"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def areal_tiny_chat_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A tiny random Llama with SmolLM2's real tokenizer and chat template
+    (``make_tiny_chat_llama``), written once per test session: what the
+    workflow contract renders prompts with and generates from by default."""
+    from areal_kernel.testing.models import make_tiny_chat_llama
+
+    return make_tiny_chat_llama(tmp_path_factory.mktemp("areal-tiny-chat-model"), seed=0)

@@ -5,46 +5,13 @@ LevelDB-style log), not from anything the sink reports about itself."""
 import glob
 import json
 import os
-import struct
 
 import pytest
 from e2e_paths import EXAMPLE
 
+from areal_kernel.testing.readback import wandb_history
+
 pytest.importorskip("wandb")
-
-
-def wandb_history(run_file: str) -> dict[int, dict[str, float]]:
-    """``step -> {key: value}`` from the history records of a ``run-<id>.wandb`` file.
-
-    The file is wandb's LevelDB-style log: a 7-byte header (``:W&B``, magic,
-    version), then 32 KiB blocks of chunks, each with a 7-byte header (crc32,
-    length, type: 1 full, 2 first, 3 middle, 4 last); a block's last < 7
-    bytes are padding."""
-    from wandb.proto import wandb_internal_pb2 as pb
-
-    data = open(run_file, "rb").read()
-    assert data[:4] == b":W&B", data[:7]
-    pos, pending, rows = 7, b"", {}
-    while pos + 7 <= len(data):
-        left = 32768 - pos % 32768
-        if left < 7:
-            pos += left
-            continue
-        _crc, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
-        chunk = data[pos + 7 : pos + 7 + length]
-        pos += 7 + length
-        if kind == 0:
-            continue
-        pending += chunk
-        if kind not in (1, 4):
-            continue
-        record = pb.Record()
-        record.ParseFromString(pending)
-        pending = b""
-        if record.WhichOneof("record_type") == "history":
-            row = {"/".join(i.nested_key) or i.key: json.loads(i.value_json) for i in record.history.item}
-            rows.setdefault(int(row["_step"]), {}).update(row)
-    return rows
 
 
 def test_wandb_offline_run_holds_the_logged_metrics(run_areal, tiny_chat_model, tmp_path):

@@ -30,3 +30,92 @@ def test_every_hook_is_documented_with_its_signature():
 def test_every_hook_has_a_docstring():
     for name, fn in _hooks().items():
         assert (fn.__doc__ or "").strip(), name
+
+
+# -- the contract suites and fixtures of areal_kernel.testing ---------------------------------
+
+# Fixtures every pytest run has; a suite asking for one needs no documentation of it.
+_PYTEST_FIXTURES = {"request", "tmp_path", "tmp_path_factory", "monkeypatch", "capsys", "capfd", "caplog"}
+
+
+def _testing_section() -> str:
+    text = DOC.read_text(encoding="utf-8")
+    start = text.index("## Testing your plugin")
+    end = text.find("\n## ", start + 1)
+    return text[start:] if end < 0 else text[start:end]
+
+
+def _suites() -> dict[str, type]:
+    """Every class named ``*Contract`` defined in a module of areal_kernel.testing."""
+    import importlib
+    import pkgutil
+
+    import areal_kernel.testing as testing
+
+    found = {}
+    for mod in pkgutil.iter_modules(testing.__path__):
+        module = importlib.import_module(f"areal_kernel.testing.{mod.name}")
+        for name, obj in vars(module).items():
+            if isinstance(obj, type) and name.endswith("Contract") and obj.__module__ == module.__name__:
+                found[name] = obj
+    return found
+
+
+def _plugin_fixtures() -> set[str]:
+    from _pytest.fixtures import getfixturemarker
+
+    from areal_kernel.testing import pytest_plugin
+
+    return {n for n, obj in vars(pytest_plugin).items() if getfixturemarker(obj) is not None}
+
+
+def _fixtures_of(suite: type) -> tuple[set[str], set[str]]:
+    """(fixtures a subclass must provide, fixtures the suite defines and a subclass may override)."""
+    from _pytest.fixtures import getfixturemarker
+
+    defined = {n for n in dir(suite) if getfixturemarker(inspect.getattr_static(suite, n)) is not None}
+    requested = set()
+    for n in dir(suite):
+        if n.startswith("test_") or n in defined:
+            fn = getattr(suite, n)
+            fn = getattr(fn, "__wrapped__", fn)
+            fn = getattr(fn, "__func__", fn)  # a class-scoped fixture written over @classmethod
+            requested |= set(inspect.signature(fn).parameters) - {"self", "cls"}
+    required = requested - defined - _PYTEST_FIXTURES - _plugin_fixtures()
+    return required, defined
+
+
+def test_every_contract_suite_is_documented_with_its_fixtures():
+    section = _testing_section()
+    rows = {line.split("|")[1].strip().strip("`"): line for line in section.splitlines() if line.startswith("| `")}
+    suites = _suites()
+    assert {"DatasetContract", "MetricSinkContract", "AdvantageEstimatorContract", "LossContract",
+            "WorkflowContract", "WeightTransportContract", "SchedulerContract", "RewardContract"} <= set(suites)  # fmt: skip
+    problems = []
+    for name, suite in sorted(suites.items()):
+        row = rows.get(name)
+        if row is None:
+            problems.append(f"{name}: no row '| `{name}` | ...' in the 'Testing your plugin' table")
+            continue
+        required, optional = _fixtures_of(suite)
+        for fixture in sorted(required | optional):
+            if f"`{fixture}`" not in row:
+                problems.append(f"{name}: fixture `{fixture}` is not in its row")
+    assert problems == [], "docs/plugin-authoring.md, 'Testing your plugin':\n" + "\n".join(problems)
+
+
+def test_every_suite_is_exported_from_areal_kernel_testing():
+    import areal_kernel.testing as testing
+
+    assert sorted(_suites()) == sorted(testing.__all__)
+    for name in testing.__all__:
+        assert getattr(testing, name) is _suites()[name]
+
+
+def test_every_pytest_plugin_fixture_is_documented():
+    section = _testing_section()
+    fixtures = _plugin_fixtures()
+    assert {"run_areal", "areal_env"} <= fixtures
+    headings = [line for line in section.splitlines() if line.startswith("#### ")]
+    missing = [f for f in sorted(fixtures) if not any(f"`{f}`" in h for h in headings)]
+    assert missing == [], f"pytest plugin fixtures without a heading in 'Testing your plugin': {missing}"

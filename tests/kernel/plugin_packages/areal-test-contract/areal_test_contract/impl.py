@@ -2,7 +2,7 @@
 deliberately broken dataset per case the kernel must report clearly."""
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from areal_kernel.errors import DataError
 
@@ -29,6 +29,8 @@ def echo_value(completion: str, answer: str, *, value: float = 0.0, tags: list[s
 
 
 class ContractDataConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # a misspelt dataset.contract_data key is an error
+
     mode: Literal[
         "list", "tuple", "list_no_id", "no_answer", "no_id", "dup_id", "not_dict", "wrong_shape", "three", "raise", "areal_error"
     ] = "list"
