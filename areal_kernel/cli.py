@@ -207,8 +207,8 @@ def cmd_check(args: argparse.Namespace) -> int:
 
     if not uses_rollout(cfg):
         raise ArealError(
-            f"'areal check' dry-runs the rollout (server, workflow, reward); the trainer algorithm.type "
-            f"{cfg.algorithm.type!r} trains without one. Use 'areal validate' for the config, or "
+            f"'areal check' dry-runs the rollout (server, workflow, reward); algorithm.type "
+            f"{cfg.algorithm.type!r} trains offline without one (its trainer declares no 'rollout'). Use 'areal validate' for the config, or "
             f"'areal train {args.config} trainer.max_steps=1' for a one-step run"
         )
     try:

@@ -7,6 +7,7 @@ validated against the model its plugin registered.
 """
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 from pydantic import ConfigDict, Field, field_validator, model_validator
@@ -192,6 +193,8 @@ class TrainerChoice(StrictModel):
             msg = str(e)
             for kind, field in (("advantage_estimator", "advantage"), ("loss", "loss")):
                 if reg.find(kind, v) is not None:
+                    # The name is right, the field is not: a near trainer name would mislead.
+                    msg = re.sub(r" Did you mean '[^']*'\?", "", msg)
                     msg += (
                         f" '{v}' is a registered {kind}: select it with algorithm.{field}: {v} "
                         "(the RL trainer is algorithm.type: grpo)."

@@ -123,7 +123,7 @@ def test_trainer_without_rollout_is_offline_for_check_and_plan(run_areal, traine
     plan = json.loads(run_areal("plan", "/dev/null", "algorithm.type=count_up", "--json", env=trainer_env).stdout)
     assert [r["role"] for r in plan["roles"]] == ["actor"]
     line = _one_error_line(run_areal("check", "/dev/null", "algorithm.type=count_up", env=trainer_env))
-    assert "algorithm.type 'count_up' trains without one" in line, line
+    assert "algorithm.type 'count_up' trains offline" in line, line
 
 
 def test_builtin_trainers_are_registered_like_a_plugins(areal_env, trainer_site, monkeypatch):

@@ -1,5 +1,6 @@
 """Each offline trainer learns (trends, never times), in-process through
-``run_training`` (the trainer registered as ``algorithm.type``) on a tiny random Llama with SmolLM2's tokenizer and
+``run_training`` (the trainer registered as ``algorithm.type``) on a tiny
+random Llama with SmolLM2's tokenizer and
 chat template, with real files read through HF ``datasets``."""
 import json
 import os
