@@ -70,6 +70,8 @@ def test_plugin_trainer_defaults_and_listing(run_areal, trainer_env, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     # No algorithm.count_up section: the config model's defaults (3 steps of 1.0 from 0).
     assert json.loads((run_dir / "result.json").read_text())["value"] == 3.0
+    schema = json.loads(run_areal("schema", env=trainer_env).stdout)
+    assert "steps" in schema["$defs"]["AlgorithmConfig"]["properties"]["count_up"]["properties"]  # for editors
     listed = json.loads(run_areal("plugins", "--json", env=trainer_env).stdout)
     rec = next(p for p in listed["plugins"] if p["name"] == "testtrainer")
     assert rec["registers"] == ["trainer:count_up"], rec
