@@ -192,9 +192,10 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config, args.overrides)
     try:
-        from areal_kernel.trainer.run import run_training
+        from areal_kernel.trainer.common import run_training
     except ImportError as e:
         raise ArealError(f"training is not available in this build: {e}") from None
+    # The trainer registered as algorithm.type (built-in or a plugin's).
     return run_training(cfg)
 
 
@@ -202,12 +203,12 @@ def cmd_check(args: argparse.Namespace) -> int:
     from areal_kernel.config import load_config
 
     cfg = load_config(args.config, args.overrides)
-    from areal_kernel.config.offline import OFFLINE_ALGORITHMS
+    from areal_kernel.trainer.common import uses_rollout
 
-    if cfg.algorithm.type in OFFLINE_ALGORITHMS:
+    if not uses_rollout(cfg):
         raise ArealError(
             f"'areal check' dry-runs the rollout (server, workflow, reward); algorithm.type "
-            f"{cfg.algorithm.type!r} trains offline without one. Use 'areal validate' for the config, or "
+            f"{cfg.algorithm.type!r} trains offline without one (its trainer declares no 'rollout'). Use 'areal validate' for the config, or "
             f"'areal train {args.config} trainer.max_steps=1' for a one-step run"
         )
     try:

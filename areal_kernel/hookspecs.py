@@ -195,6 +195,21 @@ def areal_register_model_sources(register: Register) -> None:
     """
 
 
+@hookspec
+def areal_register_trainers(register: Register) -> None:
+    """Register trainers (``algorithm.type``), e.g. ``grpo``, ``sft``, ``dpo``.
+
+    Target: a factory (usually a subclass of
+    ``areal_kernel.api.trainer.Trainer``) called as ``factory(context)``
+    with a ``TrainerContext`` (the validated config, the trainer's validated
+    ``algorithm.<name>`` settings, the run directory); it returns a
+    ``Trainer`` on which ``areal train`` calls ``setup()``, ``train()`` and
+    ``close(status)``. Capability ``rollout``: the trainer uses inference
+    servers (``areal check`` and ``areal plan`` include them). Called in the
+    controller process.
+    """
+
+
 REGISTRATION_HOOKS: dict[str, str] = {
     # registry kind -> hook name
     "train_engine": "areal_register_train_engines",
@@ -209,6 +224,7 @@ REGISTRATION_HOOKS: dict[str, str] = {
     "loss": "areal_register_losses",
     "metric_sink": "areal_register_metric_sinks",
     "model_source": "areal_register_model_sources",
+    "trainer": "areal_register_trainers",
 }
 
 # ---------------------------------------------------------------------------

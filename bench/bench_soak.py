@@ -1,7 +1,7 @@
 """Soak: the same GRPO run without faults and with inference servers killed
 at random, side by side.
 
-Each mode runs the real trainer (``areal train``'s ``Trainer``, embedded
+Each mode runs the real trainer (``areal train``'s ``RLTrainer``, embedded
 servers, disk weight updates) in its own process for ``--steps`` steps. In
 the fault mode a seeded thread sends ``SIGKILL`` to a random server's
 process group every ``--kill-every`` seconds (+-50% jitter); the supervisor
@@ -51,7 +51,8 @@ def child(args: argparse.Namespace) -> None:
     """One training run, instrumented; writes its numbers to ``args.out``."""
     from areal_kernel.config import load_config
     from areal_kernel.logging import setup_logging
-    from areal_kernel.trainer.run import Trainer
+    from areal_kernel.api.trainer import TrainerContext
+    from areal_kernel.trainer.run import RLTrainer
 
     overrides = [
         f"model.path={args.model_path}", f"run_dir={args.run_dir}", f"trainer.max_steps={args.steps}",
@@ -70,7 +71,7 @@ def child(args: argparse.Namespace) -> None:
     trained: list[int] = []
     counter = itertools.count()
 
-    class SoakTrainer(Trainer):
+    class SoakTrainer(RLTrainer):
         def setup(self) -> None:
             super().setup()
             ex, wf = self.executor, self.rollout.workflow
@@ -121,7 +122,7 @@ def child(args: argparse.Namespace) -> None:
             if self.rollout.supervisor is not None:
                 self.rollout.supervisor.max_restarts = 10**6  # the soak kills far more often than a real run fails
 
-    trainer = SoakTrainer(cfg)
+    trainer = SoakTrainer(TrainerContext.for_config(cfg))
     kills = 0
     stop_killing = threading.Event()
 

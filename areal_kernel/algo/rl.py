@@ -8,77 +8,64 @@ update). The defaults reproduce plain GRPO with the decoupled PPO loss.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Literal
+from typing import TYPE_CHECKING, Any, Callable
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from areal_kernel.algo.advantages import overlong_penalty, shape_rewards
 from areal_kernel.algo.estimators import to_token_rows
 from areal_kernel.api.engine import TrainEngine
 from areal_kernel.api.io import TrajectoryBatch
+from areal_kernel.config.models import GenerationSettings, RLSettings, rl_settings_of
 from areal_kernel.errors import ConfigError, DataError
 
+if TYPE_CHECKING:
+    from areal_kernel.config.models import ExperimentConfig
 
-class RLConfig(BaseModel):
-    """Options of the RL actor (and critic) update."""
 
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+class RLConfig(RLSettings):
+    """Options of the RL actor (and critic) update.
 
-    advantage: str = Field("grpo", description="registered advantage estimator")
-    loss: str = Field("ppo", description="registered policy loss")
-    group_size: int = Field(8, ge=1, description="samples per prompt (used by workflows to build groups)")
-    # advantages
-    adv_norm: Literal["group", "batch", "none"] | None = Field(
-        None,
-        validation_alias=AliasChoices("adv_norm", "reward_norm"),
-        description="normalisation level; None = the estimator's default",
+    The knobs and their defaults are ``RLSettings``'s, the same fields users
+    write under ``algorithm:``; ``from_config`` builds the step's options
+    from a validated config (what ``areal train`` does). The fields below
+    come from other config sections or from the registry."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=False)
+
+    max_new_tokens: int | None = Field(
+        None, ge=1, description="generation limit, rollout.gconfig.max_new_tokens (needed for overlong shaping)"
     )
-    std_normalize: bool = True
-    adv_eps: float = Field(1e-6, gt=0)
-    gamma: float = Field(1.0, ge=0, le=1)
-    lam: float = Field(1.0, ge=0, le=1)
-    reward_scale: float = 1.0
-    reward_bias: float = 0.0
-    reward_clip: float | None = Field(None, gt=0)
-    overlong_buffer_len: int | None = Field(None, ge=1, description="DAPO soft overlong punishment window (tokens)")
-    overlong_penalty_factor: float = Field(1.0, ge=0)
-    max_new_tokens: int | None = Field(None, ge=1, description="generation limit (needed for overlong shaping)")
+    temperature: float = Field(
+        GenerationSettings.model_fields["temperature"].default,
+        gt=0,
+        description="rollout.gconfig.temperature; must equal the train engine's and the sampler's temperature",
+    )
     advantage_settings: Any = Field(
         None,
         description="the estimator's settings (its registered config_model; a mapping is validated against it)",
     )
-    # policy loss
-    eps_clip: float = Field(0.2, ge=0)
-    eps_clip_high: float | None = Field(None, ge=0, description="upper clip (DAPO clip-higher); None = eps_clip")
-    dual_clip: float | None = Field(None, gt=1)
-    ratio_level: Literal["token", "sequence"] = "token"
-    behav_imp_weight_cap: float | None = Field(
-        None, gt=0, description="cap on the behaviour importance weight; None = no cap"
-    )
-    behav_imp_weight_mode: Literal["mask", "clamp"] = "mask"
-    kl_coef: float = Field(0.0, ge=0)
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    kl_in: Literal["loss", "reward"] = "loss"
-    entropy_coef: float = 0.0
-    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
     loss_settings: Any = Field(
         None, description="the loss's settings (its registered config_model; a mapping is validated against it)"
     )
-    recompute_proximal: bool = Field(
-        False, description="score the batch with the current weights as proximal policy (decoupled PPO)"
-    )
-    prox_interpolate: bool = Field(
-        False, description="approximate the proximal logprobs by version interpolation instead of recomputing"
-    )
-    ppo_n_minibatches: int = Field(1, ge=1, description="optimizer steps per batch")
-    # critic
-    value_eps_clip: float | None = Field(0.2, gt=0)
-    temperature: float = Field(1.0, gt=0, description="must equal the train engine's and the sampler's temperature")
+
+    @classmethod
+    def from_config(cls, cfg: "ExperimentConfig") -> "RLConfig":
+        """The RL step's options of a validated config: every ``algorithm``
+        knob as the user set it (or its one default), the generation limit
+        and temperature of ``rollout.gconfig``, and the validated settings of
+        the selected estimator and loss."""
+        a = cfg.algorithm
+        return cls(
+            **rl_settings_of(a),
+            max_new_tokens=cfg.rollout.gconfig.max_new_tokens,
+            temperature=cfg.rollout.gconfig.temperature,
+            advantage_settings=a.advantage_settings,
+            loss_settings=a.loss_settings,
+        )
 
     @model_validator(mode="after")
     def _checks(self) -> "RLConfig":
-        if self.recompute_proximal and self.prox_interpolate:
-            raise ValueError("recompute_proximal and prox_interpolate are alternatives; enable at most one")
         if self.overlong_buffer_len is not None and self.max_new_tokens is None:
             raise ValueError("overlong_buffer_len needs max_new_tokens (the generation limit)")
         # A registered name's settings are validated here even when left unset,

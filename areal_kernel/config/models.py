@@ -7,6 +7,7 @@ validated against the model its plugin registered.
 """
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 from pydantic import ConfigDict, Field, field_validator, model_validator
@@ -114,27 +115,30 @@ class RewardConfig(PluginSection):
     )
 
 
-class AlgorithmConfig(StrictModel):
-    """The fields below are the knobs every estimator and loss receives. An
-    estimator or loss that registered a ``config_model`` takes its own
-    settings from ``algorithm.<its name>: {...}`` (validated against that
-    model; see ``advantage_settings`` / ``loss_settings``)."""
+class RLSettings(StrictModel):
+    """The knobs of the RL actor (and critic) update: the one definition of
+    each setting and its default. ``AlgorithmConfig`` (what users write under
+    ``algorithm:``) and ``areal_kernel.algo.rl.RLConfig`` (what the RL step
+    reads) both inherit these fields; neither restates them
+    (tests/algo/test_algorithm_defaults.py keeps it that way)."""
 
-    # Extra keys are the settings sections; _settings_sections checks each.
-    model_config = ConfigDict(extra="allow", validate_assignment=True)
-
-    type: Literal["grpo", "sft", "dpo", "ipo", "rm"] = "grpo"
     advantage: str = Field("grpo", description="Registered advantage estimator.")
     loss: str = Field("ppo", description="Registered policy loss.")
     eps_clip: float = Field(0.2, gt=0)
-    eps_clip_high: float | None = Field(None, gt=0)
-    behav_imp_weight_cap: float | None = Field(5.0, gt=1)
-    recompute_proximal: bool = True
+    eps_clip_high: float | None = Field(None, gt=0, description="Upper clip (DAPO clip-higher); None = eps_clip.")
+    # Decoupled PPO: bound on the behaviour importance weight exp(prox - old).
+    behav_imp_weight_cap: float | None = Field(5.0, gt=1, description="Cap on the behaviour importance weight; None = no cap.")
+    recompute_proximal: bool = Field(
+        True,
+        description="Score each batch with the current weights as the proximal policy (a forward pass); "
+        "false: the behaviour logprobs serve as proximal policy.",
+    )
     std_normalize: bool = True
+    adv_eps: float = Field(1e-6, gt=0, description="Added to the std when normalising advantages.")
     kl_coef: float = Field(0.0, ge=0)
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     entropy_coef: float = 0.0
-    # RL knobs (areal_kernel/algo/rl.py; docs/algorithms.md explains each).
+    # areal_kernel/algo/rl.py uses them; docs/algorithms.md explains each.
     adv_norm: Literal["group", "batch", "none"] | None = Field(
         None, description="Advantage normalisation level; None = the estimator's default."
     )
@@ -155,10 +159,66 @@ class AlgorithmConfig(StrictModel):
     prox_interpolate: bool = Field(False, description="Version-interpolated proximal logprobs (no recompute pass).")
     ppo_n_minibatches: int = Field(1, ge=1, description="Optimizer steps per batch.")
     value_eps_clip: float | None = Field(0.2, gt=0, description="Critic value clipping (gae).")
+
+    @model_validator(mode="after")
+    def _rl_checks(self) -> "RLSettings":
+        if self.recompute_proximal and self.prox_interpolate:
+            raise ValueError("recompute_proximal and prox_interpolate are alternatives; set recompute_proximal: false")
+        return self
+
+
+def rl_settings_of(algorithm: RLSettings) -> dict[str, Any]:
+    """Every ``RLSettings`` field of ``algorithm`` by name (what the RL step is built from)."""
+    return {name: getattr(algorithm, name) for name in RLSettings.model_fields}
+
+
+class TrainerChoice(StrictModel):
+    """``algorithm.type``: a base of ``AlgorithmConfig`` only so that it comes
+    first in the section (and in ``config.yaml``)."""
+
+    type: str = Field("grpo", description="Registered trainer (areal plugins lists them).")
+
+    @field_validator("type")
+    @classmethod
+    def _trainer_registered(cls, v: str) -> str:
+        from areal_kernel.errors import PluginLoadError, PluginNotFoundError
+        from areal_kernel.plugins.registry import get_registry
+
+        reg = get_registry()
+        try:
+            reg.get("trainer", v, platform="")
+        except (PluginNotFoundError, PluginLoadError) as e:
+            # The registry's message lists the registered trainers and, for a
+            # known plugin's name, the pip install that provides it.
+            msg = str(e)
+            for kind, field in (("advantage_estimator", "advantage"), ("loss", "loss")):
+                if reg.find(kind, v) is not None:
+                    # The name is right, the field is not: a near trainer name would mislead.
+                    msg = re.sub(r" Did you mean '[^']*'\?", "", msg)
+                    msg += (
+                        f" '{v}' is a registered {kind}: select it with algorithm.{field}: {v} "
+                        "(the RL trainer is algorithm.type: grpo)."
+                    )
+            raise ValueError(msg) from None
+        return v
+
+
+class AlgorithmConfig(RLSettings, TrainerChoice):
+    """``type`` selects the trainer (a registered name, see ``areal plugins``;
+    built in: ``grpo`` for the asynchronous RL loop, ``sft``, ``dpo``,
+    ``ipo``, ``rm``). The RL knobs (``RLSettings``) are what every estimator
+    and loss receives. An estimator, loss or trainer that registered a
+    ``config_model`` takes its own settings from ``algorithm.<its name>:
+    {...}`` (validated against that model; see ``advantage_settings`` /
+    ``loss_settings`` / ``trainer_settings``)."""
+
+    # Extra keys are the settings sections; _settings_sections checks each.
+    model_config = ConfigDict(extra="allow", validate_assignment=True)
+
     critic_lr: float | None = Field(None, gt=0, description="Critic learning rate; None = the actor's.")
     dynamic_filter: bool = Field(True, description="Drop groups whose rewards are all equal.")
     filter_retry_budget: int = Field(4, ge=0, description="Extra groups per batch slot before accepting unfiltered.")
-    # Offline trainers (no inference server); see areal_kernel/config/offline.py.
+    # The built-in offline trainers' settings (no inference server); see areal_kernel/config/offline.py.
     sft: SFTConfig = Field(default_factory=SFTConfig)
     dpo: DPOConfig = Field(default_factory=DPOConfig, description="Used by type dpo and ipo.")
     rm: RMConfig = Field(default_factory=RMConfig)
@@ -174,12 +234,6 @@ class AlgorithmConfig(StrictModel):
             names = ", ".join(sorted(s.name for s in reg.specs(kind)))
             raise ValueError(f"no {kind} named {v!r} is registered; registered: {names}")
         return v
-
-    @model_validator(mode="after")
-    def _rl_checks(self) -> "AlgorithmConfig":
-        if self.recompute_proximal and self.prox_interpolate:
-            raise ValueError("recompute_proximal and prox_interpolate are alternatives; set recompute_proximal: false")
-        return self
 
     @model_validator(mode="before")
     @classmethod
@@ -201,16 +255,23 @@ class AlgorithmConfig(StrictModel):
         from areal_kernel.algo.losses import LOSS_KEYWORDS
 
         extras = self.__pydantic_extra__ if self.__pydantic_extra__ is not None else {}
-        selected = {"advantage_estimator": self.advantage, "loss": self.loss}
+        selected = {"advantage_estimator": self.advantage, "loss": self.loss, "trainer": self.type}
         for key in list(extras):
             if key not in selected.values():
                 raise unknown_section_error(
                     "algorithm", key, [*type(self).model_fields, *sorted(set(selected.values()))],
-                    f"a settings section is named after the selected advantage '{self.advantage}' or loss '{self.loss}'",
+                    f"a settings section is named after the selected advantage '{self.advantage}' or loss "
+                    f"'{self.loss}', or the trainer '{self.type}' (algorithm.type)",
                 )
+        from areal_kernel.plugins.registry import get_registry
+
+        reg = get_registry()
+        has_model = {k: reg.get(k, n, platform="").config_model_cls() is not None for k, n in selected.items()}
         validated: dict[str, Any] = {}
         for kind, name in selected.items():
             where = f"algorithm.{name}"
+            if not has_model[kind] and any(has_model[k] for k, n in selected.items() if n == name):
+                continue  # the section belongs to the same-named factory that declares settings
             settings = validate_settings(where, kind, name, extras.get(name))
             if settings is None:
                 continue
@@ -218,9 +279,12 @@ class AlgorithmConfig(StrictModel):
                 raise ConfigError(f"{where}: {kind} '{name}' declares settings, but '{name}' is an algorithm key")
             if name in validated:
                 raise ConfigError(
-                    f"{where}: the advantage estimator and the loss are both '{name}' and both declare settings; "
-                    "one section cannot hold both"
+                    f"{where}: more than one of the selected advantage estimator, loss and trainer is named "
+                    f"'{name}' and declares settings; one section cannot hold both"
                 )
+            if kind == "trainer":
+                validated[name] = settings
+                continue
             reserved = ESTIMATOR_KEYWORDS if kind == "advantage_estimator" else LOSS_KEYWORDS
             clash = sorted(set(type(settings).model_fields) & set(reserved))
             if clash:
@@ -231,10 +295,11 @@ class AlgorithmConfig(StrictModel):
                 )
             validated[name] = settings
         for key in list(extras):
-            if key in validated:
-                extras[key] = validated[key]
-            elif not extras[key]:
+            if key not in validated and not extras[key]:
                 del extras[key]  # an empty section of a factory without settings
+        # Every selected factory with a config_model gets its validated settings,
+        # defaults included when the user wrote no section (as the plugin sections do).
+        extras.update(validated)
         return self
 
     @property
@@ -246,6 +311,11 @@ class AlgorithmConfig(StrictModel):
     def loss_settings(self) -> Any:
         """The loss's validated ``algorithm.<loss>`` settings (``None`` without a config_model)."""
         return self._settings_for("loss", self.loss)
+
+    @property
+    def trainer_settings(self) -> Any:
+        """The trainer's validated ``algorithm.<type>`` settings (``None`` without a config_model)."""
+        return self._settings_for("trainer", self.type)
 
     def _settings_for(self, kind: str, name: str) -> Any:
         from pydantic import BaseModel

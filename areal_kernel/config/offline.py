@@ -12,10 +12,6 @@ from pydantic import Field
 
 from areal_kernel.config.sections import StrictModel
 
-# ``algorithm.type`` values handled by the offline trainers (no rollout).
-OFFLINE_ALGORITHMS = ("sft", "dpo", "ipo", "rm")
-
-
 class ChatFormatConfig(StrictModel):
     """How records become token sequences (shared by the three trainers)."""
 

@@ -186,7 +186,7 @@ class Registry:
         close = difflib.get_close_matches(name, available, n=1)
         if close:
             parts.append(f"Did you mean '{close[0]}'?")
-        hint = install_hint(name)
+        hint = install_hint(name, kind)
         if hint:
             parts.append(hint + ".")
         if self.failed_plugins:

@@ -56,6 +56,7 @@ def make_plan(cfg: ExperimentConfig) -> dict[str, Any]:
 
 
 def _offline(cfg: ExperimentConfig) -> bool:
-    from areal_kernel.config.offline import OFFLINE_ALGORITHMS
+    """The selected trainer runs no inference servers (no ``rollout`` capability)."""
+    from areal_kernel.trainer.common import uses_rollout
 
-    return cfg.algorithm.type in OFFLINE_ALGORITHMS
+    return not uses_rollout(cfg)

@@ -229,7 +229,7 @@ class MetricSinkContract:
         )
 
     def _sinks(self, name: str, settings: dict, run_dir: str) -> Any:
-        from areal_kernel.trainer.run import make_sinks, write_run_config
+        from areal_kernel.trainer.common import make_sinks, write_run_config
 
         cfg = _config({"logging": {"sinks": [name], **({name: settings} if settings else {})}})
         # As `areal train`: the run directory and its config.yaml exist before any sink is built.

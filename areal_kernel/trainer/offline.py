@@ -4,10 +4,12 @@ No inference server and no rollout: records are encoded once, batches are
 drawn in a seeded order epoch after epoch (``RecordStream``), and each step is
 one ``TrainEngine.train_batch`` call under the loss contract. Run directory,
 ``config.yaml``, metric sinks, plugin hooks, HF checkpoints (``step<N>`` and
-``final``) and ``result.json`` are the RL trainer's (``trainer/run.py``).
+``final``) and ``result.json`` are shared with the RL trainer
+(``trainer/common.py``).
 
 Subclasses (``trainer/sft.py``, ``preference.py``, ``reward_model.py``)
-define ``encode``, ``train_step`` and ``evaluate``.
+define ``encode``, ``train_step`` and ``evaluate``; each is registered as a
+trainer (``areal_kernel.builtin``), and so can a plugin's subclass be.
 """
 from __future__ import annotations
 
@@ -17,30 +19,23 @@ from typing import Any
 
 from areal_kernel.api.engine import TrainEngine
 from areal_kernel.api.io import FinetuneSpec
-from areal_kernel.config.models import ExperimentConfig
-from areal_kernel.errors import ArealError, ConfigError, DataError
+from areal_kernel.api.trainer import Trainer, TrainerContext
+from areal_kernel.errors import ConfigError, DataError
 from areal_kernel.logging import get_logger
 from areal_kernel.plugins import get_plugin_manager
+from areal_kernel.trainer.common import RecordStream, make_sinks, save_hf_checkpoint, write_run_config
 from areal_kernel.trainer.components import build_train_engine, load_data, load_tokenizer, resolve_model_dir
-from areal_kernel.trainer.run import (
-    RecordStream,
-    make_sinks,
-    run_trainer,
-    save_hf_checkpoint,
-    write_run_config,
-)
 
 log = get_logger(__name__)
 
 
-class OfflineTrainer:
+class OfflineTrainer(Trainer):
     """Shared loop; ``headline`` names the eval metric printed before/after."""
 
     headline = ("eval/loss", "held-out loss")
 
-    def __init__(self, cfg: ExperimentConfig) -> None:
-        self.cfg = cfg
-        self.run_dir = cfg.resolved_run_dir()
+    def __init__(self, context: TrainerContext) -> None:
+        super().__init__(context)
         self.hook = get_plugin_manager().hook
         self.engine: TrainEngine | None = None
         self.sinks: list[Any] = []
@@ -175,23 +170,3 @@ class OfflineTrainer:
 
     def engines(self) -> list[TrainEngine]:
         return [e for e in (self.engine,) if e is not None]
-
-
-def trainer_class(algorithm: str) -> type[OfflineTrainer]:
-    if algorithm == "sft":
-        from areal_kernel.trainer.sft import SFTTrainer
-
-        return SFTTrainer
-    if algorithm in ("dpo", "ipo"):
-        from areal_kernel.trainer.preference import PreferenceTrainer
-
-        return PreferenceTrainer
-    if algorithm == "rm":
-        from areal_kernel.trainer.reward_model import RewardModelTrainer
-
-        return RewardModelTrainer
-    raise ArealError(f"algorithm.type {algorithm!r} is not an offline algorithm")
-
-
-def run_offline_training(cfg: ExperimentConfig) -> int:
-    return run_trainer(trainer_class(cfg.algorithm.type), cfg)

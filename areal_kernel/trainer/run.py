@@ -1,4 +1,4 @@
-"""``areal train``: the single-controller loop.
+"""The asynchronous RL trainer (``algorithm.type: grpo``): the single-controller loop.
 
 dataset -> executor(workflow -> inference servers -> reward) -> batch ->
 train engine -> weight transport -> inference servers, with generation
@@ -6,22 +6,20 @@ running ahead of training by at most ``rollout.max_staleness`` versions.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import random
 import time
 from typing import Any
 
-import yaml
-
 from areal_kernel.api.engine import TrainEngine
 from areal_kernel.api.io import FinetuneSpec, TrajectoryBatch
+from areal_kernel.api.trainer import Trainer, TrainerContext
 from areal_kernel.config.models import ExperimentConfig
 from areal_kernel.errors import ArealError, ConfigError
-from areal_kernel.logging import get_logger, setup_logging
+from areal_kernel.logging import get_logger
 from areal_kernel.plugins import get_plugin_manager, get_registry
 from areal_kernel.rollout.executor import RolloutExecutor, staleness_histogram, zero_variance
+from areal_kernel.trainer.common import RecordStream, make_sinks, save_hf_checkpoint, write_run_config
 from areal_kernel.trainer.components import (
     Rollout,
     build_train_engine,
@@ -44,52 +42,6 @@ from areal_kernel.trainer.recovery import (
 log = get_logger(__name__)
 
 
-class RecordStream:
-    """Training records in a seeded order, epoch after epoch (``None`` at the end).
-
-    With ``tag=True`` each record handed out is a copy carrying
-    ``_sample_uid`` (``e<epoch>-<index>``: the same record in the same epoch
-    of any run with this seed) and ``_sample_seed`` (what workflows seed
-    sampling from, see ``GenerationConfig.seed``)."""
-
-    def __init__(self, records: list[dict], epochs: int, seed: int, shuffle: bool, tag: bool = False) -> None:
-        self.records = records
-        self.epochs = epochs
-        self.seed = seed
-        self.shuffle = shuffle
-        self.tag = tag
-        self.position = 0  # records handed out so far (for recovery and stats)
-        self._it = self._iterate()
-
-    def _iterate(self):
-        for epoch in range(self.epochs):
-            order = list(range(len(self.records)))
-            if self.shuffle:
-                random.Random(self.seed * 1000003 + epoch).shuffle(order)
-            for i in order:
-                yield epoch, i, self.records[i]
-
-    def __call__(self) -> dict | None:
-        item = next(self._it, None)
-        if item is None:
-            return None
-        self.position += 1
-        epoch, i, rec = item
-        if self.tag and isinstance(rec, dict):
-            digest = hashlib.sha256(f"{self.seed}:{epoch}:{i}".encode()).digest()
-            rec = {**rec, "_sample_uid": f"e{epoch}-{i}", "_sample_seed": int.from_bytes(digest[:8], "little") >> 1}
-        return rec
-
-    def skip_to(self, position: int) -> None:
-        """Continue after the first ``position`` records (a resumed run)."""
-        if self.position:
-            raise RuntimeError("RecordStream.skip_to() must be called before any record is taken")
-        for _ in range(position):
-            if next(self._it, None) is None:
-                break
-            self.position += 1
-
-
 def needs_critic(cfg: ExperimentConfig) -> bool:
     """Whether the run trains a critic: the advantage estimator declares
     ``needs_values``. Then the actor's train engine must declare ``critic``
@@ -109,82 +61,6 @@ def needs_critic(cfg: ExperimentConfig) -> bool:
             f"train engines that do: {with_critic or 'none installed'}"
         )
     return True
-
-
-def make_sinks(cfg: ExperimentConfig, run_dir: str, total_steps: int) -> list[Any]:
-    """The metric sinks named in ``logging.sinks`` (shared by every trainer),
-    each built as ``Sink(run_dir, total_steps=..., **settings)`` with its
-    validated ``logging.<name>`` settings (docs/plugin-authoring.md, Metric sinks)."""
-    from areal_kernel.config.sections import settings_kwargs
-
-    sinks = []
-    for name in cfg.logging.sinks:
-        cls = get_registry().get("metric_sink", name).load()
-        sinks.append(cls(run_dir, total_steps=total_steps, **settings_kwargs(cfg.logging.sink_settings(name))))
-    return sinks
-
-
-def write_run_config(cfg: ExperimentConfig, run_dir: str) -> None:
-    os.makedirs(run_dir, exist_ok=True)
-    with open(os.path.join(run_dir, "config.yaml"), "w", encoding="utf-8") as f:
-        yaml.safe_dump(cfg.dump(), f, sort_keys=False)
-
-
-def save_hf_checkpoint(engine: TrainEngine, run_dir: str, tag: str, keep_last: int, step: int) -> str:
-    """``engine.save_hf`` into ``<run_dir>/checkpoints/<tag>``, keeping the
-    newest ``keep_last`` ``step<N>`` directories; fires ``areal_on_checkpoint``."""
-    import shutil
-
-    root = os.path.join(run_dir, "checkpoints")
-    path = os.path.join(root, tag)
-    engine.save_hf(path)
-    steps = sorted(
-        (d for d in os.listdir(root) if d.startswith("step") and d[4:].isdigit()), key=lambda d: int(d[4:])
-    )
-    for old in steps[:-keep_last] if len(steps) > keep_last else []:
-        shutil.rmtree(os.path.join(root, old), ignore_errors=True)
-    get_plugin_manager().hook.areal_on_checkpoint(step=step, path=path)
-    return path
-
-
-def _grpo_config(cfg: ExperimentConfig) -> Any:
-    """The RL step's options from ``algorithm`` (GRPO with the defaults)."""
-    from areal_kernel.algo.rl import RLConfig
-
-    a = cfg.algorithm
-    return RLConfig(
-        advantage=a.advantage,
-        loss=a.loss,
-        group_size=cfg.rollout.gconfig.n_samples,
-        adv_norm=a.adv_norm,
-        std_normalize=a.std_normalize,
-        gamma=a.gamma,
-        lam=a.lam,
-        reward_scale=a.reward_scale,
-        reward_bias=a.reward_bias,
-        reward_clip=a.reward_clip,
-        overlong_buffer_len=a.overlong_buffer_len,
-        overlong_penalty_factor=a.overlong_penalty_factor,
-        max_new_tokens=cfg.rollout.gconfig.max_new_tokens,
-        advantage_settings=a.advantage_settings,
-        eps_clip=a.eps_clip,
-        eps_clip_high=a.eps_clip_high,
-        dual_clip=a.dual_clip,
-        ratio_level=a.ratio_level,
-        behav_imp_weight_cap=a.behav_imp_weight_cap,
-        behav_imp_weight_mode=a.behav_imp_weight_mode,
-        kl_coef=a.kl_coef,
-        kl_estimator=a.kl_estimator,
-        kl_in=a.kl_in,
-        entropy_coef=a.entropy_coef,
-        loss_agg=a.loss_agg,
-        loss_settings=a.loss_settings,
-        recompute_proximal=a.recompute_proximal,
-        prox_interpolate=a.prox_interpolate,
-        ppo_n_minibatches=a.ppo_n_minibatches,
-        value_eps_clip=a.value_eps_clip,
-        temperature=cfg.rollout.gconfig.temperature,
-    )
 
 
 def _keep_group(rl_cfg: Any) -> Any:
@@ -216,10 +92,14 @@ def _batch_metrics(batch: TrajectoryBatch, version: int) -> dict[str, float]:
     }
 
 
-class Trainer:
-    def __init__(self, cfg: ExperimentConfig) -> None:
-        self.cfg = cfg
-        self.run_dir = cfg.resolved_run_dir()
+class RLTrainer(Trainer):
+    """``algorithm.type: grpo``: rollout on inference servers and training at
+    the same time (every RL algorithm of docs/algorithms.md is a choice of
+    ``algorithm.advantage`` / ``algorithm.loss`` and knobs under it)."""
+
+    def __init__(self, context: TrainerContext) -> None:
+        super().__init__(context)
+        cfg = self.cfg
         self.hook = get_plugin_manager().hook
         self.rollout: Rollout | None = None
         self.train_engine: TrainEngine | None = None
@@ -279,7 +159,9 @@ class Trainer:
         if engine_cfg is not None and hasattr(engine_cfg, "temperature"):
             # Logprob ratios must compare the distribution the sampler used.
             engine_cfg = engine_cfg.model_copy(update={"temperature": cfg.rollout.gconfig.temperature})
-        self.rl_cfg = _grpo_config(cfg)
+        from areal_kernel.algo.rl import RLConfig
+
+        self.rl_cfg = RLConfig.from_config(cfg)
         self.estimator = reg.get("advantage_estimator", cfg.algorithm.advantage, platform="").load()
         self.loss = reg.get("loss", cfg.algorithm.loss, platform="").load()
         # Each batch takes ppo_n_minibatches optimizer steps: the lr schedule counts them all.
@@ -553,59 +435,5 @@ class Trainer:
         if self.samples_log is not None:
             self.samples_log.close()
         self.hook.areal_on_run_end(status=status, run_dir=self.run_dir)
-
-
-def _raise_on_sigterm() -> None:
-    """Turn SIGTERM into an exception so servers and workers are stopped."""
-    import signal
-    import threading
-
-    if threading.current_thread() is not threading.main_thread():
-        return
-
-    def handler(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    signal.signal(signal.SIGTERM, handler)
-
-
-def run_training(cfg: ExperimentConfig) -> int:
-    from areal_kernel.config.offline import OFFLINE_ALGORITHMS
-
-    if cfg.algorithm.type in OFFLINE_ALGORITHMS:
-        # SFT / DPO / IPO / RM: no inference server, see trainer/offline.py.
-        from areal_kernel.trainer.offline import run_offline_training
-
-        return run_offline_training(cfg)
-    return run_trainer(Trainer, cfg)
-
-
-def run_trainer(trainer_cls: Any, cfg: ExperimentConfig) -> int:
-    """Set up logging and SIGTERM handling, run ``trainer_cls(cfg)`` (setup,
-    train, ``result.json``) and always close it with the final status. Shared
-    by the RL loop and the offline trainers."""
-    import json
-
-    from areal_kernel.plugins.blame import plugin_failures_reported
-
-    setup_logging(level=cfg.logging.level, json_logs=cfg.logging.json_logs)
-    _raise_on_sigterm()
-    # A plain exception from plugin code (a dataset, a sink, a hook, ...) ends
-    # as one line naming the plugin; its traceback goes to <run_dir>/error.log.
-    with plugin_failures_reported(cfg.resolved_run_dir()):
-        trainer = trainer_cls(cfg)
-        status = "failed"
-        try:
-            trainer.setup()
-            result = trainer.train()
-            status = "completed"
-            with open(os.path.join(trainer.run_dir, "result.json"), "w", encoding="utf-8") as f:
-                json.dump(result, f, indent=2)
-            return 0
-        except KeyboardInterrupt:
-            status = "interrupted"
-            raise
-        finally:
-            trainer.close(status)
 
 

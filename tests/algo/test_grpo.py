@@ -52,7 +52,7 @@ def sample_groups(engine, n_prompts: int, group_size: int, new_tokens: int, gen:
 def test_grpo_raises_toy_reward(tiny_llama_dir):
     engine = TorchTrainEngine({"lr": 2e-2, "max_tokens_per_mb": 512, "seed": 0})
     engine.initialize(tiny_llama_dir, 12)
-    cfg = GRPOConfig(group_size=8, eps_clip=0.2)
+    cfg = GRPOConfig(eps_clip=0.2)
     gen = torch.Generator().manual_seed(0)
     rewards = []
     for step in range(12):
@@ -86,9 +86,9 @@ def _fixed_batch() -> TrajectoryBatch:
 def test_sequence_advantages_follow_reward_norm():
     batch = _fixed_batch()
     assert sequence_advantages(batch, GRPOConfig()) == pytest.approx([1.0, -1.0, 0.0, 0.0], abs=1e-5)
-    assert sequence_advantages(batch, GRPOConfig(reward_norm="none")) == [1.0, 0.0, 0.5, 0.5]
+    assert sequence_advantages(batch, GRPOConfig(adv_norm="none")) == [1.0, 0.0, 0.5, 0.5]
     # batch: mean 0.5, population std sqrt(0.125)
-    assert sequence_advantages(batch, GRPOConfig(reward_norm="batch", std_normalize=False)) == pytest.approx(
+    assert sequence_advantages(batch, GRPOConfig(adv_norm="batch", std_normalize=False)) == pytest.approx(
         [0.5, -0.5, 0.0, 0.0]
     )
 

@@ -30,7 +30,7 @@ def test_plugin_estimator_and_loss_selected_by_config(with_algo_plugin, tiny_lla
     from areal_kernel.config.loader import load_config
     from areal_kernel.engine.torch_engine import TorchTrainEngine
     from areal_kernel.plugins import get_registry
-    from areal_kernel.trainer.run import _grpo_config
+    from areal_kernel.algo.rl import RLConfig
 
     reg = get_registry()
     assert reg.get("advantage_estimator", "sign", platform="").plugin == "testalgo"
@@ -41,7 +41,7 @@ def test_plugin_estimator_and_loss_selected_by_config(with_algo_plugin, tiny_lla
         ["algorithm.advantage=sign", "algorithm.loss=vanilla_pg", "algorithm.sign={scale: 2.0}",
          "algorithm.vanilla_pg={pg_coef: 0.5}", "rollout.gconfig.temperature=1.0"],
     )  # fmt: skip
-    rl_cfg = _grpo_config(cfg)
+    rl_cfg = RLConfig.from_config(cfg)
     engine = TorchTrainEngine({"lr": 1e-3, "seed": 0})
     engine.initialize(tiny_llama_dir, 4)
     before = engine.model.lm_head.weight.detach().clone()
@@ -70,13 +70,12 @@ def test_plugin_settings_are_typed_and_arrive_with_the_models_defaults(with_algo
     the validated values (defaults included) arrive as keywords."""
     from areal_kernel.algo.rl import RLConfig, compute_advantages, loss_options
     from areal_kernel.config.loader import load_config
-    from areal_kernel.trainer.run import _grpo_config
 
     base = ["algorithm.advantage=sign", "algorithm.loss=vanilla_pg"]
     cfg = load_config(str(REPO / "examples" / "grpo_arithmetic.yaml"), [*base, "algorithm.sign={scale: '3'}"])
     assert type(cfg.algorithm.advantage_settings).__name__ == "SignSettings"
     assert cfg.algorithm.advantage_settings.scale == 3.0  # coerced by the plugin's model
-    rl_cfg = _grpo_config(cfg)
+    rl_cfg = RLConfig.from_config(cfg)
     assert loss_options(rl_cfg)["pg_coef"] == 1.0  # the model's default: the function has none
     adv, _ = compute_advantages(_fixed_batch(), rl_cfg)
     assert max(abs(a) for row in adv for a in row) == pytest.approx(3.0)

@@ -48,7 +48,7 @@ def test_interpolated_prox_equals_recompute_for_one_step(tiny_llama_dir):
     every token, i.e. exactly the recomputed proximal policy, without the pass."""
     batch = _fixed_batch()
     a = rl_train_step(batch, _engine(tiny_llama_dir), RLConfig(recompute_proximal=True, behav_imp_weight_cap=5.0))
-    b = rl_train_step(batch, _engine(tiny_llama_dir), RLConfig(prox_interpolate=True, behav_imp_weight_cap=5.0))
+    b = rl_train_step(batch, _engine(tiny_llama_dir), RLConfig(recompute_proximal=False, prox_interpolate=True, behav_imp_weight_cap=5.0))
     for key in ("loss", "importance_weight", "behav_imp_weight", "behav_masked_frac", "grad_norm"):
         assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), key
     assert b["importance_weight"] == pytest.approx(1.0)
@@ -57,7 +57,7 @@ def test_interpolated_prox_equals_recompute_for_one_step(tiny_llama_dir):
 def test_minibatches_take_several_optimizer_steps(tiny_llama_dir):
     engine = _engine(tiny_llama_dir)
     engine.set_version(3)
-    stats = rl_train_step(_fixed_batch(), engine, RLConfig(prox_interpolate=True, ppo_n_minibatches=2))
+    stats = rl_train_step(_fixed_batch(), engine, RLConfig(recompute_proximal=False, prox_interpolate=True, ppo_n_minibatches=2))
     assert engine.step == 2
     assert stats["skipped"] == 0 and stats["n_seqs"] == 2  # averaged over the two minibatches of 2
     with pytest.raises(ConfigError, match="ppo_n_minibatches"):

@@ -244,6 +244,9 @@ CASES: list[Case] = [
          ("rollout.embedded.port", "already in use", "leave it unset")),
     Case("existing-run-bad-data", "`areal train` into a run dir holding a checkpoint and metrics, with a missing dataset",
          _existing_run, ("gone.jsonl", "does not exist")),
+    Case("algorithm-type-unknown", "`algorithm.type` naming no registered trainer (a loss's name)",
+         _v("algorithm.type=ppo"), ("algorithm.type", "no trainer named 'ppo'", "Available: dpo, grpo, ipo, rm, sft",
+                                    "algorithm.loss: ppo")),
 ]
 
 

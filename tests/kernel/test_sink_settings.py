@@ -42,7 +42,7 @@ def recorder_registered(areal_env):
 
 def test_sink_settings_are_validated_and_reach_the_constructor(recorder_registered, tmp_path):
     from areal_kernel.config.loader import load_config
-    from areal_kernel.trainer.run import make_sinks
+    from areal_kernel.trainer.common import make_sinks
 
     cfg = load_config(EXAMPLE, ["logging.sinks=[jsonl, recorder]", "logging.recorder={prefix: x, every: '3'}"])
     assert cfg.logging.sink_settings("recorder") == RecorderSettings(prefix="x", every=3)

@@ -1,5 +1,6 @@
 """Each offline trainer learns (trends, never times), in-process through
-``run_offline_training`` on a tiny random Llama with SmolLM2's tokenizer and
+``run_training`` (the trainer registered as ``algorithm.type``) on a tiny
+random Llama with SmolLM2's tokenizer and
 chat template, with real files read through HF ``datasets``."""
 import json
 import os
@@ -9,7 +10,7 @@ import pytest
 from offline_paths import EXAMPLES
 
 from areal_kernel.config import load_config
-from areal_kernel.trainer.offline import run_offline_training
+from areal_kernel.trainer.common import run_training
 
 pytestmark = pytest.mark.slow
 
@@ -48,7 +49,7 @@ def run(example, model, run_dir, *overrides):
         os.path.join(EXAMPLES, example),
         [f"model.path={model}", f"run_dir={run_dir}", "logging.sinks=[jsonl]", *overrides],
     )
-    assert run_offline_training(cfg) == 0
+    assert run_training(cfg) == 0
     with open(os.path.join(run_dir, "result.json")) as f:
         result = json.load(f)
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
