@@ -66,7 +66,7 @@ def test_devices_go_through_the_platform_visible_devices_variable(monkeypatch, t
 
     monkeypatch.setattr(platforms, "current_platform", lambda: CudaPlatform())
     lau = SGLangLauncher(SGLangServerConfig(extra_env={"X": "1"}), run_dir=str(tmp_path))
-    env = lau._env([2, 3])
+    env = lau.environment(0, 1, [2, 3])
     assert env["CUDA_VISIBLE_DEVICES"] == "2,3" and env["X"] == "1"
 
 
