@@ -71,9 +71,12 @@ def areal_register_train_engines(register: Register) -> None:
 def areal_register_inference_engines(register: Register) -> None:
     """Register inference backends (``rollout.backend``), e.g. ``embedded``, ``vllm``.
 
-    Target: a backend object exposing ``launcher`` (a ``ServerLauncher``
-    factory) and ``protocol`` (the HTTP wire format the kernel's remote
-    client speaks). Called once per process on first registry use.
+    Target: an ``areal_kernel.inference.backend.InferenceBackend`` subclass,
+    built as ``Backend(config)`` in the controller; the kernel calls
+    ``launch(model_dir, device_plan, run_dir) -> addresses``,
+    ``make_client(addresses) -> RemoteInferenceEngine`` and ``stop()``, and
+    restarts dead servers through its ``launcher`` (a ``SubprocessLauncher``).
+    Called once per process on first registry use.
     """
 
 

@@ -60,6 +60,13 @@ class RolloutConfig(PluginSection):
     request_timeout_s: float = Field(600.0, gt=0)
     request_retries: int = Field(3, ge=0)
     schedule_policy: Literal["round_robin", "least_loaded"] = "least_loaded"
+    client_keepalive_s: float = Field(
+        4.0,
+        gt=0,
+        description="How long the client keeps an idle pooled connection to a server. Keep it below the "
+        "servers' own keep-alive (vLLM and SGLang: 5 s; embedded: rollout.embedded.keepalive_s, 75 s): a "
+        "connection the server closed first costs a resend.",
+    )
     restart_servers: bool = Field(
         True,
         description="Restart an inference server whose process dies, on the same address with the current "

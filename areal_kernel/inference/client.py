@@ -2,6 +2,11 @@
 
 - Connection pool: one aiohttp session per event loop (generation), plain
   HTTP from a thread pool for control calls made by the controller thread.
+  Pooled connections are kept ``keepalive_s`` (shorter than the servers'
+  own keep-alive). A request that fails on a pooled connection before any
+  reply (the server had closed it while it sat idle) is sent again at once
+  on a fresh connection: that is not a server failure (no failover, no
+  health probe, no wait); ``stats["stale_connection_retries"]`` counts them.
 - Scheduling: least-loaded or round-robin over healthy servers; a request's
   continuation prefers the server that produced its prefix (affinity).
 - Failover: a server that refuses or drops a connection is marked down; the
@@ -13,6 +18,10 @@
 - Interruption: while paused (weight update), aborted generations wait and
   then resume from their partial output; every token is stamped with the
   weight version that produced it.
+
+Backends extend it through their ``ServerProtocol`` (see ``wire``): control
+operations are ``HttpCall`` sequences, run on one server with ``control``,
+on all of them with ``control_all`` (or ``control_async`` for collectives).
 """
 from __future__ import annotations
 
@@ -25,12 +34,12 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, Union
 
 from areal_kernel.api.engine import InferenceEngine, WeightUpdateMeta
 from areal_kernel.api.io import ModelRequest, ModelResponse, StopReason
 from areal_kernel.errors import ServerError
-from areal_kernel.inference.wire import HttpCall, ServerProtocol
+from areal_kernel.inference.wire import ControlOp, HttpCall, ServerProtocol, control_calls
 from areal_kernel.logging import get_logger
 
 log = get_logger(__name__)
@@ -44,12 +53,31 @@ class CannotResync(ServerError):
     """A restarted server cannot be given the current weights (no retry helps)."""
 
 
-class _Unreachable(ServerError):
+class ServerUnreachable(ServerError):
     """A control call that found no (ready) server: refused, reset, or 503 while loading."""
 
 
+# The operation to run on every server: one for all, or built per server address.
+OpForServer = Union[ControlOp, Callable[[str], ControlOp]]
+
+DEFAULT_KEEPALIVE_S = 4.0  # below the 5 s of uvicorn (vLLM, SGLang) and aiohttp's 75 s (embedded)
+
+
+def client_options(rollout: Any) -> dict[str, Any]:
+    """The ``RemoteInferenceEngine`` keywords a ``rollout`` config section sets
+    (timeouts, retries, scheduling, keep-alive), for a backend's ``make_client``."""
+    return {
+        "request_timeout_s": rollout.request_timeout_s,
+        "retries": rollout.request_retries,
+        "schedule_policy": rollout.schedule_policy,
+        "keepalive_s": getattr(rollout, "client_keepalive_s", DEFAULT_KEEPALIVE_S),
+    }
+
+
 @dataclass
-class _Server:
+class ServerEndpoint:
+    """One server as the client tracks it."""
+
     address: str
     inflight: int = 0
     down_until: float = 0.0
@@ -77,16 +105,20 @@ class RemoteInferenceEngine(InferenceEngine):
         admin_token: str | None = None,
         control_timeout_s: float = 600.0,
         down_probe_s: float = 5.0,
+        keepalive_s: float = DEFAULT_KEEPALIVE_S,
     ) -> None:
         if not addresses:
             raise ServerError("no inference server addresses given")
-        self.servers = [_Server(a) for a in addresses]
+        if keepalive_s <= 0:
+            raise ServerError(f"keepalive_s must be > 0, got {keepalive_s}")
+        self.servers = [ServerEndpoint(a) for a in addresses]
         self.protocol = protocol
         self.request_timeout_s = request_timeout_s
         self.retries = retries
         self.schedule_policy = schedule_policy
         self.control_timeout_s = control_timeout_s
         self.down_probe_s = down_probe_s
+        self.keepalive_s = keepalive_s
         self._headers = {"Content-Type": "application/json"}
         if admin_token:
             self._headers["Authorization"] = f"Bearer {admin_token}"
@@ -95,8 +127,10 @@ class RemoteInferenceEngine(InferenceEngine):
         self._running.set()
         self._rr = itertools.count()
         self._sessions: dict[int, Any] = {}
+        self._fresh_sessions: dict[int, Any] = {}  # no pooling: for a retry after a stale pooled connection
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(4, 2 * len(addresses)), thread_name_prefix="areal-ctl")
-        self.stats = {"requests": 0, "interruptions": 0, "failovers": 0, "retries": 0, "resyncs": 0}
+        self.stats = {"requests": 0, "interruptions": 0, "failovers": 0, "retries": 0, "resyncs": 0,
+                      "stale_connection_retries": 0}
         # Restart support: the weights every server must carry (the last disk
         # update), serialised with updates so a restarted server never loads a
         # directory the transport is about to delete.
@@ -123,62 +157,75 @@ class RemoteInferenceEngine(InferenceEngine):
     def pause(self) -> None:
         """Abort running generations (they return partial output and wait here)."""
         self._running.clear()
-        self._control_all(lambda s: self.protocol.pause("abort"))
+        self.control_all(lambda a: self.protocol.pause("abort"))
 
     def resume(self) -> None:
-        self._control_all(lambda s: self.protocol.resume())
+        self.control_all(lambda a: self.protocol.resume())
         self._running.set()
 
     # -- weight updates ----------------------------------------------------------
     def update_weights(self, meta: WeightUpdateMeta) -> None:
         if meta.kind == "disk":
             if not meta.path:
-                raise ServerError("disk weight update needs a path")
+                raise ServerError("disk weight update needs a path (WeightUpdateMeta.path)")
             with self._weights_lock:
                 self._last_disk = (meta.path, meta.version)
-                self._control_all(lambda s: self.protocol.update_weights_from_disk(meta.path, meta.version))
+                self.control_all(lambda a: self.protocol.update_weights_from_disk(meta.path, meta.version))
                 self._version = meta.version
             return
         raise ServerError(f"update_weights: use the broadcast helpers for kind {meta.kind!r}")
 
+    @property
+    def weight_group_world_size(self) -> int:
+        """Ranks of an in-memory weight group: the trainer (rank 0) plus
+        ``protocol.ranks_per_server`` per server."""
+        return 1 + max(1, int(self.protocol.ranks_per_server)) * len(self.servers)
+
     def init_weight_group_async(
         self, master_addr: str, master_port: int, group_name: str, backend: str
     ) -> list[concurrent.futures.Future]:
-        """Ask every server to join the weight group as ranks 1..n (rank 0: the trainer).
-        Returns futures that complete once the trainer joined too."""
-        world = 1 + len(self.servers)
+        """Ask every server to join the weight group (server i: ranks
+        ``1 + i*ranks_per_server`` on; rank 0 is the trainer). Returns futures
+        that complete once the trainer joined too. From now on a restarted
+        server cannot be brought up to date (it cannot join this group)."""
+        world = self.weight_group_world_size
+        per = max(1, int(self.protocol.ranks_per_server))
         self._weight_group = True
         return [
             self._pool.submit(
-                self._control, s, self.protocol.init_weight_group(master_addr, master_port, world, i + 1, group_name, backend)
+                self.control, s.address,
+                self.protocol.init_weight_group(master_addr, master_port, world, 1 + i * per, group_name, backend),
             )
             for i, s in enumerate(self.servers)
-        ]
+        ]  # fmt: skip
 
     def update_from_distributed_async(
         self, tensors: list[dict[str, Any]], version: int, bucket_bytes: int, group_name: str
     ) -> list[concurrent.futures.Future]:
-        call = self.protocol.update_weights_from_distributed(tensors, version, bucket_bytes, group_name)
-        return [self._pool.submit(self._control, s, call) for s in self.servers]
+        return self.control_async(self.protocol.update_weights_from_distributed(tensors, version, bucket_bytes, group_name))
 
-    # -- control plumbing (controller thread) -------------------------------------
-    def _control(self, server: _Server, call: HttpCall) -> Any:
-        body = json.dumps(call.json or {}).encode()
-        req = urllib.request.Request(server.url(call.path), data=body if call.method == "POST" else None,
-                                     headers=self._headers, method=call.method)
-        try:
-            with urllib.request.urlopen(req, timeout=call.timeout_s or self.control_timeout_s) as resp:
-                raw = resp.read()
-        except urllib.error.HTTPError as e:
-            detail = e.read().decode(errors="replace")[:500]
-            cls = _Unreachable if e.code == 503 else ServerError
-            raise cls(f"{server.address}{call.path} answered HTTP {e.code}: {detail}") from None
-        except (urllib.error.URLError, OSError) as e:
-            raise _Unreachable(f"{server.address}{call.path} failed: {e}") from None
-        return json.loads(raw) if raw else {}
+    # -- control operations (controller thread; public extension points) --------------
+    def control(self, address: str, op: ControlOp) -> Any:
+        """Run a control operation (one ``HttpCall`` or a sequence, in order)
+        on the server at ``address``; returns the last call's parsed reply.
+        Raises ``ServerUnreachable`` when the server refused/dropped the
+        connection or answered 503 (loading), ``ServerError`` for any other
+        error status. Blocking; call it from the controller thread."""
+        server = self._server(address)
+        out: Any = None
+        for call in control_calls(op):
+            out = self._send_control(server, call)
+        return out
 
-    def _control_all(self, make_call) -> list[Any]:
-        futures = [self._pool.submit(self._control, s, make_call(s)) for s in self.servers]
+    def control_all(self, op: OpForServer, *, require_all: bool = False) -> list[Any]:
+        """Run ``op`` (or ``op(address)``) on every server in parallel; the
+        replies in server order. By default a server that fails is logged and
+        skipped (its requests fail over; under a supervisor it gets the
+        current state when it is back), and only a failure on every server
+        raises. ``require_all``: any failure raises (collective operations
+        that cannot leave one server behind)."""
+        ops = [op(s.address) if callable(op) else op for s in self.servers]
+        futures = [self._pool.submit(self.control, s.address, o) for s, o in zip(self.servers, ops)]
         results, errors = [], []
         restarting = 0
         for s, f in zip(self.servers, futures):
@@ -188,8 +235,10 @@ class RemoteInferenceEngine(InferenceEngine):
                 errors.append(str(e))
                 # Under a supervisor an unreachable server is being restarted
                 # and gets the current weights when it is back (resync_server).
-                restarting += self.supervised and (s.held or isinstance(e, _Unreachable))
+                restarting += self.supervised and (s.held or isinstance(e, ServerUnreachable))
         if errors:
+            if require_all:
+                raise ServerError("; ".join(errors))
             # A control call that reached no server at all is fatal; a dead
             # server is tolerated here (failover handles its requests).
             if len(errors) == len(self.servers) and restarting < len(errors):
@@ -197,8 +246,32 @@ class RemoteInferenceEngine(InferenceEngine):
             log.warning("control call failed on some servers", errors=errors)
         return results
 
+    def control_async(self, op: OpForServer) -> list[concurrent.futures.Future]:
+        """Start ``op`` (or ``op(address)``) on every server at once and return
+        one future per server, in server order (for collectives: the HTTP
+        calls must be in flight while the trainer sends)."""
+        return [self._pool.submit(self.control, s.address, op(s.address) if callable(op) else op) for s in self.servers]
+
+    def _send_control(self, server: ServerEndpoint, call: HttpCall) -> Any:
+        body = json.dumps(call.json).encode() if call.json is not None else b""
+        data = body if call.method != "GET" else None
+        req = urllib.request.Request(server.url(call.path), data=data, headers=self._headers, method=call.method)
+        try:
+            with urllib.request.urlopen(req, timeout=call.timeout_s or self.control_timeout_s) as resp:
+                raw = resp.read()
+        except urllib.error.HTTPError as e:
+            detail = e.read().decode(errors="replace")[:500]
+            cls = ServerUnreachable if e.code == 503 else ServerError
+            raise cls(f"{server.address}{call.path} answered HTTP {e.code}: {detail}") from None
+        except (urllib.error.URLError, OSError) as e:
+            raise ServerUnreachable(f"{server.address}{call.path} failed: {e}") from None
+        try:
+            return call.parse_reply(raw)
+        except ValueError as e:
+            raise ServerError(f"{server.address}{call.path} answered an unreadable body ({e}): {raw[:300]!r}") from None
+
     # -- restarts (called by a supervisor thread) -----------------------------------
-    def _server(self, address: str) -> _Server:
+    def _server(self, address: str) -> ServerEndpoint:
         for s in self.servers:
             if s.address == address:
                 return s
@@ -216,9 +289,11 @@ class RemoteInferenceEngine(InferenceEngine):
 
     def resync_server(self, address: str) -> int:
         """Bring a freshly (re)started server to the current weights and
-        version; returns that version. A fresh process serves the base model
-        at version 0, which is right only before the first update."""
-        s = self._server(address)
+        version; returns that version. A fresh process serves the weights of
+        its model directory at version 0, which is right only before the first
+        update; after one, the last disk update is replayed to this server
+        alone (the backend's own ``update_weights_from_disk`` operation)."""
+        self._server(address)
         with self._weights_lock:
             if self._weight_group:
                 raise CannotResync(
@@ -229,7 +304,7 @@ class RemoteInferenceEngine(InferenceEngine):
             if self._last_disk is None:
                 return 0
             path, version = self._last_disk
-            self._control(s, self.protocol.update_weights_from_disk(path, version))
+            self.control(address, self.protocol.update_weights_from_disk(path, version))
             self.stats["resyncs"] += 1
             return version
 
@@ -238,19 +313,26 @@ class RemoteInferenceEngine(InferenceEngine):
         self._fatal = error
 
     # -- generation (rollout event loop) ------------------------------------------
-    def _session(self) -> Any:
+    def _session(self, fresh: bool = False) -> Any:
         import aiohttp
 
-        loop = asyncio.get_running_loop()
-        key = id(loop)
-        sess = self._sessions.get(key)
+        key = id(asyncio.get_running_loop())
+        sessions = self._fresh_sessions if fresh else self._sessions
+        sess = sessions.get(key)
         if sess is None or sess.closed:
-            connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, force_close=False)
-            sess = aiohttp.ClientSession(connector=connector, headers=self._headers)
-            self._sessions[key] = sess
+            if fresh:
+                connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, force_close=True)
+            else:
+                # Pooled connections are dropped before a server would close
+                # them (rollout.client_keepalive_s < the server's keep-alive).
+                connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=self.keepalive_s)
+            trace = aiohttp.TraceConfig()
+            trace.on_connection_reuseconn.append(_mark_reused)
+            sess = aiohttp.ClientSession(connector=connector, headers=self._headers, trace_configs=[trace])
+            sessions[key] = sess
         return sess
 
-    def _choose(self, preferred: _Server | None) -> _Server | None:
+    def _choose(self, preferred: ServerEndpoint | None) -> ServerEndpoint | None:
         if preferred is not None and preferred.up:
             return preferred
         up = [s for s in self.servers if s.up]
@@ -260,30 +342,44 @@ class RemoteInferenceEngine(InferenceEngine):
             return up[next(self._rr) % len(up)]
         return min(up, key=lambda s: (s.inflight, next(self._rr) % len(up)))
 
-    async def _post(self, server: _Server, call: HttpCall) -> Any:
+    async def _post(self, server: ServerEndpoint, call: HttpCall) -> Any:
         import aiohttp
 
-        try:
-            async with self._session().request(
-                call.method,
-                server.url(call.path),
-                json=call.json,
-                timeout=aiohttp.ClientTimeout(total=call.timeout_s or self.request_timeout_s),
-            ) as resp:
-                text = await resp.text()
-                if resp.status >= 500:
-                    raise _Transient(f"HTTP {resp.status}: {text[:300]}")
-                if resp.status >= 400:
-                    raise ServerError(f"{server.address}{call.path} rejected the request (HTTP {resp.status}): {text[:500]}")
-                return json.loads(text)
-        except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError, json.JSONDecodeError) as e:
-            raise _Transient(f"{type(e).__name__}: {e}") from None
+        fresh = False
+        while True:
+            ctx: dict[str, bool] = {}
+            try:
+                async with self._session(fresh).request(
+                    call.method,
+                    server.url(call.path),
+                    json=call.json,
+                    timeout=aiohttp.ClientTimeout(total=call.timeout_s or self.request_timeout_s),
+                    trace_request_ctx=ctx,
+                ) as resp:
+                    ctx["answered"] = True
+                    raw = await resp.read()
+                    if resp.status >= 500:
+                        raise _Transient(f"HTTP {resp.status}: {raw[:300].decode(errors='replace')}")
+                    if resp.status >= 400:
+                        raise ServerError(
+                            f"{server.address}{call.path} rejected the request (HTTP {resp.status}): "
+                            f"{raw[:500].decode(errors='replace')}"
+                        )
+                    return call.parse_reply(raw)
+            except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError, ValueError) as e:
+                if not fresh and _stale_connection(e, ctx):
+                    # The server closed this pooled connection while it sat
+                    # idle; the request never reached it. Not a server failure.
+                    self.stats["stale_connection_retries"] += 1
+                    fresh = True
+                    continue
+                raise _Transient(f"{type(e).__name__}: {e}") from None
 
     async def _wait_running(self) -> None:
         while not self._running.is_set():
             await asyncio.sleep(0.02)
 
-    async def _wait_for_server(self, preferred: _Server | None, deadline: float) -> _Server:
+    async def _wait_for_server(self, preferred: ServerEndpoint | None, deadline: float) -> ServerEndpoint:
         while True:
             if self._fatal is not None:
                 raise self._fatal
@@ -298,7 +394,7 @@ class RemoteInferenceEngine(InferenceEngine):
                     x.down_until = 0.0
             await asyncio.sleep(0.2)
 
-    async def _healthy(self, server: _Server) -> bool:
+    async def _healthy(self, server: ServerEndpoint) -> bool:
         try:
             await self._post(server, HttpCall("GET", self.protocol.health_path, timeout_s=2.0))
             return True
@@ -311,7 +407,7 @@ class RemoteInferenceEngine(InferenceEngine):
         out_ids: list[int] = []
         out_lp: list[float] = []
         out_v: list[int] = []
-        server: _Server | None = None
+        server: ServerEndpoint | None = None
         failures = 0
         interruptions = 0
         stop = StopReason.LENGTH
@@ -371,11 +467,32 @@ class RemoteInferenceEngine(InferenceEngine):
 
     async def aclose(self, current_loop_only: bool = False) -> None:
         """Close HTTP sessions (all of them, or only the running loop's)."""
-        keys = [id(asyncio.get_running_loop())] if current_loop_only else list(self._sessions)
+        keys = [id(asyncio.get_running_loop())] if current_loop_only else list(self._sessions) + list(self._fresh_sessions)
         for key in keys:
-            sess = self._sessions.pop(key, None)
-            if sess is not None and not sess.closed:
-                await sess.close()
+            for sessions in (self._sessions, self._fresh_sessions):
+                sess = sessions.pop(key, None)
+                if sess is not None and not sess.closed:
+                    await sess.close()
 
     def destroy(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+async def _mark_reused(session: Any, trace_ctx: Any, params: Any) -> None:
+    ctx = trace_ctx.trace_request_ctx
+    if isinstance(ctx, dict):
+        ctx["reused"] = True
+
+
+def _stale_connection(error: BaseException, ctx: dict[str, bool]) -> bool:
+    """A request that went out on a pooled connection and failed before any
+    reply: the connection was reset or closed under it (writing the request,
+    or waiting for the status line). A refused connect, a timeout or an
+    error after the reply began are the server's."""
+    import aiohttp
+
+    if not ctx.get("reused") or ctx.get("answered"):
+        return False
+    if isinstance(error, aiohttp.ClientConnectorError):
+        return False
+    return isinstance(error, (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError, ConnectionError))

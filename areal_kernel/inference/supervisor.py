@@ -14,11 +14,12 @@ without being asked to (crash, OOM kill, ``kill -9``) the supervisor
 
 Each server may be restarted ``max_restarts`` times; past that (or when a
 restart itself fails) the run gets one clear error naming the server, its
-exit code and its log tail, raised by every later generation.
+exit code, its log file and tail, and the last recovery checkpoint to resume
+from, raised by every later generation.
 
-Launchers opt in by providing ``exited() -> {index: exit code}``,
-``restart(index) -> ServerInfo``, ``servers`` and optionally
-``log_tail(index)``; see ``EmbeddedLauncher``.
+Every backend whose launcher is a ``SubprocessLauncher`` (embedded, vLLM,
+SGLang, third parties built on it) is supervised; the weights reach the new
+process through the backend's own ``update_weights_from_disk`` operation.
 """
 from __future__ import annotations
 
@@ -27,22 +28,22 @@ from typing import Any, Callable
 
 from areal_kernel.errors import ServerError
 from areal_kernel.inference.client import CannotResync
+from areal_kernel.inference.launcher import SubprocessLauncher
 from areal_kernel.logging import get_logger
 
 log = get_logger(__name__)
 
 
 def supports_restart(launcher: Any) -> bool:
-    return launcher is not None and callable(getattr(launcher, "restart", None)) and callable(
-        getattr(launcher, "exited", None)
-    )
+    return isinstance(launcher, SubprocessLauncher)
 
 
 class ServerSupervisor:
     """``client`` is the ``RemoteInferenceEngine`` of the same servers.
     ``resync(address)`` (default ``client.resync_server``) brings a restarted
     server to the current weights; ``on_restart(address, version)`` is called
-    after each successful restart (metrics, tests)."""
+    after each successful restart (metrics, tests); ``recovery_hint()``
+    names the checkpoint a run could resume from (quoted when giving up)."""
 
     def __init__(
         self,
@@ -53,15 +54,20 @@ class ServerSupervisor:
         poll_s: float = 0.25,
         resync: Callable[[str], int] | None = None,
         on_restart: Callable[[str, int], None] | None = None,
+        recovery_hint: Callable[[], str | None] | None = None,
     ) -> None:
         if not supports_restart(launcher):
-            raise ServerError(f"{type(launcher).__name__} cannot restart servers (it has no restart/exited methods)")
+            raise ServerError(
+                f"{type(launcher).__name__} cannot restart servers (it is not a "
+                "areal_kernel.inference.launcher.SubprocessLauncher)"
+            )
         self.launcher = launcher
         self.client = client
         self.max_restarts = max_restarts
         self.poll_s = poll_s
         self.resync = resync or client.resync_server
         self.on_restart = on_restart
+        self.recovery_hint = recovery_hint
         self.restarts: dict[str, int] = {}
         self.error: ServerError | None = None
         self._given_up: set[int] = set()
@@ -128,9 +134,19 @@ class ServerSupervisor:
                 self._busy.discard(i)
 
     def _give_up(self, i: int, address: str, why: str) -> None:
-        tail = self.launcher.log_tail(i) if callable(getattr(self.launcher, "log_tail", None)) else ""
+        servers = self.launcher.servers
+        log_path = servers[i].log_path if i < len(servers) else None
+        checkpoint = None
+        if self.recovery_hint is not None:
+            try:
+                checkpoint = self.recovery_hint()
+            except Exception as e:  # the hint must never hide the real error
+                checkpoint = f"(unknown: {type(e).__name__}: {e})"
         self.error = ServerError(
-            f"inference server {address} {why}\n--- last lines of its log ---\n{tail}"
+            f"inference server {address} {why}\n  log: {log_path or '(none)'}\n"
+            f"  last recovery checkpoint: {checkpoint or 'none'}"
+            + (" (areal train with the same config and run_dir resumes from it)" if checkpoint else "")
+            + f"\n--- last lines of its log ---\n{self.launcher.log_tail(i)}"
         )
         self._given_up.add(i)
         log.error("giving up on inference server", server=address, reason=why)
@@ -170,7 +186,9 @@ class ServerSupervisor:
             self.on_restart(address, version)
 
 
-def start_supervisor(backend: Any, client: Any, rollout_cfg: Any) -> ServerSupervisor | None:
+def start_supervisor(
+    backend: Any, client: Any, rollout_cfg: Any, recovery_hint: Callable[[], str | None] | None = None
+) -> ServerSupervisor | None:
     """A running supervisor for ``backend``'s servers, or None when restarts
     are switched off (``rollout.restart_servers``) or the backend's launcher
     cannot restart servers (then a dead server's requests only fail over)."""
@@ -184,5 +202,5 @@ def start_supervisor(backend: Any, client: Any, rollout_cfg: Any) -> ServerSuper
         )
         return None
     return ServerSupervisor(
-        launcher, client, max_restarts=getattr(rollout_cfg, "max_server_restarts", 3)
+        launcher, client, max_restarts=getattr(rollout_cfg, "max_server_restarts", 3), recovery_hint=recovery_hint
     ).start()

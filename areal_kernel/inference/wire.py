@@ -2,23 +2,73 @@
 
 A backend plugin (embedded, vLLM, SGLang, ...) describes its HTTP routes and
 bodies by subclassing ``ServerProtocol``; retries, affinity, failover,
-interruption and version stamping live once, in ``RemoteInferenceEngine``.
+interruption, version stamping, restarts and weight-group ranks live once, in
+``RemoteInferenceEngine``.
+
+Extension points (all public, all typed):
+
+- a *control operation* (``ControlOp``) is one ``HttpCall`` or a sequence of
+  them, run in order on one server; its result is the last call's parsed
+  reply. Every control method of ``ServerProtocol`` may return either, so a
+  backend whose "load weights from disk" is four routes returns four calls;
+- ``HttpCall.parse`` turns the raw reply bytes into the result (default:
+  JSON, ``{}`` for an empty body; ``text_reply`` for routes that answer plain
+  text);
+- ``HttpCall.json = None`` sends no body at all (``{}`` sends an empty JSON
+  object);
+- ``ServerProtocol.ranks_per_server``: how many ranks one server contributes
+  to an in-memory weight group (its tensor-parallel workers); the client
+  numbers ranks and sizes the group from it;
+- backend-only operations (cache flushes, memory release, ...) are more
+  ``ControlOp`` builders on the protocol, run with the client's public
+  ``control`` / ``control_all`` / ``control_async``.
 """
 from __future__ import annotations
 
+import json as _json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable, Sequence, Union
 
 from areal_kernel.api.io import GenerationConfig, StopReason
+
+
+def json_reply(raw: bytes) -> Any:
+    """The default reply parser: JSON, or ``{}`` for an empty body."""
+    return _json.loads(raw) if raw else {}
+
+
+def text_reply(raw: bytes) -> dict[str, str]:
+    """For routes that answer plain text: ``{"text": <the body>}``."""
+    return {"text": raw.decode(errors="replace")}
 
 
 @dataclass
 class HttpCall:
     method: str
     path: str
+    # The JSON body; None sends no body.
     json: dict[str, Any] | None = None
     # Control calls that load weights may take long; None = client default.
     timeout_s: float | None = None
+    # Raw reply bytes -> result; None = ``json_reply``.
+    parse: Callable[[bytes], Any] | None = None
+
+    def parse_reply(self, raw: bytes) -> Any:
+        return (self.parse or json_reply)(raw)
+
+
+# One call, or calls run in order on one server (the result is the last reply).
+ControlOp = Union[HttpCall, Sequence[HttpCall]]
+
+
+def control_calls(op: ControlOp) -> list[HttpCall]:
+    """The calls of a control operation, in order."""
+    if isinstance(op, HttpCall):
+        return [op]
+    calls = list(op)
+    if not calls or not all(isinstance(c, HttpCall) for c in calls):
+        raise TypeError(f"a control operation is an HttpCall or a non-empty sequence of them, got {op!r}")
+    return calls
 
 
 @dataclass
@@ -33,9 +83,18 @@ class GenerateChunk:
 
 
 class ServerProtocol:
-    """Routes and bodies of a server backend. Override what differs."""
+    """Routes and bodies of a server backend. Override what differs.
+
+    ``generate``/``parse_generate`` are required; the control operations
+    below raise ``NotImplementedError`` unless the backend supports them
+    (the kernel calls ``pause``/``resume``/``update_weights_from_disk`` on
+    every weight update, the weight-group ones only with
+    ``weight_update.mode: broadcast``)."""
 
     health_path: str = "/health"
+    # Ranks one server contributes to an in-memory weight group (e.g. its
+    # tensor-parallel workers); server i gets ranks 1 + i*n .. (i+1)*n.
+    ranks_per_server: int = 1
 
     def generate(self, rid: str, input_ids: list[int], gconfig: GenerationConfig, max_new_tokens: int) -> HttpCall:
         raise NotImplementedError
@@ -43,24 +102,25 @@ class ServerProtocol:
     def parse_generate(self, data: Any) -> GenerateChunk:
         raise NotImplementedError
 
-    def pause(self, mode: str = "abort") -> HttpCall:
+    def pause(self, mode: str = "abort") -> ControlOp:
         raise NotImplementedError
 
-    def resume(self) -> HttpCall:
+    def resume(self) -> ControlOp:
         raise NotImplementedError
 
-    def update_weights_from_disk(self, path: str, version: int) -> HttpCall:
+    def update_weights_from_disk(self, path: str, version: int) -> ControlOp:
         raise NotImplementedError
 
     def init_weight_group(
         self, master_addr: str, master_port: int, world_size: int, rank: int, group_name: str, backend: str
-    ) -> HttpCall:
+    ) -> ControlOp:
+        """``rank``: this server's first rank (it owns ``ranks_per_server`` ranks from there)."""
         raise NotImplementedError
 
     def update_weights_from_distributed(
         self, tensors: list[dict[str, Any]], version: int, bucket_bytes: int, group_name: str
-    ) -> HttpCall:
+    ) -> ControlOp:
         raise NotImplementedError
 
-    def set_version(self, version: int) -> HttpCall:
+    def set_version(self, version: int) -> ControlOp:
         raise NotImplementedError

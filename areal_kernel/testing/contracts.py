@@ -171,6 +171,24 @@ class InferenceEngineContract:
         assert again.output_ids == base.output_ids
         assert max(abs(x - y) for x, y in zip(again.output_logprobs, base.output_logprobs)) < 1e-4
 
+    def test_control_operations_reach_every_server(self, inference_engine: Any) -> None:
+        """Backends extend the kernel's client through public control
+        operations (``HttpCall`` sequences), never its private methods."""
+        from areal_kernel.inference.client import RemoteInferenceEngine
+        from areal_kernel.inference.wire import HttpCall
+
+        assert isinstance(inference_engine, RemoteInferenceEngine), (
+            "make_client must return the kernel's RemoteInferenceEngine (or a subclass)"
+        )
+        health = HttpCall("GET", inference_engine.protocol.health_path)
+        replies = inference_engine.control_all(health, require_all=True)
+        assert len(replies) == len(inference_engine.servers)
+        # A sequence runs in order on one server; its result is the last reply.
+        first = inference_engine.servers[0].address
+        assert inference_engine.control(first, [health, health]) == replies[0]
+        per = inference_engine.protocol.ranks_per_server
+        assert inference_engine.weight_group_world_size == 1 + per * len(inference_engine.servers)
+
     def generations_running(self, engine: Any) -> int:
         """How many generations the servers behind ``engine`` are running now.
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from pydantic import BaseModel
 
@@ -149,6 +149,8 @@ class Rollout:
     workflow: Any = None
     reward_pool: Any = None
     supervisor: Any = None  # restarts dead servers (rollout.restart_servers); None when off or unsupported
+    # The newest recovery checkpoint's path (quoted when a server is lost for good).
+    recovery_hint: Callable[[], str | None] | None = None
     addresses: list[str] = field(default_factory=list)
 
     def start(self) -> "Rollout":
@@ -164,7 +166,7 @@ class Rollout:
         self.engine = self.backend.make_client(self.addresses)
         from areal_kernel.inference.supervisor import start_supervisor
 
-        self.supervisor = start_supervisor(self.backend, self.engine, cfg.rollout)
+        self.supervisor = start_supervisor(self.backend, self.engine, cfg.rollout, recovery_hint=self.recovery_hint)
         reward_spec = reg.get("reward", cfg.reward.type)
         self.reward_pool = make_reward_pool(cfg)
         wf_spec = reg.get("workflow", cfg.workflow.type)

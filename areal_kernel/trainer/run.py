@@ -153,7 +153,9 @@ class RLTrainer(Trainer):
         self.sinks = make_sinks(cfg, self.run_dir, self.ft.total_train_steps)
         self.hook.areal_on_run_start(config=cfg, run_dir=self.run_dir)
         log.info("starting inference servers", backend=str(cfg.rollout.allocation), model=self.model_dir)
-        self.rollout = Rollout(cfg, self.run_dir, self.model_dir, self.tokenizer).start()
+        self.rollout = Rollout(
+            cfg, self.run_dir, self.model_dir, self.tokenizer, recovery_hint=self._latest_checkpoint_path
+        ).start()
         log.info("inference servers ready", addresses=self.rollout.addresses)
         engine_cfg = cfg.actor.plugin_config
         if engine_cfg is not None and hasattr(engine_cfg, "temperature"):
@@ -400,6 +402,10 @@ class RLTrainer(Trainer):
         self.reward_seen = (calls, failures)
         return {"reward/calls": calls - seen_calls, "reward/failures": failures - seen_failures,
                 "reward/failures_total": failures}
+
+    def _latest_checkpoint_path(self) -> str | None:
+        latest = self.recovery.latest()
+        return latest.path if latest else None
 
     def _check_skipped(self, train_stats: dict[str, Any]) -> None:
         """A step skipped for NaN/inf is reported; too many in a row stop the run."""

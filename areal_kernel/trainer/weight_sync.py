@@ -75,8 +75,10 @@ class BroadcastTransport:
         port = find_free_port()
         backend = current_platform().dist_backend
         futures = self.infer.init_weight_group_async("127.0.0.1", port, self.group_name, backend)
+        # Servers may contribute several ranks each (tensor-parallel workers).
+        world = getattr(self.infer, "weight_group_world_size", 1 + len(futures))
         self.train.init_weight_group(
-            "127.0.0.1", port, world_size=1 + len(futures), rank=0, group_name=self.group_name, backend=backend
+            "127.0.0.1", port, world_size=world, rank=0, group_name=self.group_name, backend=backend
         )
         for f in futures:
             f.result()

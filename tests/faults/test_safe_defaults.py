@@ -50,8 +50,8 @@ def test_launcher_generates_a_token_beyond_loopback(tmp_path):
     b = EmbeddedLauncher(EmbeddedServerConfig(host="0.0.0.0"), run_dir=str(tmp_path / "b"))
     assert a.admin_token and b.admin_token and a.admin_token != b.admin_token and len(a.admin_token) >= 32
     # ... handed to the server through the environment, never argv (visible in ps).
-    assert a._env([])["AREAL_EMBEDDED_ADMIN_TOKEN"] == a.admin_token
-    assert a.admin_token not in " ".join(a._command("m", 1))
+    assert a.environment(0, 1, [])["AREAL_EMBEDDED_ADMIN_TOKEN"] == a.admin_token
+    assert a.admin_token not in " ".join(a.command("m", 1, 0, []))
     fixed = EmbeddedLauncher(EmbeddedServerConfig(host="0.0.0.0", admin_token="mine"), run_dir=str(tmp_path / "c"))
     assert fixed.admin_token == "mine"
 

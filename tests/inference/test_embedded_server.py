@@ -325,14 +325,16 @@ def test_port_clash_is_retried_and_broken_model_dir_raises_with_log_tail(tmp_pat
     import socket
 
     from areal_kernel.errors import ServerError
+    from areal_kernel.inference import launcher as base
     from areal_kernel.inference.embedded import launcher as L
 
     taken = socket.socket()
     taken.bind(("127.0.0.1", 0))
     taken.listen()
-    ports = iter([taken.getsockname()[1]])
-    real = L.find_free_port
-    monkeypatch.setattr(L, "find_free_port", lambda host="127.0.0.1": next(ports, None) or real(host))
+    taken_port = taken.getsockname()[1]
+    ports = iter([taken_port])
+    real = base.find_free_port
+    monkeypatch.setattr(base, "find_free_port", lambda host="127.0.0.1": next(ports, None) or real(host))
 
     broken = tmp_path / "broken"
     broken.mkdir()
@@ -344,9 +346,10 @@ def test_port_clash_is_retried_and_broken_model_dir_raises_with_log_tail(tmp_pat
             launcher.launch(str(broken), 1, 0)
     finally:
         taken.close()
-    assert "already in use" in (run / "server-0.log").read_text()  # first try
+    log_text = (run / "server-0.log").read_text()  # one log per server: both tries
+    assert "already in use" in log_text and log_text.count("=== areal:") == 2
     msg = str(e.value)
-    assert "server-1.log" in msg  # the retry is the one that failed
+    assert f":{taken_port}" not in msg.splitlines()[0]  # the retry (another port) is the one that failed
     assert "areal_kernel.inference.embedded.server" in msg and str(broken) in msg  # the command
     assert "failed to load model" in msg  # from the server's log tail
     assert "exited with code 1" in msg

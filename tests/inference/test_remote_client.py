@@ -189,3 +189,45 @@ def test_no_reachable_server_is_reported(tmp_path):
 
     with pytest.raises(ServerError):
         asyncio.run(go())
+
+
+def test_connections_the_server_closed_while_idle_are_not_server_failures(tiny_model_dir, tmp_path):
+    """Regression: after an idle gap longer than the server's HTTP keep-alive,
+    the first burst of requests went out on pooled connections the server had
+    already closed; each failed with ServerDisconnectedError before the server
+    saw it and was counted as a server failure (failover, health probe, wait).
+
+    The server here closes idle connections after 1 s. The rollout loop is
+    kept busy through the gap (``time.sleep`` in the loop: a controller
+    thread holding the interpreter looks the same to the loop), so the
+    server's close reaches the client only after the next burst was written
+    on the pooled connections. Such a request must be sent again at once on
+    a fresh connection, and not count as a failure."""
+    import time
+
+    launcher = EmbeddedLauncher(EmbeddedServerConfig(dtype="float32", keepalive_s=1.0), run_dir=str(tmp_path / "run"))
+    try:
+        (info,) = launcher.launch(tiny_model_dir, n_servers=1, devices_per_server=0)
+        # down_probe_s: a request wrongly counted as a server failure would
+        # also leave the server unused for a minute, i.e. the test would hang
+        # on the retry rather than pass.
+        engine = RemoteInferenceEngine([info.address], EmbeddedProtocol(), down_probe_s=1.0, keepalive_s=30.0)
+        g = GenerationConfig(max_new_tokens=2, greedy=True)
+        prompts = [[3 + i, 5, 7] for i in range(16)]
+
+        async def bursts():
+            try:
+                first = await asyncio.gather(*(engine.agenerate(ModelRequest(p, g)) for p in prompts))
+                time.sleep(2.5)  # idle (and the loop busy) for longer than the server's keep-alive
+                second = await asyncio.gather(*(engine.agenerate(ModelRequest(p, g)) for p in prompts))
+                return first, second
+            finally:
+                await engine.aclose()
+
+        first, second = asyncio.run(bursts())
+        assert [r.output_ids for r in first] == [r.output_ids for r in second]
+        assert engine.stats["failovers"] == 0
+        assert engine.stats["stale_connection_retries"] >= 1  # the situation really arose
+        engine.destroy()
+    finally:
+        launcher.stop()

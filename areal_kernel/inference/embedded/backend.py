@@ -8,6 +8,8 @@ from typing import Any
 
 from areal_kernel.api.io import GenerationConfig, StopReason
 from areal_kernel.errors import ServerError
+from areal_kernel.inference.backend import InferenceBackend
+from areal_kernel.inference.client import RemoteInferenceEngine, client_options
 from areal_kernel.inference.wire import GenerateChunk, HttpCall, ServerProtocol
 
 _FINISH = {"stop": StopReason.STOP, "length": StopReason.LENGTH, "abort": StopReason.ABORT}
@@ -76,7 +78,7 @@ class EmbeddedProtocol(ServerProtocol):
         return HttpCall("POST", "/set_version", {"version": version})
 
 
-class EmbeddedBackend:
+class EmbeddedBackend(InferenceBackend):
     """Built from the experiment config; the scheduler calls ``launch``."""
 
     protocol_cls = EmbeddedProtocol
@@ -84,34 +86,21 @@ class EmbeddedBackend:
     def __init__(self, config: Any) -> None:
         from areal_kernel.inference.embedded.launcher import EmbeddedServerConfig
 
-        self.config = config
+        super().__init__(config)
         server_cfg = config.rollout.plugin_config or EmbeddedServerConfig()
         # model.dtype is the run-wide choice of inference precision.
         self.server_config = server_cfg.model_copy(update={"dtype": config.model.dtype})
-        self.launcher: Any = None
 
-    def launch(self, model_dir: str, device_plan: list[list[int]], run_dir: str) -> list[str]:
+    def make_launcher(self, run_dir: str) -> Any:
         from areal_kernel.inference.embedded.launcher import EmbeddedLauncher
 
-        self.launcher = EmbeddedLauncher(self.server_config, run_dir=run_dir)
-        devices_per_server = len(device_plan[0]) if device_plan else 0
-        infos = self.launcher.launch(model_dir, n_servers=len(device_plan), devices_per_server=devices_per_server)
-        return [i.address for i in infos]
+        return EmbeddedLauncher(self.server_config, run_dir=run_dir)
 
-    def make_client(self, addresses: list[str]) -> Any:
-        from areal_kernel.inference.client import RemoteInferenceEngine
-
-        r = self.config.rollout
+    def make_client(self, addresses: list[str]) -> RemoteInferenceEngine:
         return RemoteInferenceEngine(
             addresses,
             self.protocol_cls(),
-            request_timeout_s=r.request_timeout_s,
-            retries=r.request_retries,
-            schedule_policy=r.schedule_policy,
+            **client_options(self.config.rollout),
             # The launcher's token: it generates one when binding beyond loopback.
             admin_token=self.launcher.admin_token if self.launcher is not None else self.server_config.admin_token,
         )
-
-    def stop(self) -> None:
-        if self.launcher is not None:
-            self.launcher.stop()

@@ -71,6 +71,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help=f"require 'Authorization: Bearer <token>' on control routes (or set {ADMIN_TOKEN_ENV})",
     )
     p.add_argument(
+        "--keepalive-s",
+        type=float,
+        default=75.0,
+        help="close an HTTP connection idle for this long (clients must not reuse pooled connections longer)",
+    )
+    p.add_argument(
         "--parent-pid",
         type=int,
         default=None,
@@ -327,7 +333,7 @@ async def serve(args: argparse.Namespace) -> int:
     from aiohttp import web
 
     state = ServerState(args)
-    runner = web.AppRunner(build_app(state), access_log=None)
+    runner = web.AppRunner(build_app(state), access_log=None, keepalive_timeout=args.keepalive_s)
     await runner.setup()
     try:
         await web.TCPSite(runner, args.host, args.port).start()

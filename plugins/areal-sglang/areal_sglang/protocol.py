@@ -11,7 +11,7 @@ from typing import Any
 
 from areal_kernel.api.io import GenerationConfig, StopReason
 from areal_kernel.errors import ServerError
-from areal_kernel.inference.wire import GenerateChunk, HttpCall, ServerProtocol
+from areal_kernel.inference.wire import GenerateChunk, HttpCall, ServerProtocol, text_reply
 
 _FINISH = {"stop": StopReason.STOP, "length": StopReason.LENGTH, "abort": StopReason.ABORT}
 PAUSE_MODES = ("abort", "retract", "in_place")
@@ -49,10 +49,16 @@ def sampling_params(gconfig: GenerationConfig, max_new_tokens: int) -> dict[str,
 class SGLangProtocol(ServerProtocol):
     health_path = "/health"
 
-    def __init__(self, pause_mode: str = "abort") -> None:
+    def __init__(self, pause_mode: str = "abort", tp_size: int = 1) -> None:
         if pause_mode not in PAUSE_MODES:
             raise ServerError(f"pause mode {pause_mode!r} is not one of SGLang's: {', '.join(PAUSE_MODES)}")
         self.pause_mode = pause_mode
+        # Every TP rank of a server joins the weight group: server i owns ranks 1 + i*tp .. (i+1)*tp.
+        self.tp_size = tp_size
+
+    @property
+    def ranks_per_server(self) -> int:  # type: ignore[override]
+        return max(1, self.tp_size)
 
     # -- generation ----------------------------------------------------------
     def generate(self, rid: str, input_ids: list[int], gconfig: GenerationConfig, max_new_tokens: int) -> HttpCall:
@@ -169,7 +175,8 @@ class SGLangProtocol(ServerProtocol):
 
     # -- SGLang-only control calls ----------------------------------------------
     def flush_cache(self) -> HttpCall:
-        return HttpCall("POST", "/flush_cache", None)
+        # No body; the answer is plain text ("Cache flushed."), not JSON.
+        return HttpCall("POST", "/flush_cache", None, parse=text_reply)
 
     def abort_request(self, rid: str | None = None) -> HttpCall:
         body: dict[str, Any] = {"abort_all": True} if rid is None else {"rid": rid, "abort_all": False}

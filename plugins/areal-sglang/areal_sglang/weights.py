@@ -207,7 +207,8 @@ class SGLangBroadcastTransport:
 
     def __init__(self, train_engine: Any, infer_engine: Any, run_dir: str, bucket_bytes: int = 256 << 20,
                  timeout_s: float = 600) -> None:
-        for attr in ("init_weight_group_async", "update_bucket_async", "begin_weight_update", "end_weight_update"):
+        for attr in ("init_weight_group_async", "update_bucket_async", "begin_weight_update", "end_weight_update",
+                     "weight_group_world_size"):
             if not hasattr(infer_engine, attr):
                 raise ConfigError(
                     f"weight transport {TRANSPORT_NAME!r} needs SGLang servers (rollout.backend: sglang); "
@@ -235,7 +236,7 @@ class SGLangBroadcastTransport:
         self.backend_name = current_platform().dist_backend
         addr = _master_address([s.address for s in self.infer.servers])
         port = find_free_port()
-        world = 1 + len(self.infer.servers) * int(getattr(self.infer, "tp_size", 1))
+        world = self.infer.weight_group_world_size
         futures = self.infer.init_weight_group_async(addr, port, self.group_name, self.backend_name)
         box: dict[str, Any] = {}
 

@@ -192,3 +192,37 @@ def test_api_key_is_passed_to_the_server_and_sent_by_the_client(model_dir, launc
     (r,) = gen(engine, [[5]], max_new_tokens=2, greedy=True)
     assert r.output_len == 2
     engine.destroy()
+
+
+def test_supervisor_restarts_a_killed_server_with_the_current_weights(model_dir, alt_model_dir, launch_standins):
+    """The kernel's supervisor restarts SGLang servers too (the launcher is the
+    kernel's SubprocessLauncher): a killed stand-in comes back on its address,
+    gets the last disk update replayed (weights and version), and generations
+    after the kill complete on it."""
+    from areal_kernel.inference.supervisor import ServerSupervisor
+    from areal_kernel.testing.waits import wait_until
+
+    lau, (info,) = launch_standins(model_dir)
+    engine = SGLangInferenceEngine([info.address], down_probe_s=0.2)
+    restarted = []
+    sup = ServerSupervisor(lau, engine, max_restarts=1, poll_s=0.05,
+                           on_restart=lambda a, v: restarted.append((a, v))).start()
+    try:
+        engine.pause()
+        engine.update_weights(WeightUpdateMeta(kind="disk", version=1, path=alt_model_dir))
+        engine.resume()
+        updated_digest = standin_state(info.address)["digest"]
+        (before,) = gen(engine, [[6, 1, 6]], max_new_tokens=5, greedy=True)
+        old_pid = lau.servers[0].pid
+        os.killpg(old_pid, signal.SIGKILL)
+        wait_until(lambda: restarted, timeout_s=60, what="the supervisor to restart the stand-in")
+        assert restarted == [(info.address, 1)]
+        assert lau.servers[0].address == info.address and lau.servers[0].pid != old_pid
+        st = standin_state(info.address)
+        assert st["digest"] == updated_digest and st["version"] == "1"
+        assert [e["route"] for e in st["log"]] == ["/update_weights_from_disk"]  # the replayed update
+        (after,) = gen(engine, [[6, 1, 6]], max_new_tokens=5, greedy=True)
+        assert after.output_ids == before.output_ids and after.output_versions == [1] * 5
+    finally:
+        sup.stop()
+        engine.destroy()

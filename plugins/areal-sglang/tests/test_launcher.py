@@ -29,7 +29,7 @@ def test_server_that_exits_at_once_fails_with_its_log_tail(tmp_path, model_dir):
 def test_server_that_never_gets_healthy_times_out_and_is_killed(tmp_path, model_dir):
     hang = [sys.executable, "-c", "import time, sys; print('loading...', flush=True); time.sleep(600)"]
     lau = SGLangLauncher(SGLangServerConfig(startup_timeout_s=1.5, stop_grace_s=1), run_dir=str(tmp_path), launch_prefix=hang)
-    with pytest.raises(ServerError, match=r"not healthy after 2 s \(rollout.sglang.startup_timeout_s\)[\s\S]*loading"):
+    with pytest.raises(ServerError, match=r"not healthy after 1.5 s \(rollout.sglang.startup_timeout_s[\s\S]*loading"):
         lau.launch(model_dir, n_servers=1, devices_per_server=0)
 
 
@@ -66,7 +66,7 @@ def test_devices_go_through_the_platform_visible_devices_variable(monkeypatch, t
 
     monkeypatch.setattr(platforms, "current_platform", lambda: CudaPlatform())
     lau = SGLangLauncher(SGLangServerConfig(extra_env={"X": "1"}), run_dir=str(tmp_path))
-    env = lau._env([2, 3])
+    env = lau.environment(0, 1, [2, 3])
     assert env["CUDA_VISIBLE_DEVICES"] == "2,3" and env["X"] == "1"
 
 

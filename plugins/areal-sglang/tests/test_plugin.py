@@ -122,10 +122,11 @@ def test_tp_aware_ranks_in_init_group_bodies():
 
     engine = SGLangInferenceEngine(["127.0.0.1:1", "127.0.0.1:2"], tp_size=2)
     seen = []
-    engine._control = lambda server, call: seen.append((server.address, call.json)) or {"success": True}
+    engine.control = lambda address, op: seen.append((address, op.json)) or {"success": True}
     for f in engine.init_weight_group_async("127.0.0.1", 29555, "areal_weights", "nccl"):
         f.result(10)
     # The trainer is rank 0; server i owns ranks 1+2i and 2+2i of 5.
     got = sorted((a, b["rank_offset"], b["world_size"], b["backend"]) for a, b in seen)
     assert got == [("127.0.0.1:1", 1, 5, "nccl"), ("127.0.0.1:2", 3, 5, "nccl")]
+    assert engine.weight_group_world_size == 5
     engine.destroy()

@@ -132,7 +132,14 @@ class OracleBackedEngine(SGLangInferenceEngine):
         self.routes: list[str] = []
         self.received: dict[str, str] = {}
 
-    def _control(self, server, call):
+    def control(self, address, op):
+        from areal_kernel.inference.wire import control_calls
+
+        for call in control_calls(op):
+            res = self._oracle_call(call)
+        return res
+
+    def _oracle_call(self, call):
         from sglang_testutil import post_json
 
         check = post_json(self.oracle_url + "/check_request", {"route": call.path, "body": call.json or {}})

@@ -12,20 +12,19 @@ Everything goes through vLLM's own routes:
   the transfer engine our worker extension registers.
 
 Some kernel operations are several vLLM calls; the protocol describes them as
-a list of ``HttpCall`` run in order, and ``VLLMInferenceEngine`` (a thin
-subclass of the kernel's ``RemoteInferenceEngine``) runs such sequences. All
-retries, affinity, failover and interruption logic stay the kernel's.
+a list of ``HttpCall`` run in order (a kernel ``ControlOp``), and every
+server gets ``tp_size`` ranks of an in-memory weight group
+(``ranks_per_server``). All retries, affinity, failover, interruption,
+restart and weight-group logic stay the kernel's.
 """
 from __future__ import annotations
 
-import concurrent.futures
-from typing import Any, Sequence
+from typing import Any
 
-from areal_kernel.api.engine import WeightUpdateMeta
 from areal_kernel.api.io import GenerationConfig, StopReason
 from areal_kernel.errors import ServerError
 from areal_kernel.inference.client import RemoteInferenceEngine
-from areal_kernel.inference.wire import GenerateChunk, HttpCall, ServerProtocol
+from areal_kernel.inference.wire import ControlOp, GenerateChunk, HttpCall, ServerProtocol
 
 PAUSE_MODES = ("abort", "keep", "wait")
 _FINISH = {"stop": StopReason.STOP, "length": StopReason.LENGTH, "abort": StopReason.ABORT}
@@ -48,6 +47,10 @@ class VLLMProtocol(ServerProtocol):
     def __init__(self, tp_size: int = 1) -> None:
         # Every worker of a server joins the weight group (ranks are per worker).
         self.tp_size = tp_size
+
+    @property
+    def ranks_per_server(self) -> int:  # type: ignore[override]
+        return max(1, self.tp_size)
 
     # -- generation ----------------------------------------------------------------
     def sampling_params(self, gconfig: GenerationConfig, max_new_tokens: int) -> dict[str, Any]:
@@ -126,7 +129,7 @@ class VLLMProtocol(ServerProtocol):
     def set_version(self, version: int) -> HttpCall:
         return HttpCall("POST", "/update_weight_version", {"new_version": str(version)})
 
-    def update_weights_from_disk(self, path: str, version: int) -> list[HttpCall]:  # type: ignore[override]
+    def update_weights_from_disk(self, path: str, version: int) -> ControlOp:
         return [
             HttpCall(
                 "POST",
@@ -153,9 +156,9 @@ class VLLMProtocol(ServerProtocol):
             timeout_s=_LOAD_TIMEOUT_S,
         )  # fmt: skip
 
-    def update_weights_from_distributed(  # type: ignore[override]
+    def update_weights_from_distributed(
         self, tensors: list[dict[str, Any]], version: int, bucket_bytes: int, group_name: str
-    ) -> list[HttpCall]:
+    ) -> ControlOp:
         return [
             HttpCall("POST", "/start_weight_update", {}),
             HttpCall(
@@ -170,44 +173,18 @@ class VLLMProtocol(ServerProtocol):
 
 
 class VLLMInferenceEngine(RemoteInferenceEngine):
-    """The kernel's remote client, plus: a protocol step may be a sequence of
-    calls (run in order on one server), and weight-group ranks count every
-    tensor-parallel worker of a server."""
+    """The kernel's remote client; versions are also labelled on the servers
+    (vLLM reports them per token in ``weight_versions``)."""
 
     protocol: VLLMProtocol
-
-    def _control(self, server: Any, call: HttpCall | Sequence[HttpCall]) -> Any:
-        if isinstance(call, HttpCall):
-            return super()._control(server, call)
-        out = None
-        for c in call:
-            out = super()._control(server, c)
-        return out
-
-    def init_weight_group_async(
-        self, master_addr: str, master_port: int, group_name: str, backend: str
-    ) -> list[concurrent.futures.Future]:
-        tp = max(1, self.protocol.tp_size)
-        world = 1 + tp * len(self.servers)
-        return [
-            self._pool.submit(
-                self._control, s, self.protocol.init_weight_group(master_addr, master_port, world, 1 + i * tp, group_name, backend)
-            )
-            for i, s in enumerate(self.servers)
-        ]
-
-    def update_weights(self, meta: WeightUpdateMeta) -> None:
-        if meta.kind == "disk" and not meta.path:
-            raise ServerError("disk weight update needs a path (WeightUpdateMeta.path)")
-        super().update_weights(meta)
 
     def set_version(self, version: int) -> None:
         """Record ``version`` here *and* label the servers' weights with it, so
         tokens generated from now on carry it in ``weight_versions``."""
-        self._control_all(lambda s: self.protocol.set_version(version))
+        self.control_all(self.protocol.set_version(version))
         super().set_version(version)
 
     def server_versions(self) -> list[int | None]:
         """Each server's current weight version (``GET /weight_info``)."""
         call = HttpCall("GET", "/weight_info")
-        return [parse_version(self._control(s, call).get("weight_version")) for s in self.servers]
+        return [parse_version(self.control(s.address, call).get("weight_version")) for s in self.servers]

@@ -63,7 +63,7 @@ def test_command_uses_the_module_entry_point_and_rl_flags(tmp_path):
     from areal_vllm.launcher import VLLMLauncher
 
     cfg = VLLMServerConfig(dtype="float32", max_num_seqs=8, extra_args=["--max-num-batched-tokens", "4096"])
-    cmd = VLLMLauncher(cfg, run_dir=str(tmp_path)).command("/models/x", 1234, tp=1)
+    cmd = VLLMLauncher(cfg, run_dir=str(tmp_path)).command("/models/x", 1234, 0, [])
     assert cmd[:3] == [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
     flags = dict(zip(cmd[3::2], cmd[4::2]))
     assert flags["--model"] == "/models/x" and flags["--port"] == "1234" and flags["--dtype"] == "float32"

@@ -347,3 +347,49 @@ def test_generation_interrupted_by_an_update_holds_two_versions(inference_engine
         assert max(abs(a - b) for a, b in zip(r.output_logprobs[k:], lp1[k:])) < 1e-3
     finally:
         _load_disk(inference_engine, smollm2_fp32, 0)
+
+
+def test_connections_vllm_closed_while_idle_are_resent_not_failed_over(vllm_server):
+    """vLLM's HTTP server closes a connection idle for 5 s. After a longer
+    idle gap (the rollout loop busy meanwhile, as when the controller holds
+    the interpreter through a weight update) the next burst went out on
+    pooled connections vLLM had closed: "inference server failed ...
+    ServerDisconnectedError ... kept_tokens=0" although the server was
+    healthy. Such a request is resent at once on a fresh connection; and
+    with the default client keep-alive (shorter than vLLM's) the pool drops
+    idle connections before vLLM does, so the situation does not arise."""
+    import time
+
+    from areal_kernel.inference.client import DEFAULT_KEEPALIVE_S
+    from areal_vllm.protocol import VLLMInferenceEngine, VLLMProtocol
+
+    g = GenerationConfig(max_new_tokens=2, greedy=True)
+    prompts = [[5, 6, 7, 8 + i] for i in range(16)]
+
+    def bursts(engine) -> tuple[list, list]:
+        async def go():
+            try:
+                first = await asyncio.gather(*(engine.agenerate(ModelRequest(p, g)) for p in prompts))
+                time.sleep(7.0)  # idle, the loop busy, longer than vLLM's keep-alive (5 s)
+                second = await asyncio.gather(*(engine.agenerate(ModelRequest(p, g)) for p in prompts))
+                return first, second
+            finally:
+                await engine.aclose()
+
+        return asyncio.run(go())
+
+    # A pool that keeps connections longer than vLLM does: the stale case happens, and is not a failure.
+    long_pool = VLLMInferenceEngine([vllm_server.address], VLLMProtocol(), request_timeout_s=300, down_probe_s=60,
+                                    keepalive_s=30.0)
+    first, second = bursts(long_pool)
+    assert [r.output_ids for r in first] == [r.output_ids for r in second]
+    assert long_pool.stats["failovers"] == 0
+    assert long_pool.stats["stale_connection_retries"] >= 1
+    long_pool.destroy()
+    # The default pool lets idle connections go before vLLM closes them.
+    assert DEFAULT_KEEPALIVE_S < 5
+    default = VLLMInferenceEngine([vllm_server.address], VLLMProtocol(), request_timeout_s=300, down_probe_s=60)
+    first, second = bursts(default)
+    assert [r.output_ids for r in first] == [r.output_ids for r in second]
+    assert default.stats["failovers"] == 0 and default.stats["stale_connection_retries"] == 0
+    default.destroy()

@@ -1,0 +1,354 @@
+"""The one subprocess server launcher every inference backend builds on.
+
+A backend says *what* to run (``command``, ``environment``); this class owns
+*how*: a free port per server, each server in its own session (process
+group) so one ``killpg`` takes down everything it spawned, the wait for its
+health route, the tail of its log in every error, retries when another
+process took the port first, stopping, and restarting one server on its old
+address (what ``areal_kernel.inference.supervisor`` does when a server dies).
+
+No torch and no backend package is imported here: servers are separate
+processes, started from whatever interpreter and module the backend names.
+"""
+from __future__ import annotations
+
+import abc
+import atexit
+import os
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections import deque
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from areal_kernel.api.engine import ServerInfo, ServerLauncher
+from areal_kernel.errors import ServerError
+from areal_kernel.utils.network import find_free_port, port_is_free
+
+# Exit code a server may use to say "my port is taken" (the embedded server
+# does); servers that cannot choose their exit code are recognised by the
+# messages below in their log.
+PORT_IN_USE_EXIT = 98
+PORT_CLASH_MESSAGES = ("address already in use", "errno 98", "is already in use")
+
+
+def tail_file(path: str, n: int) -> str:
+    """The last ``n`` lines of a text file (a note instead when it cannot be read)."""
+    try:
+        with open(path, errors="replace") as f:
+            return "".join(deque(f, maxlen=n))
+    except OSError as e:
+        return f"(no log: {e})"
+
+
+def http_ok(url: str, headers: dict[str, str] | None = None, timeout_s: float = 2.0) -> bool:
+    """True when ``GET url`` answers 200 (connection errors and other statuses: False)."""
+    req = urllib.request.Request(url, headers=headers or {})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as r:
+            return r.status == 200
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+@dataclass
+class ServerProcess:
+    """One started server: its process, where it listens and logs, and what
+    is needed to start it again on the same address."""
+
+    index: int  # position in ``launcher.servers``; also names the log file
+    popen: subprocess.Popen
+    info: ServerInfo
+    cmd: list[str]
+    log_path: str
+    port: int
+    model_path: str
+    device_ids: list[int] = field(default_factory=list)
+
+
+class SubprocessLauncher(ServerLauncher):
+    """Starts ``n`` server processes of one backend and keeps them running.
+
+    Subclasses implement ``command`` and usually extend ``environment``;
+    everything else has a working default:
+
+    - ``server_name`` (``"vLLM server"``) and ``settings_path``
+      (``"rollout.vllm"``) word the errors;
+    - ``health_path`` / ``health_headers()``: the route polled until the
+      server is ready (200) — the same route the client probes;
+    - ``log_name(index)``: the log file, under ``run_dir``;
+    - ``check_launch(...)``: reject a launch before anything starts;
+    - ``is_port_clash(proc, rc)``: whether an early exit means "port taken";
+    - ``cleanup()``: release what the subclass created (scratch dirs), after
+      ``stop``;
+    - ``start_failure_hint``: advice added when the command cannot be run.
+
+    Thread safety: ``launch``/``stop`` run in the controller; ``exited`` and
+    ``restart`` may run in a supervisor thread at the same time. A restart
+    racing ``stop`` is abandoned, never leaves a process behind.
+    """
+
+    server_name: ClassVar[str] = "inference server"
+    settings_path: ClassVar[str] = "rollout"
+    health_path: ClassVar[str] = "/health"
+    log_tail_lines: ClassVar[int] = 40
+    poll_s: ClassVar[float] = 0.25
+    # Appended when the command cannot even be executed (missing interpreter).
+    start_failure_hint: ClassVar[str] = ""
+
+    def __init__(
+        self,
+        run_dir: str | None,
+        *,
+        host: str = "127.0.0.1",
+        startup_timeout_s: float = 600.0,
+        stop_grace_s: float = 10.0,
+        port_retries: int = 3,
+        base_port: int | None = None,
+    ) -> None:
+        self.run_dir = os.path.abspath(run_dir or tempfile.mkdtemp(prefix="areal-servers-"))
+        os.makedirs(self.run_dir, exist_ok=True)
+        self.host = host
+        self.startup_timeout_s = startup_timeout_s
+        self.stop_grace_s = stop_grace_s
+        self.port_retries = port_retries
+        self.base_port = base_port  # server i listens on base_port + i; None: a free port each
+        self._procs: list[ServerProcess] = []
+        self._n_servers = 0
+        self._lock = threading.RLock()
+        self._stopping = False
+        atexit.register(self.stop)  # never leave orphan servers (they hold memory and devices)
+
+    # -- what a backend provides --------------------------------------------------
+    @abc.abstractmethod
+    def command(self, model_path: str, port: int, index: int, device_ids: list[int]) -> list[str]:
+        """The argv of server ``index`` listening on ``port``."""
+
+    def environment(self, index: int, n_servers: int, device_ids: list[int]) -> dict[str, str]:
+        """The server's environment: this process's, single-threaded OpenMP,
+        and its devices made visible through the platform layer."""
+        from areal_kernel.platforms import current_platform
+
+        env = dict(os.environ)
+        env["OMP_NUM_THREADS"] = "1"
+        env.update(current_platform().visible_devices_env_for(device_ids))
+        return env
+
+    def health_headers(self) -> dict[str, str]:
+        return {}
+
+    def log_name(self, index: int) -> str:
+        return f"server-{index}.log"
+
+    def check_launch(self, model_path: str, n_servers: int, devices_per_server: int) -> None:
+        """Raise ``ServerError`` for a launch that cannot work (before any process starts)."""
+
+    def is_port_clash(self, proc: ServerProcess, returncode: int) -> bool:
+        if returncode == PORT_IN_USE_EXIT:
+            return True
+        tail = tail_file(proc.log_path, self.log_tail_lines).lower()
+        return any(m in tail for m in PORT_CLASH_MESSAGES)
+
+    def cleanup(self) -> None:
+        """Release what the subclass created per run (called by ``stop``)."""
+
+    # -- public API ----------------------------------------------------------------
+    @property
+    def servers(self) -> list[ServerInfo]:
+        with self._lock:
+            return [p.info for p in self._procs]
+
+    def healthy(self, address: str) -> bool:
+        return http_ok(f"http://{address}{self.health_path}", self.health_headers())
+
+    def log_tail(self, index: int, n: int | None = None) -> str:
+        with self._lock:
+            if index >= len(self._procs):
+                return ""
+            path = self._procs[index].log_path
+        return tail_file(path, n or self.log_tail_lines)
+
+    def launch(self, model_path: str, n_servers: int, devices_per_server: int) -> list[ServerInfo]:
+        if n_servers < 1:
+            raise ServerError(f"n_servers must be >= 1, got {n_servers}")
+        if devices_per_server < 0:
+            raise ServerError(f"devices_per_server must be >= 0, got {devices_per_server}")
+        if not os.path.isdir(model_path):
+            raise ServerError(f"model path {model_path!r} is not a directory (expected an HF model directory)")
+        self.check_launch(model_path, n_servers, devices_per_server)
+        if self.base_port:
+            # A fixed port was asked for: a clash is the user's to resolve, not
+            # something to retry around. Probe before spawning anything.
+            for i in range(n_servers):
+                port = self.base_port + i
+                if not port_is_free(port, self.host):
+                    raise ServerError(
+                        f"{self.settings_path}.port: {self.host}:{port} is already in use by another process"
+                        + (f" (server {i} of {n_servers} uses port+{i})" if n_servers > 1 else "")
+                        + "; choose a free port or leave it unset to pick free ports automatically"
+                    )
+        with self._lock:
+            self._stopping = False
+            first = len(self._procs)
+        self._n_servers = n_servers
+        device_sets = [list(range(i * devices_per_server, (i + 1) * devices_per_server)) for i in range(n_servers)]
+        try:
+            # Start all first so they load in parallel, then wait for each.
+            for i, d in enumerate(device_sets):
+                self._spawn(first + i, model_path, d, self._port_for(i))
+            for i in range(n_servers):
+                with self._lock:
+                    p = self._procs[first + i]
+                self._wait_ready(p, restart=False)
+        except BaseException:
+            self.stop()  # all or nothing
+            raise
+        with self._lock:
+            return [p.info for p in self._procs[first:]]
+
+    def exited(self) -> dict[int, int]:
+        """Server index -> exit code of every server process that is gone
+        although ``stop`` was not called (crashed, OOM-killed, ``kill -9``)."""
+        with self._lock:
+            if self._stopping:
+                return {}
+            return {p.index: rc for p in self._procs if (rc := p.popen.poll()) is not None}
+
+    def restart(self, index: int) -> ServerInfo:
+        """Start server ``index`` again, on the same address, with the model
+        and devices it was launched with, and wait until it is healthy. The
+        old process group is killed first (a hung but alive server too). The
+        new process serves the weights in its model directory: bringing it
+        to the run's current weights is the client's job
+        (``RemoteInferenceEngine.resync_server``)."""
+        with self._lock:
+            if self._stopping or index >= len(self._procs):
+                raise ServerError(f"cannot restart {self.server_name} {index}: the launcher is stopped")
+            old = self._procs[index]
+        self.kill(old)
+        with open(old.log_path, "a") as f:
+            f.write(f"\n--- areal: restarting server on {old.info.address} "
+                    f"(previous exit code {old.popen.returncode}) ---\n")
+        self._spawn(index, old.model_path, old.device_ids, old.port)
+        with self._lock:
+            p = self._procs[index]
+        return self._wait_ready(p, restart=True).info
+
+    def stop(self) -> None:
+        """Stop every server (whole process groups): SIGTERM to all, then
+        SIGKILL to what is left after ``stop_grace_s``."""
+        with self._lock:
+            self._stopping = True
+            procs, self._procs = self._procs, []
+        for p in procs:  # SIGTERM all first so they shut down in parallel
+            if p.popen.poll() is None:
+                _signal_group(p.popen.pid, signal.SIGTERM)
+        for p in procs:
+            self.kill(p)
+        self.cleanup()
+
+    def kill(self, proc: ServerProcess) -> None:
+        """Kill one server's whole process group and reap its leader. The
+        leader may be gone while children it spawned (engine cores, workers)
+        live on, so the group is SIGKILLed whatever the leader did."""
+        if proc.popen.poll() is None:
+            _signal_group(proc.popen.pid, signal.SIGTERM)
+            try:
+                proc.popen.wait(self.stop_grace_s)
+            except subprocess.TimeoutExpired:
+                pass
+        _signal_group(proc.popen.pid, signal.SIGKILL)
+        try:
+            proc.popen.wait(10)
+        except subprocess.TimeoutExpired:  # unkillable (D state): nothing more we can do
+            pass
+
+    def failure(self, proc: ServerProcess, why: str) -> ServerError:
+        """An error naming the server, its command, its log file and the log's last lines."""
+        return ServerError(
+            f"{self.server_name} {proc.index} ({proc.info.address}) {why}\n  command: {' '.join(proc.cmd)}\n"
+            f"  log: {proc.log_path}\n--- last {self.log_tail_lines} log lines ---\n"
+            f"{tail_file(proc.log_path, self.log_tail_lines)}"
+        )
+
+    # -- internals -------------------------------------------------------------------
+    def _port_for(self, i: int) -> int:
+        return self.base_port + i if self.base_port else find_free_port(self.host)
+
+    def _spawn(self, index: int, model_path: str, device_ids: list[int], port: int) -> ServerProcess:
+        cmd = self.command(model_path, port, index, device_ids)
+        log_path = os.path.join(self.run_dir, self.log_name(index))
+        with self._lock:
+            if self._stopping:
+                raise ServerError(f"start of {self.server_name} {index} abandoned: the launcher is stopped")
+            with open(log_path, "ab") as logf:
+                logf.write(f"\n=== areal: {' '.join(cmd)}\n".encode())
+                logf.flush()
+                try:
+                    popen = subprocess.Popen(
+                        cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                        env=self.environment(index, max(self._n_servers, index + 1), device_ids),
+                        start_new_session=True,
+                    )  # fmt: skip
+                except OSError as e:
+                    hint = f"\n{self.start_failure_hint}" if self.start_failure_hint else ""
+                    raise ServerError(
+                        f"cannot start {self.server_name} {index} ({e}); command: {' '.join(cmd)}{hint}"
+                    ) from None
+            info = ServerInfo(f"{self.host}:{port}", popen.pid, log_path, list(device_ids))
+            proc = ServerProcess(index, popen, info, cmd, log_path, port, model_path, list(device_ids))
+            # Tracked at once, so stop() (atexit, a signal, another thread) kills it even while we wait.
+            if index < len(self._procs):
+                self._procs[index] = proc
+            else:
+                self._procs.append(proc)
+            return proc
+
+    def _wait_ready(self, p: ServerProcess, restart: bool) -> ServerProcess:
+        """Wait for ``p`` to answer its health route. A port clash is retried:
+        on a restart on the same port (clients know the address, and the dead
+        process's socket may linger a moment); on a launch without a fixed
+        port on a new free port, ``port_retries`` times."""
+        retries = self.port_retries
+        deadline = time.monotonic() + self.startup_timeout_s
+        while True:
+            rc = p.popen.poll()
+            if rc is not None:
+                clash = self.is_port_clash(p, rc)
+                if clash and restart and time.monotonic() < deadline:
+                    time.sleep(0.5)
+                    self.kill(p)
+                    p = self._spawn(p.index, p.model_path, p.device_ids, p.port)
+                    continue
+                if clash and retries > 0 and not restart and not self.base_port:
+                    # Someone took the port between our probe and the server's bind.
+                    retries -= 1
+                    self.kill(p)
+                    p = self._spawn(p.index, p.model_path, p.device_ids, find_free_port(self.host))
+                    continue
+                self.kill(p)  # children may outlive the leader
+                raise self.failure(p, f"exited with code {rc} before becoming healthy")
+            with self._lock:
+                if self._stopping:
+                    raise ServerError(f"start of {self.server_name} {p.index} abandoned: the launcher is stopped")
+            if self.healthy(p.info.address):
+                return p
+            if time.monotonic() > deadline:
+                self.kill(p)
+                raise self.failure(
+                    p, f"not healthy after {self.startup_timeout_s:g} s ({self.settings_path}.startup_timeout_s; "
+                    "raise it for slow model loads)",
+                )
+            time.sleep(self.poll_s)
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
