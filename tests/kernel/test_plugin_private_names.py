@@ -37,19 +37,7 @@ PLUGINS = REPO / "plugins"
 # these private control-call overrides with the client's public extension
 # points); listed so this branch stays green until it lands. Format:
 # "<package>/<file>:<kind>:<name>".
-KNOWN_ELSEWHERE = {
-    # removed by the inference-backend change
-    "areal_vllm/protocol.py:super:_control",
-    "areal_vllm/protocol.py:self:_control",
-    "areal_vllm/protocol.py:self:_control_all",
-    "areal_vllm/protocol.py:self:_pool",
-    # removed by the inference-backend change
-    "areal_sglang/backend.py:super:_control",
-    "areal_sglang/backend.py:self:_control",
-    "areal_sglang/backend.py:self:_control_all",
-    "areal_sglang/backend.py:self:_headers",
-    "areal_sglang/backend.py:self:_pool",
-}
+KNOWN_ELSEWHERE: set[str] = set()  # every plugin now uses public kernel API only
 
 
 def _private(name: str) -> bool:
