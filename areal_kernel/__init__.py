@@ -3,6 +3,7 @@
 Importing this package is cheap (no torch): heavy libraries load inside the
 factories that need them.
 """
+
 from areal_kernel.hookspecs import hookimpl
 
 __version__ = "0.1.0"

@@ -7,6 +7,7 @@ code: the message names the plugin, its distribution and the registered name
 they need them, so ``areal plugins`` stays fast, and keep working when a
 plugin is broken.
 """
+
 from __future__ import annotations
 
 import argparse

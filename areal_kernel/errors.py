@@ -6,6 +6,7 @@ Plugins report a user's mistake the same way: raise ``ArealError`` (or a
 subclass such as ``ConfigError`` or ``DataError``) with a message that says
 what to change. Any other exception from plugin code is treated as a bug in
 the plugin and reported as a ``PluginCodeError`` naming it."""
+
 from __future__ import annotations
 
 

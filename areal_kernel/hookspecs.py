@@ -34,6 +34,7 @@ capabilities=(), description="", success_threshold=None, worker_preload=())``
 - ``worker_preload``: rewards only; ``"pkg.module"`` (imported) or
   ``"pkg.module:function"`` (called) in each reward worker at start.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable

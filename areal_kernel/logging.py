@@ -3,6 +3,7 @@
 ``setup_logging()`` is called by the CLI and by worker processes; library code
 only calls ``get_logger(__name__)``.
 """
+
 from __future__ import annotations
 
 import logging

@@ -4,6 +4,7 @@ Standard deviations are population std (ddof=0). A group whose rewards are
 all equal has std 0 and gets advantage 0 (``(r - mean) / (0 + eps)`` with
 ``r == mean``), never NaN.
 """
+
 from __future__ import annotations
 
 import math
@@ -118,9 +119,7 @@ def overlong_penalty(gen_lens: Sequence[int], max_new_tokens: int, buffer_len: i
     inside the last ``L_cache`` tokens; ``-factor`` beyond ``L_max``.
     """
     if buffer_len < 1 or buffer_len > max_new_tokens:
-        raise ConfigError(
-            f"overlong_buffer_len={buffer_len} must be in [1, max_new_tokens={max_new_tokens}]"
-        )
+        raise ConfigError(f"overlong_buffer_len={buffer_len} must be in [1, max_new_tokens={max_new_tokens}]")
     start = max_new_tokens - buffer_len
     out = []
     for n in gen_lens:
@@ -187,7 +186,9 @@ def token_reward_rows(
     return out
 
 
-def discounted_returns(token_rewards: Sequence[Sequence[float]], loss_masks: Sequence[Sequence[int]], gamma: float) -> list[list[float]]:
+def discounted_returns(
+    token_rewards: Sequence[Sequence[float]], loss_masks: Sequence[Sequence[int]], gamma: float
+) -> list[list[float]]:
     """``G_t = r_t + gamma * G_{t+1}`` over each sequence's loss tokens (the
     tokens the policy chose; prompt/tool tokens in between are skipped, not
     discounted). 0 on non-loss tokens."""

@@ -15,6 +15,7 @@ gives the exact gradient of the batch loss whatever the micro-batching:
 
 The cost is one extra forward pass without gradients.
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable
@@ -82,7 +83,9 @@ def pair_loss_and_grads(
     import torch
 
     if len(chosen) != len(rejected) or not chosen:
-        raise DataError(f"need as many chosen as rejected scores (and at least one), got {len(chosen)} and {len(rejected)}")
+        raise DataError(
+            f"need as many chosen as rejected scores (and at least one), got {len(chosen)} and {len(rejected)}"
+        )
     c = torch.tensor(chosen, dtype=torch.float64, requires_grad=True)
     r = torch.tensor(rejected, dtype=torch.float64, requires_grad=True)
     loss = loss_of(c, r).mean()

@@ -23,6 +23,7 @@ Return one value per trajectory (broadcast to its loss tokens), one row per
 trajectory (per-token advantages), or an ``AdvantageResult`` that also carries
 critic ``returns``. Everything here is pure Python (no torch).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -4,6 +4,7 @@
 advantages, decoupled PPO loss, token-mean aggregation) and
 ``grpo_train_step`` is ``rl_train_step``; see ``areal_kernel.algo.rl``.
 """
+
 from __future__ import annotations
 
 from areal_kernel.algo.advantages import normalize_rewards

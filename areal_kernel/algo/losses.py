@@ -8,6 +8,7 @@ batch was split. Stats use the same normalisation (summed by the engine),
 except keys ending in ``_max``. Called outside an engine (no
 ``batch_loss_tokens``), the local loss-token count is used.
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable
@@ -235,7 +236,11 @@ def ppo_actor_loss(
     if entropy_coef != 0.0:
         if entropy is None:
             raise ConfigError("entropy_coef != 0 needs the per-token entropy (entropy=...)")
-        ent_term = masked_mean(entropy) if loss_agg == "token-mean" else aggregate(torch.where(mask, entropy, torch.zeros_like(entropy)))
+        ent_term = (
+            masked_mean(entropy)
+            if loss_agg == "token-mean"
+            else aggregate(torch.where(mask, entropy, torch.zeros_like(entropy)))
+        )
         loss = loss - entropy_coef * ent_term
     if entropy is not None:
         stats["entropy"] = masked_mean(entropy.detach())

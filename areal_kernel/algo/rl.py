@@ -5,6 +5,7 @@
 one or more ``train_batch`` calls with the registered policy loss -> (critic
 update). The defaults reproduce plain GRPO with the decoupled PPO loss.
 """
+
 from __future__ import annotations
 
 import math
@@ -93,9 +94,7 @@ def kl_token_value(log_ratio: float, estimator: str) -> float:
     return math.exp(-log_ratio) - 1.0 + log_ratio
 
 
-def prox_interpolation_alpha(
-    versions: list[int], loss_mask: list[int], v_prox: float, v_theta: float
-) -> list[float]:
+def prox_interpolation_alpha(versions: list[int], loss_mask: list[int], v_prox: float, v_theta: float) -> list[float]:
     """Interpolation weight per token for the proximal-logprob approximation.
 
     A token sampled by version ``v_b`` has behaviour logprob ``old``; the
@@ -193,7 +192,10 @@ def compute_advantages(
         if ref_logprobs is None:
             raise ConfigError(f"kl_coef={cfg.kl_coef} with kl_in='reward' needs ref_logprobs")
         token_rewards = [
-            [-cfg.kl_coef * kl_token_value(o - r, cfg.kl_estimator) if m else 0.0 for o, r, m in zip(t.logprobs, ref, t.loss_mask)]
+            [
+                -cfg.kl_coef * kl_token_value(o - r, cfg.kl_estimator) if m else 0.0
+                for o, r, m in zip(t.logprobs, ref, t.loss_mask)
+            ]
             for t, ref in zip(trajs, ref_logprobs)
         ]
     gids = [t.group_id or f"__single_{i}" for i, t in enumerate(trajs)]
@@ -291,7 +293,9 @@ def rl_train_step(
         vals = [s[key] for s in per_mb if isinstance(s.get(key), (int, float))]
         if not vals:
             continue
-        stats[key] = max(vals) if key.endswith("_max") else (min(vals) if key.endswith("_min") else sum(vals) / len(vals))
+        stats[key] = (
+            max(vals) if key.endswith("_max") else (min(vals) if key.endswith("_min") else sum(vals) / len(vals))
+        )
     if critic is not None and returns is not None:
         cstats = critic.train_values(batch, returns, values, value_eps_clip=cfg.value_eps_clip)
         stats.update({f"critic_{k}": v for k, v in cstats.items()})

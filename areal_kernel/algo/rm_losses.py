@@ -6,6 +6,7 @@ negative log-likelihood. Scores come from the scalar head of
 trainer sends the gradient through ``train_batch`` with the same two-pass
 scheme as DPO (``areal_kernel.algo.dpo_losses``).
 """
+
 from __future__ import annotations
 
 from typing import Any

@@ -5,6 +5,7 @@ Each micro-batch returns its share of the *batch* loss, normalised by
 batch-level counts, so the result does not depend on how the engine split the
 batch into micro-batches.
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable
@@ -53,7 +54,9 @@ def sft_loss(logprobs: Any, data: dict[str, Any], aggregation: str = "token_mean
     return loss, stats
 
 
-def make_sft_loss_fn(aggregation: str = "token_mean") -> Callable[[Any, Any, dict[str, Any]], tuple[Any, dict[str, Any]]]:
+def make_sft_loss_fn(
+    aggregation: str = "token_mean",
+) -> Callable[[Any, Any, dict[str, Any]], tuple[Any, dict[str, Any]]]:
     """``loss_fn(logprobs, entropy, data)`` for ``TrainEngine.train_batch``."""
     if aggregation not in AGGREGATIONS:
         raise ConfigError(f"loss_aggregation={aggregation!r} is not valid; use one of {', '.join(AGGREGATIONS)}")

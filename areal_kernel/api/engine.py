@@ -3,6 +3,7 @@
 Backends implement these; the trainer, rollout executor and workflows only
 talk to these interfaces. Nothing here imports torch.
 """
+
 from __future__ import annotations
 
 import abc

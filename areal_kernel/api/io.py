@@ -4,6 +4,7 @@ These are plain dataclasses so that every process (controller, inference
 client, workflow, trainer) can build and read them without importing torch.
 Tensors only appear once a batch is handed to a train engine.
 """
+
 from __future__ import annotations
 
 import enum

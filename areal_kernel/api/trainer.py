@@ -20,6 +20,7 @@ An ``ArealError`` raised by the trainer is the user's mistake: one line
 bug of the plugin that registered the trainer (its traceback goes to
 ``<run_dir>/error.log``). Nothing here imports torch.
 """
+
 from __future__ import annotations
 
 import abc

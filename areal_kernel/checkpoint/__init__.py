@@ -17,6 +17,7 @@ naming the path and the OS reason. ``latest()`` sees only directories with
 the marker, so partial directories of a killed process are ignored (and
 ``discard_partials()`` deletes them).
 """
+
 from __future__ import annotations
 
 import errno
@@ -157,7 +158,9 @@ class CheckpointManager:
         done = self.complete()
         for old in done[: max(0, len(done) - self.keep_last)]:
             # Rename first so a crash mid-delete never leaves a marked, half-deleted dir.
-            doomed = os.path.join(self.root, f"{PARTIAL_PREFIX}deleting-{os.path.basename(old.path)}-{uuid.uuid4().hex[:8]}")
+            doomed = os.path.join(
+                self.root, f"{PARTIAL_PREFIX}deleting-{os.path.basename(old.path)}-{uuid.uuid4().hex[:8]}"
+            )
             try:
                 os.rename(old.path, doomed)
             except OSError:

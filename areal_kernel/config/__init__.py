@@ -1,4 +1,5 @@
 """Configuration: pydantic models, YAML loading, overrides, allocation strings."""
+
 from areal_kernel.config.allocation import Allocation, parse_allocation
 from areal_kernel.config.loader import json_schema, load_config, read_yaml, validate_config
 from areal_kernel.config.models import ExperimentConfig

@@ -5,6 +5,7 @@ backend name; the dims after it say how many processes/devices it spans.
 Dimensions: d (data parallel / replicas), t (tensor), p (pipeline),
 c (context), e (expert). Omitted dims are 1.
 """
+
 from __future__ import annotations
 
 import re
@@ -65,8 +66,7 @@ def parse_allocation(text: str) -> Allocation:
             key, num = m.group(1), int(m.group(2))
             if key not in DIMS:
                 raise AllocationError(
-                    f"{text!r}: unknown dimension '{key}'; valid: "
-                    + ", ".join(f"{k} ({v})" for k, v in DIMS.items())
+                    f"{text!r}: unknown dimension '{key}'; valid: " + ", ".join(f"{k} ({v})" for k, v in DIMS.items())
                 )
             if key in values:
                 raise AllocationError(f"{text!r}: dimension '{key}' given twice")

@@ -1,4 +1,5 @@
 """Load a YAML config, apply overrides, validate: one clear error on failure."""
+
 from __future__ import annotations
 
 import os

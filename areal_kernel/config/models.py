@@ -5,6 +5,7 @@ depends on the chosen backend/type (``actor``, ``rollout``, ``dataset``,
 ``reward``, ``workflow``) hold that implementation's settings under its name,
 validated against the model its plugin registered.
 """
+
 from __future__ import annotations
 
 import re
@@ -23,7 +24,8 @@ class ModelConfig(StrictModel):
         description="Local HF directory, or a registered model name (see `areal plugins`).",
     )
     dtype: Literal["float32", "bfloat16"] = Field(
-        "float32", description="Inference weights dtype (bfloat16 only pays off on CPUs with avx512_bf16/AMX or on GPUs)."
+        "float32",
+        description="Inference weights dtype (bfloat16 only pays off on CPUs with avx512_bf16/AMX or on GPUs).",
     )
 
 
@@ -98,7 +100,9 @@ class DatasetConfig(PluginSection):
     split: str = "train"
     eval_split: str | None = None
     eval_fraction: float = Field(0.1, ge=0, lt=1, description="Held-out fraction when no eval split exists.")
-    field_map: dict[str, str] = Field(default_factory=dict, description="source field -> canonical field, e.g. {question: prompt}.")
+    field_map: dict[str, str] = Field(
+        default_factory=dict, description="source field -> canonical field, e.g. {question: prompt}."
+    )
     limit: int | None = Field(None, ge=1)
     shuffle: bool = True
 
@@ -134,7 +138,9 @@ class RLSettings(StrictModel):
     eps_clip: float = Field(0.2, gt=0)
     eps_clip_high: float | None = Field(None, gt=0, description="Upper clip (DAPO clip-higher); None = eps_clip.")
     # Decoupled PPO: bound on the behaviour importance weight exp(prox - old).
-    behav_imp_weight_cap: float | None = Field(5.0, gt=1, description="Cap on the behaviour importance weight; None = no cap.")
+    behav_imp_weight_cap: float | None = Field(
+        5.0, gt=1, description="Cap on the behaviour importance weight; None = no cap."
+    )
     recompute_proximal: bool = Field(
         True,
         description="Score each batch with the current weights as the proximal policy (a forward pass); "
@@ -266,7 +272,9 @@ class AlgorithmConfig(RLSettings, TrainerChoice):
         for key in list(extras):
             if key not in selected.values():
                 raise unknown_section_error(
-                    "algorithm", key, [*type(self).model_fields, *sorted(set(selected.values()))],
+                    "algorithm",
+                    key,
+                    [*type(self).model_fields, *sorted(set(selected.values()))],
                     f"a settings section is named after the selected advantage '{self.advantage}' or loss "
                     f"'{self.loss}', or the trainer '{self.type}' (algorithm.type)",
                 )
@@ -393,7 +401,9 @@ class LoggingConfig(StrictModel):
         for key in list(extras):
             if key not in self.sinks:
                 raise unknown_section_error(
-                    "logging", key, [*type(self).model_fields, *self.sinks],
+                    "logging",
+                    key,
+                    [*type(self).model_fields, *self.sinks],
                     f"a settings section is named after a sink in logging.sinks: {', '.join(self.sinks)}",
                 )
         for name in self.sinks:

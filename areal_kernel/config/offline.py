@@ -4,6 +4,7 @@ server, only a dataset, the train engine and (DPO/IPO) a frozen reference.
 
 Importable without torch, like every config module.
 """
+
 from __future__ import annotations
 
 from typing import Literal
@@ -11,6 +12,7 @@ from typing import Literal
 from pydantic import Field
 
 from areal_kernel.config.sections import StrictModel
+
 
 class ChatFormatConfig(StrictModel):
     """How records become token sequences (shared by the three trainers)."""

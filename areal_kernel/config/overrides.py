@@ -4,6 +4,7 @@ Values are parsed as YAML, so ``5``, ``0.1``, ``true``, ``null``, ``[1, 2]``
 and ``{a: 1}`` arrive typed; pydantic validation happens afterwards on the
 whole config.
 """
+
 from __future__ import annotations
 
 from typing import Any

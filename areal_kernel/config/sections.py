@@ -4,6 +4,7 @@
 validated against the config model that the ``fsdp`` train engine registered,
 so third-party backends get validated config without touching the kernel.
 """
+
 from __future__ import annotations
 
 import difflib
@@ -44,7 +45,7 @@ def format_validation_error(err: ValidationError, prefix: str = "", model: type[
                 msg += f" (got {e['input']!r})"
         if e["type"] == "value_error" and msg.startswith("Value error, "):
             # Our validators' messages are already sentences; pydantic's prefix is noise.
-            msg = msg[len("Value error, "):]
+            msg = msg[len("Value error, ") :]
             if not loc:  # a whole-config check names its fields itself
                 lines.append(msg)
                 continue
@@ -59,7 +60,9 @@ def _fields_at(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
         if field is None:
             return []
         ann = field.annotation
-        cls = next((a for a in getattr(ann, "__args__", (ann,)) if isinstance(a, type) and issubclass(a, BaseModel)), None)
+        cls = next(
+            (a for a in getattr(ann, "__args__", (ann,)) if isinstance(a, type) and issubclass(a, BaseModel)), None
+        )
         if cls is None:
             return []
     return sorted(getattr(cls, "model_fields", {}))

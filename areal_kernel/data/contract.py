@@ -27,6 +27,7 @@ grouped (and their advantages normalised) by id. A violation is one
 ``DataError`` naming the dataset, its plugin and the record's index (as
 above), raised before any server starts.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Protocol, Sequence, Union

@@ -19,7 +19,8 @@ class ArithmeticSourceConfig(BaseModel):
     n_train: int = Field(4096, ge=1, description="Training questions (problems repeat past the problem space).")
     n_eval: int = Field(32, ge=0, description="Held-out questions, disjoint from training.")
     split_seed: int | None = Field(
-        None, description="Seed that picks the held-out questions (default: the run's seed). Fix it to compare "
+        None,
+        description="Seed that picks the held-out questions (default: the run's seed). Fix it to compare "
         "runs of different seeds on one held-out set.",
     )
     ops: list[str] = Field(default_factory=lambda: ["+"], description="Any of + - *.")
@@ -32,7 +33,12 @@ def arithmetic_source(config: Any, seed: int, required: Sequence[str] = ()) -> t
 
     c: ArithmeticSourceConfig = config.plugin_config or ArithmeticSourceConfig()
     return arithmetic_splits(
-        c.n_train, c.n_eval, seed, split_seed=c.split_seed, ops=tuple(c.ops), min_operand=c.min_operand,
+        c.n_train,
+        c.n_eval,
+        seed,
+        split_seed=c.split_seed,
+        ops=tuple(c.ops),
+        min_operand=c.min_operand,
         max_operand=c.max_operand,
     )
 

@@ -1,4 +1,5 @@
 """Configuration of the built-in ``TorchTrainEngine`` (pydantic v2, no torch)."""
+
 from __future__ import annotations
 
 from typing import Any, Literal

@@ -9,6 +9,7 @@ Alignment: ``values[i]`` is the value of the state in which token ``i`` was
 chosen, i.e. the head applied to the hidden state at position ``i - 1``
 (0.0 at each sequence's first token), like ``logprobs[i]``.
 """
+
 from __future__ import annotations
 
 import math

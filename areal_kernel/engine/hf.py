@@ -10,6 +10,7 @@ Weight names are the model's ``state_dict`` names with tied aliases dropped
 (``weights_for_transfer``): what ``from_pretrained`` loads and what the
 broadcast transport sends.
 """
+
 from __future__ import annotations
 
 import json

@@ -3,6 +3,7 @@
 Keeping it a function (instead of a torch ``LRScheduler`` object holding a
 lambda) makes checkpoints trivial: the step counter is the whole state.
 """
+
 from __future__ import annotations
 
 import math

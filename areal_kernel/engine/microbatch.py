@@ -24,6 +24,7 @@ normalisers (``batch_loss_tokens``, ``batch_n_seqs``) and, with
 ``seq_index``, batch-wide ``seq_ids``, so summed gradients equal the
 single-process gradient however the batch was split.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -271,7 +272,9 @@ class MicroBatchRunner:
         return lp
 
     # ------------------------------------------------------------- scoring
-    def score(self, batch: TrajectoryBatch, only_loss_tokens: bool = False) -> tuple[list[list[float]], list[list[float]]]:
+    def score(
+        self, batch: TrajectoryBatch, only_loss_tokens: bool = False
+    ) -> tuple[list[list[float]], list[list[float]]]:
         """Per-token logprobs and entropies of every trajectory under the
         current weights (no gradients; the model's train/eval mode is
         restored). ``only_loss_tokens``: score loss tokens only (others 0.0)."""

@@ -4,6 +4,7 @@
 hyper-parameters in the param groups); tensors go to one safetensors file
 keyed ``"<param index>.<name>"``, the rest into a JSON-able dict.
 """
+
 from __future__ import annotations
 
 from typing import Any

@@ -7,6 +7,7 @@ when ``attention_mask`` is None and no KV cache is passed, so every forward on
 a packed row must use ``use_cache=False`` (FACTS.md: with the cache on,
 packed sequences attend across documents).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

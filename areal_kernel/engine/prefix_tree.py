@@ -18,6 +18,7 @@ row (all sequences concatenated, see ``packing.pack_row``) and loss
 functions see tensors aligned with it. ``TreeRow.virt_to_tree`` maps each
 virtual token to the tree position that computes its hidden state.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

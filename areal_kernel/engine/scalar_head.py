@@ -14,6 +14,7 @@ read up to token ``t``) rather than a logprob; the entropy tensor is zeros.
 engine is not touched: this is a subclass that overrides model loading and
 the forward pass only.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -29,9 +30,7 @@ from areal_kernel.errors import ConfigError
 class ScalarHeadRunner(MicroBatchRunner):
     """The micro-batch runner with the scalar head's forward."""
 
-    def forward(
-        self, row: PackedRow, *, entropy_grad: bool, scored: Any = None, tree: Any = None
-    ) -> tuple[Any, Any]:
+    def forward(self, row: PackedRow, *, entropy_grad: bool, scored: Any = None, tree: Any = None) -> tuple[Any, Any]:
         """Per-token scores of one packed row (only at ``scored`` positions
         when given, 0 elsewhere) and a zero entropy."""
         import torch

@@ -7,6 +7,7 @@ checkpoint's bookkeeping is written and checked one way. Optimizer moments
 are saved by ``areal_kernel.engine.optimizer_state`` (single process) or by
 the engine's own sharded format; model weights likewise.
 """
+
 from __future__ import annotations
 
 import json

@@ -40,6 +40,7 @@ Weight transfer: ``send_weights`` with ``kind="disk"`` writes an HF dir at
 ``meta.extra["group"]`` or, if absent, the group made by
 ``init_weight_group(...)``.
 """
+
 from __future__ import annotations
 
 import os

@@ -25,6 +25,7 @@ process, and calls it in this order (``areal_kernel.trainer.components.Rollout``
 backend normally writes ``__init__`` (read its section), ``make_launcher``
 and ``make_client``.
 """
+
 from __future__ import annotations
 
 import abc

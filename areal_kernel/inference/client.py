@@ -23,6 +23,7 @@ Backends extend it through their ``ServerProtocol`` (see ``wire``): control
 operations are ``HttpCall`` sequences, run on one server with ``control``,
 on all of them with ``control_all`` (or ``control_async`` for collectives).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -128,9 +129,17 @@ class RemoteInferenceEngine(InferenceEngine):
         self._rr = itertools.count()
         self._sessions: dict[int, Any] = {}
         self._fresh_sessions: dict[int, Any] = {}  # no pooling: for a retry after a stale pooled connection
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(4, 2 * len(addresses)), thread_name_prefix="areal-ctl")
-        self.stats = {"requests": 0, "interruptions": 0, "failovers": 0, "retries": 0, "resyncs": 0,
-                      "stale_connection_retries": 0}
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=max(4, 2 * len(addresses)), thread_name_prefix="areal-ctl"
+        )
+        self.stats = {
+            "requests": 0,
+            "interruptions": 0,
+            "failovers": 0,
+            "retries": 0,
+            "resyncs": 0,
+            "stale_connection_retries": 0,
+        }
         # Restart support: the weights every server must carry (the last disk
         # update), serialised with updates so a restarted server never loads a
         # directory the transport is about to delete.
@@ -202,7 +211,9 @@ class RemoteInferenceEngine(InferenceEngine):
     def update_from_distributed_async(
         self, tensors: list[dict[str, Any]], version: int, bucket_bytes: int, group_name: str
     ) -> list[concurrent.futures.Future]:
-        return self.control_async(self.protocol.update_weights_from_distributed(tensors, version, bucket_bytes, group_name))
+        return self.control_async(
+            self.protocol.update_weights_from_distributed(tensors, version, bucket_bytes, group_name)
+        )
 
     # -- control operations (controller thread; public extension points) --------------
     def control(self, address: str, op: ControlOp) -> Any:
@@ -275,7 +286,9 @@ class RemoteInferenceEngine(InferenceEngine):
         for s in self.servers:
             if s.address == address:
                 return s
-        raise ServerError(f"{address} is not one of this client's servers ({', '.join(x.address for x in self.servers)})")
+        raise ServerError(
+            f"{address} is not one of this client's servers ({', '.join(x.address for x in self.servers)})"
+        )
 
     def hold(self, address: str) -> None:
         """Send nothing to ``address`` (it is being restarted) until ``release``."""
@@ -429,10 +442,17 @@ class RemoteInferenceEngine(InferenceEngine):
                 srv.failures += 1
                 srv.down_until = time.monotonic() + self.down_probe_s
                 self.stats["failovers"] += 1
-                log.warning("inference server failed; continuing elsewhere", server=srv.address, error=str(e),
-                            rid=req.rid, kept_tokens=len(out_ids))
+                log.warning(
+                    "inference server failed; continuing elsewhere",
+                    server=srv.address,
+                    error=str(e),
+                    rid=req.rid,
+                    kept_tokens=len(out_ids),
+                )
                 if failures > self.retries:
-                    raise ServerError(f"request {req.rid} failed {failures} times; last error on {srv.address}: {e}") from None
+                    raise ServerError(
+                        f"request {req.rid} failed {failures} times; last error on {srv.address}: {e}"
+                    ) from None
                 server = None
                 await asyncio.sleep(min(2.0, 0.1 * 2**failures))
                 continue
@@ -467,7 +487,9 @@ class RemoteInferenceEngine(InferenceEngine):
 
     async def aclose(self, current_loop_only: bool = False) -> None:
         """Close HTTP sessions (all of them, or only the running loop's)."""
-        keys = [id(asyncio.get_running_loop())] if current_loop_only else list(self._sessions) + list(self._fresh_sessions)
+        keys = (
+            [id(asyncio.get_running_loop())] if current_loop_only else list(self._sessions) + list(self._fresh_sessions)
+        )
         for key in keys:
             for sessions in (self._sessions, self._fresh_sessions):
                 sess = sessions.pop(key, None)

@@ -10,6 +10,7 @@ address (what ``areal_kernel.inference.supervisor`` does when a server dies).
 No torch and no backend package is imported here: servers are separate
 processes, started from whatever interpreter and module the backend names.
 """
+
 from __future__ import annotations
 
 import abc
@@ -232,8 +233,10 @@ class SubprocessLauncher(ServerLauncher):
             old = self._procs[index]
         self.kill(old)
         with open(old.log_path, "a") as f:
-            f.write(f"\n--- areal: restarting server on {old.info.address} "
-                    f"(previous exit code {old.popen.returncode}) ---\n")
+            f.write(
+                f"\n--- areal: restarting server on {old.info.address} "
+                f"(previous exit code {old.popen.returncode}) ---\n"
+            )
         self._spawn(index, old.model_path, old.device_ids, old.port)
         with self._lock:
             p = self._procs[index]
@@ -341,7 +344,8 @@ class SubprocessLauncher(ServerLauncher):
             if time.monotonic() > deadline:
                 self.kill(p)
                 raise self.failure(
-                    p, f"not healthy after {self.startup_timeout_s:g} s ({self.settings_path}.startup_timeout_s; "
+                    p,
+                    f"not healthy after {self.startup_timeout_s:g} s ({self.settings_path}.startup_timeout_s; "
                     "raise it for slow model loads)",
                 )
             time.sleep(self.poll_s)

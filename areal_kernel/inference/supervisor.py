@@ -21,6 +21,7 @@ Every backend whose launcher is a ``SubprocessLauncher`` (embedded, vLLM,
 SGLang, third parties built on it) is supervised; the weights reach the new
 process through the backend's own ``update_weights_from_disk`` operation.
 """
+
 from __future__ import annotations
 
 import threading
@@ -118,8 +119,9 @@ class ServerSupervisor:
                 # One thread per dead server: a restart takes seconds, and a
                 # second server dying meanwhile must be held (and restarted)
                 # at once, not after the first one is back.
-                threading.Thread(target=self._handle_then_free, args=(i, rc), daemon=True,
-                                 name=f"areal-restart-{i}").start()
+                threading.Thread(
+                    target=self._handle_then_free, args=(i, rc), daemon=True, name=f"areal-restart-{i}"
+                ).start()
             self._stop.wait(self.poll_s)
 
     def _handle_then_free(self, i: int, rc: int) -> None:

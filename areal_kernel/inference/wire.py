@@ -23,6 +23,7 @@ Extension points (all public, all typed):
   ``ControlOp`` builders on the protocol, run with the client's public
   ``control`` / ``control_all`` / ``control_async``.
 """
+
 from __future__ import annotations
 
 import json as _json

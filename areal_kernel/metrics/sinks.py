@@ -2,6 +2,7 @@
 ``Sink(run_dir, total_steps=N, **settings)`` and fans metrics out with
 ``log(step, metrics)``, then ``close()`` (contract: docs/plugin-authoring.md,
 Metric sinks). ``wandb`` lives in ``areal_kernel.metrics.wandb_sink``."""
+
 from __future__ import annotations
 
 import json

@@ -5,6 +5,7 @@ This module imports only pydantic at import time: config validation imports
 ``WandbSettings`` on machines without wandb, and ``import areal_kernel``
 never imports wandb. ``WandbSink`` imports it when the trainer builds it.
 """
+
 from __future__ import annotations
 
 import os

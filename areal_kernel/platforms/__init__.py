@@ -4,6 +4,7 @@ Nothing else in the kernel or its plugins branches on the device: they ask
 ``current_platform()`` for the device, the distributed backend, the
 visible-devices variable and so on.
 """
+
 from areal_kernel.platforms.base import Platform
 from areal_kernel.platforms.resolve import current_platform, platform_named, reset_current_platform
 

@@ -1,4 +1,5 @@
 """The ``Platform`` interface and the built-in ``cpu`` and ``cuda`` platforms."""
+
 from __future__ import annotations
 
 import os

@@ -6,6 +6,7 @@ An out-of-tree probe is a zero-argument callable returning a
 ``"pkg.mod:Class"`` string when its hardware is present, else ``None``; it
 must not import heavy libraries unless it is about to answer yes.
 """
+
 from __future__ import annotations
 
 import os

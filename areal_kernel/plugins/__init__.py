@@ -1,4 +1,5 @@
 """Plugin discovery, guarded loading and the name registry."""
+
 from areal_kernel.plugins.manager import PluginRecord, get_plugin_manager, reset_plugin_manager
 from areal_kernel.plugins.registry import FactorySpec, Registry, get_registry
 

@@ -13,6 +13,7 @@ error's ``__cause__`` (``areal --debug``) and written to the run's
 Only plain exceptions are blamed: an ``ArealError`` raised by a plugin is
 already a message for the user and stays as it is.
 """
+
 from __future__ import annotations
 
 import os
@@ -69,8 +70,14 @@ def _frames(tb: TracebackType | None) -> list[tuple[str, str, str, int]]:
     while tb is not None:
         frame = tb.tb_frame
         code = frame.f_code
-        out.append((str(frame.f_globals.get("__name__", "")), getattr(code, "co_qualname", code.co_name),
-                    code.co_filename, tb.tb_lineno))
+        out.append(
+            (
+                str(frame.f_globals.get("__name__", "")),
+                getattr(code, "co_qualname", code.co_name),
+                code.co_filename,
+                tb.tb_lineno,
+            )
+        )
         tb = tb.tb_next
     return out
 

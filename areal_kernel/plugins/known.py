@@ -1,4 +1,5 @@
 """Names users may write that belong to plugins we know of, for install hints."""
+
 from __future__ import annotations
 
 # entry-point / config name -> distribution that provides it

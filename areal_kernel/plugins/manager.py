@@ -11,6 +11,7 @@
 - Compatible: a plugin whose distribution requires an ``areal-kernel``
   version range that excludes this kernel is skipped before import.
 """
+
 from __future__ import annotations
 
 import os
@@ -126,7 +127,9 @@ class PluginManager:
     def _load_all(self) -> None:
         import areal_kernel.builtin as builtin_module
 
-        self._register_module(PluginRecord(BUILTIN, builtin_module.__name__, KERNEL_DIST, _kernel_version()), builtin_module)
+        self._register_module(
+            PluginRecord(BUILTIN, builtin_module.__name__, KERNEL_DIST, _kernel_version()), builtin_module
+        )
         wanted = _enabled_filter()
         for ep in sorted(metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
             if ep.name == BUILTIN or ep.name in self.records:
@@ -160,7 +163,9 @@ class PluginManager:
             self._register_module(rec, module)
         if wanted:
             for missing in sorted(wanted - set(self.records)):
-                self.records[missing] = PluginRecord(missing, "", status="failed", error="listed in AREAL_PLUGINS but not installed")
+                self.records[missing] = PluginRecord(
+                    missing, "", status="failed", error="listed in AREAL_PLUGINS but not installed"
+                )
 
     def _fail(self, rec: PluginRecord, message: str, exc: BaseException | None = None) -> None:
         self.registry.failed_plugins[rec.name] = (f"{rec.dist} {rec.version}", message)
@@ -221,8 +226,12 @@ class PluginManager:
                     raise ValueError(
                         f"plugin '{rec.name}' gave {kind} '{name}' a success_threshold; only rewards have one"
                     )
-                if isinstance(success_threshold, bool) or not isinstance(success_threshold, (int, float)) \
-                        or success_threshold != success_threshold or abs(success_threshold) == float("inf"):
+                if (
+                    isinstance(success_threshold, bool)
+                    or not isinstance(success_threshold, (int, float))
+                    or success_threshold != success_threshold
+                    or abs(success_threshold) == float("inf")
+                ):
                     raise ValueError(
                         f"plugin '{rec.name}' registered reward '{name}' with success_threshold "
                         f"{success_threshold!r}; expected a finite number (the reward of a solved sample)"

@@ -3,6 +3,7 @@
 Factories are import strings, so registering costs nothing; the target is
 imported only when a run selects the name.
 """
+
 from __future__ import annotations
 
 import difflib
@@ -190,7 +191,9 @@ class Registry:
         if hint:
             parts.append(hint + ".")
         if self.failed_plugins:
-            parts.append("Plugins that failed to load: " + ", ".join(sorted(self.failed_plugins)) + " (see `areal plugins`).")
+            parts.append(
+                "Plugins that failed to load: " + ", ".join(sorted(self.failed_plugins)) + " (see `areal plugins`)."
+            )
         if self.disabled_plugins:
             parts.append("Plugins disabled by AREAL_PLUGINS: " + ", ".join(sorted(self.disabled_plugins)) + ".")
         return PluginNotFoundError(" ".join(parts))

@@ -17,6 +17,7 @@ with:
 Score: 1.0 if the program (completion code, then the ``answer`` tests)
 exits 0 within the limits, else 0.0.
 """
+
 from __future__ import annotations
 
 import os

@@ -4,6 +4,7 @@ Importable without sympy or math-verify: the config loader validates these
 in the controller, and the reward receives the fields as keyword arguments
 in its worker process (see docs/plugin-authoring.md, "Rewards").
 """
+
 from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field

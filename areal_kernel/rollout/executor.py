@@ -1,6 +1,7 @@
 """The rollout executor: runs workflow episodes concurrently on an asyncio loop
 in a background thread, under the staleness budget, and hands finished
 groups to the trainer through a thread-safe queue."""
+
 from __future__ import annotations
 
 import asyncio
@@ -243,8 +244,10 @@ class RolloutExecutor:
             self.stats.failed += 1
             log.warning("rollout episode failed", error=f"{type(e).__name__}: {e}")
             if self.stats.failed > self.max_failures:
-                self._error = e if isinstance(e, ArealError) or _from_plugin(e) else ArealError(
-                    f"{self.stats.failed} rollout episodes failed; last error: {type(e).__name__}: {e}"
+                self._error = (
+                    e
+                    if isinstance(e, ArealError) or _from_plugin(e)
+                    else ArealError(f"{self.stats.failed} rollout episodes failed; last error: {type(e).__name__}: {e}")
                 )
             return
         self.stats.latencies.append(time.monotonic() - t0)

@@ -6,6 +6,7 @@ waiting in the queue, or already trained on). With ``max_staleness = 0``
 rollout and training alternate (synchronous RL); each extra unit lets
 generation run one weight version ahead of training.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

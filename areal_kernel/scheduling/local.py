@@ -4,6 +4,7 @@ It hands out device ids per role (accelerators are never shared between
 roles; on CPU every process is single-threaded and cores are shared) and
 starts inference servers through their backend's launcher.
 """
+
 from __future__ import annotations
 
 import os
@@ -80,7 +81,11 @@ class LocalScheduler:
             e.update(self.platform.visible_devices_env_for(devices))
             with open(os.path.join(log_dir, f"rank-{rank}.log"), "ab") as logf:
                 p = subprocess.Popen(
-                    argv, env=e, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                    argv,
+                    env=e,
+                    stdout=logf,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
                     start_new_session=True,
                 )
             # Tracked at once: if a later rank fails to start, stop() still finds this one.

@@ -1,4 +1,5 @@
 """``areal plan``: the processes and devices each role needs, and whether they fit."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -38,9 +39,7 @@ def make_plan(cfg: ExperimentConfig) -> dict[str, Any]:
     needed = sum(r["devices"] for r in roles)
     notes = []
     if shared and needed > available:
-        notes.append(
-            f"{needed} single-threaded processes on {available} core(s): they will share cores and run slower"
-        )
+        notes.append(f"{needed} single-threaded processes on {available} core(s): they will share cores and run slower")
     if actor.e > 1 and actor.world_size % actor.e:
         notes.append(f"actor expert parallel e{actor.e} does not divide the world size {actor.world_size}")
     return {

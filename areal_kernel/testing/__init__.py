@@ -12,6 +12,7 @@ transports, schedulers): ``areal_kernel.testing.kinds``. The names resolve
 on first use, so importing a helper module of this package (``models``,
 ``waits``) does not import pytest.
 """
+
 from __future__ import annotations
 
 import importlib

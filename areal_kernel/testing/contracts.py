@@ -12,6 +12,7 @@ Usage in a plugin's tests::
 Each contract asks for one fixture (named in its docstring) and checks what
 the kernel relies on. They only use public kernel APIs.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -127,7 +128,9 @@ class InferenceEngineContract:
 
         async def go() -> list[Any]:
             try:
-                return await asyncio.gather(*(engine.agenerate(ModelRequest(p, GenerationConfig(**g))) for p in prompts))
+                return await asyncio.gather(
+                    *(engine.agenerate(ModelRequest(p, GenerationConfig(**g))) for p in prompts)
+                )
             finally:
                 close = getattr(engine, "aclose", None)
                 if close is not None:
@@ -214,8 +217,11 @@ class InferenceEngineContract:
         t = threading.Thread(target=worker)
         t.start()
         try:
-            wait_until(lambda: self.generations_running(inference_engine) >= 1, timeout_s=120,
-                       what="the generation to start on a server")
+            wait_until(
+                lambda: self.generations_running(inference_engine) >= 1,
+                timeout_s=120,
+                what="the generation to start on a server",
+            )
         finally:
             inference_engine.pause()
         # Not a synchronisation: a paused generation waits however long we look.
@@ -253,8 +259,16 @@ class TrainEngineContract:
         trajs = []
         for i, ids in enumerate(seqs):
             mask = [0] + [1] * (len(ids) - 1)
-            trajs.append(Trajectory(ids, mask, [0.0] + [-1.0] * (len(ids) - 1), [-1] + [0] * (len(ids) - 1),
-                                    reward=float(i % 2), group_id="g"))
+            trajs.append(
+                Trajectory(
+                    ids,
+                    mask,
+                    [0.0] + [-1.0] * (len(ids) - 1),
+                    [-1] + [0] * (len(ids) - 1),
+                    reward=float(i % 2),
+                    group_id="g",
+                )
+            )
         return TrajectoryBatch(trajs)
 
     @staticmethod
@@ -285,8 +299,18 @@ class TrainEngineContract:
         stats = train_engine.train_batch(batch, make_ppo_loss_fn(eps_clip=0.2), extra)
         assert stats["skipped"] == 0.0 and stats["grad_norm"] > 0
         after = train_engine.compute_logprobs(batch)
-        up = sum(a - b for t, ra, rb in zip(batch.trajectories, after, before) if t.reward > 0 for a, b in zip(ra[1:], rb[1:]))
-        down = sum(a - b for t, ra, rb in zip(batch.trajectories, after, before) if t.reward == 0 for a, b in zip(ra[1:], rb[1:]))
+        up = sum(
+            a - b
+            for t, ra, rb in zip(batch.trajectories, after, before)
+            if t.reward > 0
+            for a, b in zip(ra[1:], rb[1:])
+        )
+        down = sum(
+            a - b
+            for t, ra, rb in zip(batch.trajectories, after, before)
+            if t.reward == 0
+            for a, b in zip(ra[1:], rb[1:])
+        )
         assert up > 0 > down
 
     def test_save_hf_round_trips(self, train_engine: TrainEngine, tmp_path: Any) -> None:

@@ -22,6 +22,7 @@ lists the fixtures of each. Real parts throughout: the kernel's torch train
 engine and embedded inference server on tiny models, real reward worker
 processes, real files and subprocesses.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -286,7 +287,9 @@ class MetricSinkContract:
         rows = self.read_back(run_dir, capsys.readouterr().out)
         assert rows.get(3, {}).get("train/loss") == pytest.approx(1.5, abs=1e-3), rows
 
-    def test_close_twice(self, sink_name: str, sink_settings: dict, tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    def test_close_twice(
+        self, sink_name: str, sink_settings: dict, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
         _, _, run_dir = self._layout(tmp_path, monkeypatch)
         sink = self._sinks(sink_name, sink_settings, run_dir)
         sink.log(1, {"train/loss": 1.0})
@@ -313,8 +316,16 @@ def _trajectories(groups: dict[str, list[float]], *, equal_lengths: bool = False
         for i, r in enumerate(rewards):
             prompt, gen = 3, 4 if equal_lengths else 2 + (i * 3 + len(g)) % 5
             ids = [7] * prompt + [11 + i] * gen
-            trajs.append(Trajectory(ids, [0] * prompt + [1] * gen, [0.0] * prompt + [-0.5] * gen,
-                                    [-1] * prompt + [0] * gen, reward=r, group_id=g))
+            trajs.append(
+                Trajectory(
+                    ids,
+                    [0] * prompt + [1] * gen,
+                    [0.0] * prompt + [-0.5] * gen,
+                    [-1] * prompt + [0] * gen,
+                    reward=r,
+                    group_id=g,
+                )
+            )
     return TrajectoryBatch(trajs)
 
 
@@ -396,7 +407,9 @@ class AdvantageEstimatorContract:
         shifted, _ = self._advantages(
             estimator_name, estimator_settings, _trajectories({**_GROUPS, "c": [r + 3.0 for r in _GROUPS["c"]]})
         )
-        other, _ = self._advantages(estimator_name, estimator_settings, _trajectories({**_GROUPS, "c": [1.0, 0.0, 0.0, 0.0]}))
+        other, _ = self._advantages(
+            estimator_name, estimator_settings, _trajectories({**_GROUPS, "c": [1.0, 0.0, 0.0, 0.0]})
+        )
         n_ab = len(_GROUPS["a"]) + len(_GROUPS["b"])
 
         def same(x: list[list[float]], y: list[list[float]]) -> bool:
@@ -419,7 +432,10 @@ class AdvantageEstimatorContract:
         base, _ = self._advantages(estimator_name, estimator_settings, batch, values=values)
         order = list(range(len(batch)))[::-1]
         moved_batch = TrajectoryBatch(
-            [dataclasses.replace(batch.trajectories[i], group_id="renamed-" + batch.trajectories[i].group_id) for i in order]
+            [
+                dataclasses.replace(batch.trajectories[i], group_id="renamed-" + batch.trajectories[i].group_id)
+                for i in order
+            ]
         )
         moved, _ = self._advantages(estimator_name, estimator_settings, moved_batch, values=[values[i] for i in order])
         for k, i in enumerate(order):
@@ -435,7 +451,9 @@ class AdvantageEstimatorContract:
         assert all(_finite(x) for row in rows for x in row)
         spec = _spec("advantage_estimator", estimator_name)
         fn = spec.load()
-        settings = settings_kwargs(validate_settings(f"algorithm.{estimator_name}", spec.kind, spec.name, estimator_settings or None))
+        settings = settings_kwargs(
+            validate_settings(f"algorithm.{estimator_name}", spec.kind, spec.name, estimator_settings or None)
+        )
         trajs = batch.trajectories
         rewards = [t.reward for t in trajs]
         gids = [t.group_id for t in trajs]
@@ -473,12 +491,25 @@ def _loss_batch() -> Any:
     """Two groups of two samples sharing a prompt, of different lengths."""
     from areal_kernel.api.io import Trajectory, TrajectoryBatch
 
-    rows = [([1, 9, 4, 4], [17, 23, 5]), ([1, 9, 4, 4], [31, 8, 8, 12, 40]), ([1, 3, 3], [19, 2]), ([1, 3, 3], [77, 6, 6, 6])]
+    rows = [
+        ([1, 9, 4, 4], [17, 23, 5]),
+        ([1, 9, 4, 4], [31, 8, 8, 12, 40]),
+        ([1, 3, 3], [19, 2]),
+        ([1, 3, 3], [77, 6, 6, 6]),
+    ]
     trajs = []
     for i, (prompt, gen) in enumerate(rows):
         n, m = len(prompt), len(gen)
-        trajs.append(Trajectory(prompt + gen, [0] * n + [1] * m, [0.0] * (n + m), [-1] * n + [0] * m,
-                                reward=float(i % 2), group_id=f"g{i // 2}"))
+        trajs.append(
+            Trajectory(
+                prompt + gen,
+                [0] * n + [1] * m,
+                [0.0] * (n + m),
+                [-1] * n + [0] * m,
+                reward=float(i % 2),
+                group_id=f"g{i // 2}",
+            )
+        )
     return TrajectoryBatch(trajs)
 
 
@@ -653,7 +684,9 @@ class LossContract:
         assert torch.allclose(g_pad[~added_t], grad, rtol=1e-5, atol=1e-7)
         assert bool((g_pad[added_t] == 0).all()), "a token off the loss mask got a gradient"
 
-    def test_gradient_follows_the_advantage(self, loss_name: str, loss_settings: dict, loss_knobs: dict, loss_step: dict) -> None:
+    def test_gradient_follows_the_advantage(
+        self, loss_name: str, loss_settings: dict, loss_knobs: dict, loss_step: dict
+    ) -> None:
         """On-policy (behaviour = proximal = current logprobs), descending the
         loss raises the logprob of tokens with a positive advantage and lowers the others'."""
         fn = self._loss_fn(loss_name, loss_settings, loss_knobs)
@@ -668,7 +701,9 @@ class LossContract:
         assert bool((push[mask & (adv != 0)] <= 1e-9).all()), "a loss token is pushed against its advantage"
         assert float(push[mask].sum()) < 0, "the gradient does not follow the advantages"
 
-    def test_extreme_inputs_stay_finite(self, loss_name: str, loss_settings: dict, loss_knobs: dict, loss_step: dict) -> None:
+    def test_extreme_inputs_stay_finite(
+        self, loss_name: str, loss_settings: dict, loss_knobs: dict, loss_step: dict
+    ) -> None:
         import torch
 
         fn = self._loss_fn(loss_name, loss_settings, loss_knobs)
@@ -684,7 +719,9 @@ class LossContract:
         assert _finite(loss) and bool(torch.isfinite(grad).all()), loss
         assert all(_finite(v) for v in stats.values()), stats
 
-    def test_takes_every_keyword_the_kernel_passes(self, loss_name: str, loss_settings: dict, loss_knobs: dict, loss_step: dict) -> None:
+    def test_takes_every_keyword_the_kernel_passes(
+        self, loss_name: str, loss_settings: dict, loss_knobs: dict, loss_step: dict
+    ) -> None:
         fn = self._loss_fn(loss_name, loss_settings, loss_knobs, {_EXTRA_KEYWORD: True})
         loss, _, _ = self._run(fn, loss_step["logprobs"], loss_step["entropy"], loss_step["data"])
         assert _finite(loss)
@@ -784,9 +821,13 @@ class WorkflowContract:
     def expected_completion(self, tokenizer: Any, trajectory: Any) -> str:
         """What the reward must receive for ``trajectory``: its generated
         tokens decoded with special tokens skipped (docs: Rewards)."""
-        return tokenizer.decode([t for t, m in zip(trajectory.input_ids, trajectory.loss_mask) if m], skip_special_tokens=True)
+        return tokenizer.decode(
+            [t for t, m in zip(trajectory.input_ids, trajectory.loss_mask) if m], skip_special_tokens=True
+        )
 
-    def _build(self, name: str, settings: dict, model_dir: str, log_path: str, fail: bool = False) -> tuple[Any, Any, Any]:
+    def _build(
+        self, name: str, settings: dict, model_dir: str, log_path: str, fail: bool = False
+    ) -> tuple[Any, Any, Any]:
         """The workflow as ``Rollout.start`` builds it, rewarded by the probe."""
         from areal_kernel.reward.pool import RewardPool
         from areal_kernel.testing.probe_reward import PROBE_REWARD_TARGET
@@ -842,8 +883,14 @@ class WorkflowContract:
                 j = i
                 while j < len(t.loss_mask) and t.loss_mask[j]:
                     j += 1
-                match = [r for q, r in rec.calls if list(q.input_ids) == t.input_ids[:i] and list(r.output_ids) == t.input_ids[i:j]]
-                assert match, f"trajectory {k}: loss tokens {i}:{j} are no response of the engine to the tokens before them"
+                match = [
+                    r
+                    for q, r in rec.calls
+                    if list(q.input_ids) == t.input_ids[:i] and list(r.output_ids) == t.input_ids[i:j]
+                ]
+                assert match, (
+                    f"trajectory {k}: loss tokens {i}:{j} are no response of the engine to the tokens before them"
+                )
                 r = match[0]
                 assert t.logprobs[i:j] == list(r.output_logprobs), f"trajectory {k}: logprobs differ from the engine's"
                 assert t.versions[i:j] == list(r.output_versions), f"trajectory {k}: versions differ from the engine's"
@@ -914,7 +961,9 @@ class WorkflowContract:
         log_path = str(tmp_path / "calls.jsonl")
         wf, pool, _ = self._build(workflow_name, workflow_settings, workflow_model_dir, log_path)
         try:
-            score, text = asyncio.run(_closing(workflow_engine, wf.aevaluate(workflow_engine, dict(workflow_record), 4)))
+            score, text = asyncio.run(
+                _closing(workflow_engine, wf.aevaluate(workflow_engine, dict(workflow_record), 4))
+            )
             again = asyncio.run(_closing(workflow_engine, wf.aevaluate(workflow_engine, dict(workflow_record), 4)))
         finally:
             pool.close()
@@ -1017,7 +1066,9 @@ class WeightTransportContract:
     def _served(self, infer: Any) -> Any:
         from areal_kernel.api.io import GenerationConfig, ModelRequest
 
-        req = ModelRequest(list(self.PROMPT), GenerationConfig(max_new_tokens=self.NEW_TOKENS, greedy=True, stop_token_ids=[]))
+        req = ModelRequest(
+            list(self.PROMPT), GenerationConfig(max_new_tokens=self.NEW_TOKENS, greedy=True, stop_token_ids=[])
+        )
         return asyncio.run(_closing(infer, infer.agenerate(req)))
 
     def _assert_serves_the_trainer(self, train: Any, resp: Any) -> None:
@@ -1044,7 +1095,9 @@ class WeightTransportContract:
         restore = self.change_weights(train)
         try:
             metrics = transport.update(v + 1)
-            assert isinstance(metrics, dict) and all(isinstance(k, str) and _finite(x) for k, x in metrics.items()), metrics
+            assert isinstance(metrics, dict) and all(isinstance(k, str) and _finite(x) for k, x in metrics.items()), (
+                metrics
+            )
             changed = self._served(infer)
             assert infer.get_version() == v + 1 and set(changed.output_versions) == {v + 1}
             assert changed.output_logprobs != base.output_logprobs, "the new weights changed nothing on the servers"
@@ -1134,16 +1187,22 @@ class SchedulerContract:
         # The trainer asks it which platform picks the weight transport.
         assert isinstance(scheduler.platform, Platform)
 
-    def test_train_ranks_run_in_their_own_sessions_and_stop(self, scheduler: Any, scheduler_cfg: Any, tmp_path: Any) -> None:
+    def test_train_ranks_run_in_their_own_sessions_and_stop(
+        self, scheduler: Any, scheduler_cfg: Any, tmp_path: Any
+    ) -> None:
         from areal_kernel.testing.waits import wait_until
 
         if not self.starts_train_ranks:
-            assert not hasattr(scheduler, "start_train_ranks"), "it has start_train_ranks; set starts_train_ranks = True"
+            assert not hasattr(scheduler, "start_train_ranks"), (
+                "it has start_train_ranks; set starts_train_ranks = True"
+            )
             return
         world = scheduler_cfg.actor.allocation.world_size
         out, logs = tmp_path / "out", tmp_path / "logs"
         out.mkdir()
-        procs = scheduler.start_train_ranks([sys.executable, "-c", _RANK, str(out)], str(logs), {"AREAL_CONTRACT_MARK": "m"})
+        procs = scheduler.start_train_ranks(
+            [sys.executable, "-c", _RANK, str(out)], str(logs), {"AREAL_CONTRACT_MARK": "m"}
+        )
         assert len(procs) == world
         wait_until(lambda: len(list(out.glob("rank-*.json"))) == world, timeout_s=60, what="every rank to report")
         reports = [json.loads((out / f"rank-{r}.json").read_text()) for r in range(world)]
@@ -1172,7 +1231,9 @@ class SchedulerContract:
         assert len(addresses) == cfg.rollout.allocation.d, addresses
         client = backend.make_client(addresses)
         try:
-            resp = asyncio.run(_closing(client, client.agenerate(ModelRequest([5, 6], GenerationConfig(max_new_tokens=2)))))
+            resp = asyncio.run(
+                _closing(client, client.agenerate(ModelRequest([5, 6], GenerationConfig(max_new_tokens=2))))
+            )
             assert resp.output_len >= 1
         finally:
             client.destroy()

@@ -1,5 +1,6 @@
 """Install a plugin package for a test only (into a private directory that a
 test puts on the PYTHONPATH of the processes it starts)."""
+
 from __future__ import annotations
 
 import shutil

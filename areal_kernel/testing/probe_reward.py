@@ -8,6 +8,7 @@ workflow must count as a failed reward call.
 Kept apart from the contract suites so that a reward worker importing it
 imports neither pytest nor torch.
 """
+
 from __future__ import annotations
 
 import json

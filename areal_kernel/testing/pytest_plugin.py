@@ -3,6 +3,7 @@
 Loaded automatically when areal-kernel is installed. Fixtures here must stay
 cheap to define: heavy work happens only when a test requests them.
 """
+
 from __future__ import annotations
 
 import os

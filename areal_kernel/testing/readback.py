@@ -6,6 +6,7 @@ end-to-end tests compare with ``metrics.jsonl``.
 Each reader returns ``{step: {key: value}}``; rows of one step logged in
 several calls are merged, later values winning.
 """
+
 from __future__ import annotations
 
 import glob

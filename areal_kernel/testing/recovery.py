@@ -1,6 +1,7 @@
 """Helpers to test exact recovery of real ``areal train`` runs (used by the
 kernel's and the plugins' tests; a train-engine plugin can prove with them
 that a killed run resumes exactly)."""
+
 from __future__ import annotations
 
 import json
@@ -51,7 +52,9 @@ def kill_after_checkpoint(args: list[str], run_dir: str, step: int, timeout: flo
         if proc.stdout:
             proc.stdout.close()
     if not reached:
-        raise AssertionError(f"the run never reached checkpoint {step} + one step (rc {proc.returncode}):\n{out[-3000:]}")
+        raise AssertionError(
+            f"the run never reached checkpoint {step} + one step (rc {proc.returncode}):\n{out[-3000:]}"
+        )
     return out
 
 

@@ -1,4 +1,5 @@
 """Learning-trend checks shared by end-to-end tests (kernel and plugins)."""
+
 from __future__ import annotations
 
 import math

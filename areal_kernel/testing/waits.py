@@ -5,6 +5,7 @@ that a generation is running: a fixed sleep guesses, and a faster CPU finishes
 the whole generation inside the guess (an AVX-512 machine did, with 400 tokens
 of a tiny model in under 0.3 s). These helpers poll what a server reports.
 """
+
 from __future__ import annotations
 
 import json
@@ -15,8 +16,9 @@ from typing import Callable
 from areal_kernel.errors import ArealError
 
 
-def wait_until(predicate: Callable[[], bool], *, timeout_s: float = 60.0, what: str = "the condition",
-               interval_s: float = 0.002) -> None:
+def wait_until(
+    predicate: Callable[[], bool], *, timeout_s: float = 60.0, what: str = "the condition", interval_s: float = 0.002
+) -> None:
     """Return as soon as ``predicate()`` is true; raise naming ``what`` after ``timeout_s``.
 
     The interval is short on purpose: the caller usually acts right after the
@@ -45,7 +47,6 @@ def embedded_running(address: str) -> int:
     return int(embedded_info(address)["running"])
 
 
-
 def embedded_tokens_generated(address: str) -> int:
     """Tokens an embedded server has sampled since it started."""
     return int(embedded_info(address)["tokens_generated"])
@@ -55,5 +56,8 @@ def wait_for_embedded_tokens(address: str, n: int, *, since: int | None = None, 
     """Until the server at ``address`` has sampled ``n`` tokens more than ``since``
     (default: its count now)."""
     base = embedded_tokens_generated(address) if since is None else since
-    wait_until(lambda: embedded_tokens_generated(address) >= base + n, timeout_s=timeout_s,
-               what=f"{n} tokens generated on {address}")
+    wait_until(
+        lambda: embedded_tokens_generated(address) >= base + n,
+        timeout_s=timeout_s,
+        what=f"{n} tokens generated on {address}",
+    )

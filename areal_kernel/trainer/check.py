@@ -1,5 +1,6 @@
 """``areal check``: a few samples through data, template, engine and reward,
 printed, before anyone spends hours on a run that cannot learn."""
+
 from __future__ import annotations
 
 import asyncio
@@ -59,8 +60,10 @@ def _run_check(cfg: ExperimentConfig, n: int) -> int:
             gen_versions = sorted({v for v, m in zip(t.versions, t.loss_mask) if m})
             total += 1
             ok += t.reward > 0
-            print(f"  -> reward {t.reward:.2f}  tokens {t.n_generated:3d}  versions {gen_versions}  "
-                  f"completion {t.metadata.get('completion', '')!r}")
+            print(
+                f"  -> reward {t.reward:.2f}  tokens {t.n_generated:3d}  versions {gen_versions}  "
+                f"completion {t.metadata.get('completion', '')!r}"
+            )
     print("=" * 72)
     print(f"{ok}/{total} samples scored above 0 (reward '{cfg.reward.type}', workflow '{cfg.workflow.type}')")
     return 0

@@ -8,6 +8,7 @@ Imported by the RL loop (``trainer/run.py``) and the offline trainers
 (``trainer/offline.py``); it imports neither, so each trainer module imports
 alone (tests/kernel/test_trainer_imports.py).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -101,9 +102,7 @@ def save_hf_checkpoint(engine: TrainEngine, run_dir: str, tag: str, keep_last: i
     root = os.path.join(run_dir, "checkpoints")
     path = os.path.join(root, tag)
     engine.save_hf(path)
-    steps = sorted(
-        (d for d in os.listdir(root) if d.startswith("step") and d[4:].isdigit()), key=lambda d: int(d[4:])
-    )
+    steps = sorted((d for d in os.listdir(root) if d.startswith("step") and d[4:].isdigit()), key=lambda d: int(d[4:]))
     for old in steps[:-keep_last] if len(steps) > keep_last else []:
         shutil.rmtree(os.path.join(root, old), ignore_errors=True)
     get_plugin_manager().hook.areal_on_checkpoint(step=step, path=path)

@@ -4,6 +4,7 @@ Shared by ``areal train`` and ``areal check`` so both see exactly the same
 data, workflow, reward and inference engine; every trainer builds its train
 engines with ``build_train_engine``.
 """
+
 from __future__ import annotations
 
 import os

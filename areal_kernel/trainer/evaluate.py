@@ -1,11 +1,14 @@
 """Held-out evaluation: greedy answers through the inference engine, scored by the reward."""
+
 from __future__ import annotations
 
 import asyncio
 from typing import Any
 
 
-async def _aevaluate(workflow: Any, engine: Any, records: list[dict], max_new_tokens: int, concurrency: int) -> list[tuple[float, str]]:
+async def _aevaluate(
+    workflow: Any, engine: Any, records: list[dict], max_new_tokens: int, concurrency: int
+) -> list[tuple[float, str]]:
     sem = asyncio.Semaphore(concurrency)
 
     async def one(rec: dict) -> tuple[float, str]:

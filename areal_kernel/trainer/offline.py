@@ -11,6 +11,7 @@ Subclasses (``trainer/sft.py``, ``preference.py``, ``reward_model.py``)
 define ``encode``, ``train_step`` and ``evaluate``; each is registered as a
 trainer (``areal_kernel.builtin``), and so can a plugin's subclass be.
 """
+
 from __future__ import annotations
 
 import math
@@ -130,11 +131,13 @@ class OfflineTrainer(Trainer):
             samples += len(items)
             self.step = step
             metrics: dict[str, Any] = {f"train/{k}": v for k, v in stats.items() if isinstance(v, (int, float))}
-            metrics.update({
-                "perf/step_s": dt,
-                "perf/train_tokens_per_s": stats.get("n_tokens", 0.0) / max(dt, 1e-9),
-                "epoch": self.stream.position / len(self.train_examples),
-            })
+            metrics.update(
+                {
+                    "perf/step_s": dt,
+                    "perf/train_tokens_per_s": stats.get("n_tokens", 0.0) / max(dt, 1e-9),
+                    "epoch": self.stream.position / len(self.train_examples),
+                }
+            )
             if not math.isfinite(float(stats.get("loss", 0.0))):
                 log.warning("non-finite loss: step skipped", step=step)
             if cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0 and step < total and self.eval_examples:

@@ -12,6 +12,7 @@ A conversation is rendered with the tokenizer's chat template one message at
 a time and each new piece is tokenised on its own, so the prompt part of a
 training sequence is token for token what a server sees at generation time.
 """
+
 from __future__ import annotations
 
 import random
@@ -87,13 +88,13 @@ class ChatEncoder:
                     "incrementally (a prefix changes when messages are added), so answer tokens cannot be "
                     "located; set use_chat_template: false or use a template without that behaviour"
                 )
-            for text, train in ((head[len(done):], 0), (full[len(head):], 1)):
+            for text, train in ((head[len(done) :], 0), (full[len(head) :], 1)):
                 piece = self._ids(text)
                 ids += piece
                 mask += [train] * len(piece)
             done = full
         whole = self._render(messages, False)
-        rest = self._ids(whole[len(done):]) if whole.startswith(done) else []
+        rest = self._ids(whole[len(done) :]) if whole.startswith(done) else []
         ids += rest
         mask += [0] * len(rest)
         return self._finish(ids, mask)
@@ -126,7 +127,11 @@ class ChatEncoder:
             return [{"role": role, "content": value}]
         if isinstance(value, dict) and "content" in value:
             return [dict(value)]
-        if isinstance(value, list) and value and all(isinstance(m, dict) and "role" in m and "content" in m for m in value):
+        if (
+            isinstance(value, list)
+            and value
+            and all(isinstance(m, dict) and "role" in m and "content" in m for m in value)
+        ):
             return [dict(m) for m in value]
         raise DataError(
             f"{self.source}: record {rid!r}: field {field!r} must be a string or a list of "
@@ -154,7 +159,9 @@ def encode_sft_record(enc: ChatEncoder, rec: dict[str, Any], train_on: str) -> E
             f"fields present: {sorted(rec)}. Rename fields with dataset.field_map"
         )
     prompt = enc.with_system(enc.as_messages(rec["prompt"], "user", "prompt", rid))
-    answer = enc.as_messages(str(target) if not isinstance(target, (list, dict)) else target, "assistant", "completion", rid)
+    answer = enc.as_messages(
+        str(target) if not isinstance(target, (list, dict)) else target, "assistant", "completion", rid
+    )
     msgs = prompt + answer
     return enc.encode_messages(msgs, set(range(len(prompt), len(msgs))), rid)
 

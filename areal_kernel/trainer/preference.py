@@ -6,6 +6,7 @@ gradient with respect to each sequence score, then one ``train_batch`` whose
 linear surrogate loss carries exactly that gradient (see
 ``areal_kernel.algo.dpo_losses``).
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -34,7 +35,9 @@ def pair_batch(items: list[PairExample]) -> TrajectoryBatch:
     return TrajectoryBatch([e.trajectory() for p in items for e in (p.chosen, p.rejected)])
 
 
-def sequence_scores(items: list[PairExample], rows: list[list[float]], average: bool) -> tuple[list[float], list[float]]:
+def sequence_scores(
+    items: list[PairExample], rows: list[list[float]], average: bool
+) -> tuple[list[float], list[float]]:
     """Chosen and rejected scores (sum, or mean, of answer-token values)."""
     scores = []
     for k, row in enumerate(rows):
@@ -101,7 +104,9 @@ class PairTrainer(OfflineTrainer):
             r += ri
         return c, r
 
-    def surrogate_step(self, items: list[PairExample], grads_c: list[float], grads_r: list[float], per_token: bool) -> dict[str, float]:
+    def surrogate_step(
+        self, items: list[PairExample], grads_c: list[float], grads_r: list[float], per_token: bool
+    ) -> dict[str, float]:
         """``train_batch`` with the linear surrogate: coefficient ``dL/d score``
         on each answer token (divided by the answer length for mean scores)."""
         from areal_kernel.algo.dpo_losses import make_sequence_linear_loss_fn
@@ -164,12 +169,20 @@ class PreferenceTrainer(PairTrainer):
 
         def loss_of(chosen: Any, rejected: Any) -> Any:
             return dpo_pair_losses(
-                chosen, rejected, rc, rr, beta=c.beta, loss_type=self.cfg.algorithm.type, label_smoothing=c.label_smoothing
+                chosen,
+                rejected,
+                rc,
+                rr,
+                beta=c.beta,
+                loss_type=self.cfg.algorithm.type,
+                label_smoothing=c.label_smoothing,
             )[0]
 
         return loss_of, rc, rr
 
-    def _pair_stats(self, chosen: list[float], rejected: list[float], ref_c: list[float], ref_r: list[float]) -> dict[str, float]:
+    def _pair_stats(
+        self, chosen: list[float], rejected: list[float], ref_c: list[float], ref_r: list[float]
+    ) -> dict[str, float]:
         import torch
 
         from areal_kernel.algo.dpo_losses import dpo_pair_losses, pair_stats

@@ -15,6 +15,7 @@ It is taken at a quiescent point (no rollout running: ``RolloutExecutor.drain``)
 so that it is exact; the uninterrupted run drains at the same steps, which is
 why a resumed run continues with exactly the state the uninterrupted one had.
 """
+
 from __future__ import annotations
 
 import json
@@ -79,9 +80,13 @@ def read_state(ckpt: Checkpoint) -> dict[str, Any]:
         with open(path, encoding="utf-8") as f:
             state = json.load(f)
     except (OSError, ValueError) as e:
-        raise ConfigError(f"recovery checkpoint {ckpt.path} is unreadable ({e}); delete it to resume from an older one") from None
+        raise ConfigError(
+            f"recovery checkpoint {ckpt.path} is unreadable ({e}); delete it to resume from an older one"
+        ) from None
     if state.get("format") != STATE_FORMAT:
-        raise ConfigError(f"{path}: unsupported recovery format {state.get('format')!r} (this areal-kernel reads {STATE_FORMAT})")
+        raise ConfigError(
+            f"{path}: unsupported recovery format {state.get('format')!r} (this areal-kernel reads {STATE_FORMAT})"
+        )
     return state
 
 

@@ -5,6 +5,7 @@ sequence's ``loss_mask`` marks that token only. Gradients go through
 ``train_batch`` with the two-pass scheme of ``areal_kernel.algo.dpo_losses``.
 The final checkpoint is an HF sequence-classification directory (one label).
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any

@@ -4,6 +4,7 @@ dataset -> executor(workflow -> inference servers -> reward) -> batch ->
 train engine -> weight transport -> inference servers, with generation
 running ahead of training by at most ``rollout.max_staleness`` versions.
 """
+
 from __future__ import annotations
 
 import json
@@ -283,7 +284,10 @@ class RLTrainer(Trainer):
         assert self.rollout is not None
         threshold = get_registry().get("reward", self.cfg.reward.type, platform="").success_threshold
         return evaluate(
-            self.rollout.workflow, self.rollout.engine, self.eval_records, self.cfg.rollout.gconfig.max_new_tokens,
+            self.rollout.workflow,
+            self.rollout.engine,
+            self.eval_records,
+            self.cfg.rollout.gconfig.max_new_tokens,
             success_threshold=threshold,
         )
 
@@ -313,8 +317,10 @@ class RLTrainer(Trainer):
                 self.log_metrics(0, self._eval_metrics(self.before_eval))
         before = self.before_eval
         if eval_on:
-            print(f"held-out greedy accuracy before training: {before['eval/accuracy']:.3f} (n={before['eval/n']})",
-                  flush=True)
+            print(
+                f"held-out greedy accuracy before training: {before['eval/accuracy']:.3f} (n={before['eval/n']})",
+                flush=True,
+            )
         else:
             print("held-out evaluation is off (trainer.eval_size=0 or no held-out records)", flush=True)
         total = self.ft.total_train_steps
@@ -342,7 +348,9 @@ class RLTrainer(Trainer):
             self.version = new_version
             self.train_engine.set_version(new_version)  # token versions are compared with it (prox_interpolate)
             self.executor.set_version(new_version)
-            self.hook.areal_on_weight_update(version=new_version, transport=self.transport.name, seconds=time.monotonic() - t2)
+            self.hook.areal_on_weight_update(
+                version=new_version, transport=self.transport.name, seconds=time.monotonic() - t2
+            )
             self.step = step
             self.trained_samples += len(batch)
             samples_here += len(batch)
@@ -353,14 +361,16 @@ class RLTrainer(Trainer):
             metrics.update(self.executor.stats.snapshot_and_reset())
             metrics.update(self.rollout.server_stats())
             metrics.update(self._reward_metrics())
-            metrics.update({
-                "perf/step_s": step_s,
-                "perf/wait_rollout_s": t_wait,
-                "perf/train_s": t2 - t1,
-                "perf/train_tokens_per_s": batch.n_tokens / max(t2 - t1, 1e-9),
-                "perf/samples_per_s": samples_here / (time.monotonic() - t_run),
-                "version": new_version,
-            })
+            metrics.update(
+                {
+                    "perf/step_s": step_s,
+                    "perf/wait_rollout_s": t_wait,
+                    "perf/train_s": t2 - t1,
+                    "perf/train_tokens_per_s": batch.n_tokens / max(t2 - t1, 1e-9),
+                    "perf/samples_per_s": samples_here / (time.monotonic() - t_run),
+                    "version": new_version,
+                }
+            )
             if eval_on and cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0 and step < total:
                 metrics.update(self._eval_metrics(self.evaluate()))
             self.log_metrics(step, metrics)
@@ -371,7 +381,12 @@ class RLTrainer(Trainer):
                 self.save_hf(f"step{step}")
             # Not during a NaN streak: the newest checkpoints must stay ones taken
             # after a step that trained (keep_last would otherwise prune them).
-            if cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0 and step < total and not self.skipped_streak:
+            if (
+                cfg.checkpoint.save_every
+                and step % cfg.checkpoint.save_every == 0
+                and step < total
+                and not self.skipped_streak
+            ):
                 self.save_recovery()
         self.executor.stop()
         after = self.evaluate()
@@ -390,18 +405,28 @@ class RLTrainer(Trainer):
         else:
             print(f"training done, held-out evaluation was off ({run})", flush=True)
         print(f"final HF checkpoint: {final}", flush=True)
-        return {"before": before["eval/accuracy"], "after": after["eval/accuracy"],
-                "reward_before": before.get("eval/reward"), "reward_after": after.get("eval/reward"), "steps": total,
-                "train_seconds": elapsed, "samples": self.trained_samples, "checkpoint": final,
-                "resumed_from_step": self.resume_from.step if self.resume_from is not None else None}
+        return {
+            "before": before["eval/accuracy"],
+            "after": after["eval/accuracy"],
+            "reward_before": before.get("eval/reward"),
+            "reward_after": after.get("eval/reward"),
+            "steps": total,
+            "train_seconds": elapsed,
+            "samples": self.trained_samples,
+            "checkpoint": final,
+            "resumed_from_step": self.resume_from.step if self.resume_from is not None else None,
+        }
 
     def _reward_metrics(self) -> dict[str, float]:
         wf = self.rollout.workflow
         calls, failures = getattr(wf, "reward_calls", 0), getattr(wf, "reward_failures", 0)
         seen_calls, seen_failures = self.reward_seen
         self.reward_seen = (calls, failures)
-        return {"reward/calls": calls - seen_calls, "reward/failures": failures - seen_failures,
-                "reward/failures_total": failures}
+        return {
+            "reward/calls": calls - seen_calls,
+            "reward/failures": failures - seen_failures,
+            "reward/failures_total": failures,
+        }
 
     def _latest_checkpoint_path(self) -> str | None:
         latest = self.recovery.latest()
@@ -422,6 +447,7 @@ class RLTrainer(Trainer):
                 f"(trainer.max_skipped_steps={limit}); the run stopped. "
                 f"Last good checkpoint: {last.path if last else 'none'}"
             )
+
     def save_hf(self, tag: str) -> str:
         return save_hf_checkpoint(self.train_engine, self.run_dir, tag, self.cfg.checkpoint.keep_last, self.version)
 
@@ -441,5 +467,3 @@ class RLTrainer(Trainer):
         if self.samples_log is not None:
             self.samples_log.close()
         self.hook.areal_on_run_end(status=status, run_dir=self.run_dir)
-
-

@@ -1,4 +1,5 @@
 """SFT: next-token NLL on the answer (assistant) tokens of chat records."""
+
 from __future__ import annotations
 
 import math

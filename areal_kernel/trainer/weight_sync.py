@@ -4,6 +4,7 @@ Both keep generation interruptible: servers are paused only for the moment
 the weights change (running requests return their partial output and resume
 afterwards on the new version).
 """
+
 from __future__ import annotations
 
 import os
@@ -48,7 +49,12 @@ class DiskTransport:
         if self._last and self._last != path:
             shutil.rmtree(self._last, ignore_errors=True)
         self._last = path
-        return {"weights/save_s": t1 - t0, "weights/load_s": t2 - t1, "weights/pause_s": t2 - t1, "weights/mb": nbytes / 2**20}
+        return {
+            "weights/save_s": t1 - t0,
+            "weights/load_s": t2 - t1,
+            "weights/pause_s": t2 - t1,
+            "weights/mb": nbytes / 2**20,
+        }
 
     def close(self) -> None:
         pass
@@ -62,7 +68,9 @@ class BroadcastTransport:
     name = "broadcast"
     group_name = "areal_weights"
 
-    def __init__(self, train_engine: TrainEngine, infer_engine: Any, run_dir: str, bucket_bytes: int = 256 << 20) -> None:
+    def __init__(
+        self, train_engine: TrainEngine, infer_engine: Any, run_dir: str, bucket_bytes: int = 256 << 20
+    ) -> None:
         self.train: TrainEngine = train_engine
         self.infer = infer_engine
         self.bucket_bytes = bucket_bytes

@@ -6,6 +6,7 @@ every such directory is written into a temporary sibling and renamed onto its
 final path only once complete. Train-engine plugins use these helpers the
 same way the built-in engine does (docs/plugin-authoring.md, Train engines).
 """
+
 from __future__ import annotations
 
 import contextlib

@@ -4,6 +4,7 @@ Names are HF parameter names (``model.layers.0.mlp.up_proj.weight``). With tied
 embeddings ``lm_head.weight`` and ``model.embed_tokens.weight`` are one tensor
 in the model; a sender may send either name or both.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Iterable
@@ -31,9 +32,7 @@ def check_meta(table: dict[str, "torch.Tensor"], meta: Iterable[dict]) -> None:
             raise ArealError(f"tensor {name!r}: shape {list(m.get('shape', []))} does not match the model's {want}")
 
 
-def copy_into_model(
-    table: dict[str, "torch.Tensor"], named: Iterable[tuple[str, "torch.Tensor"]]
-) -> list[str]:
+def copy_into_model(table: dict[str, "torch.Tensor"], named: Iterable[tuple[str, "torch.Tensor"]]) -> list[str]:
     """Copy each tensor into its model slot (dtype and device converted).
     Returns the names copied. Callers validate with ``check_meta`` first so
     that a bad name is rejected before anything changed."""

@@ -17,6 +17,7 @@ buffer holding the raw bytes of its tensors at 64-byte-aligned offsets. Both
 sides compute the same bucket plan from the same metadata, so nothing but the
 buffers themselves travels (no pickles).
 """
+
 from __future__ import annotations
 
 import datetime
@@ -139,6 +140,7 @@ def init_weight_group(
 
 # -- planning -----------------------------------------------------------------
 
+
 def _dtype_name(dtype: "torch.dtype") -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -201,6 +203,7 @@ def _layout(meta: list[dict], bucket: list[int]) -> tuple[list[tuple[int, int]],
 
 
 # -- transfer -----------------------------------------------------------------
+
 
 def _as_bytes(t: "torch.Tensor") -> "torch.Tensor":
     import torch

@@ -4,6 +4,7 @@ Layout follows the HF convention so any HF loader can read it:
 ``model.safetensors`` for one shard, otherwise
 ``model-00001-of-0000N.safetensors`` + ``model.safetensors.index.json``.
 """
+
 from __future__ import annotations
 
 import json

@@ -4,6 +4,7 @@ The prompt is rendered with the tokenizer's chat template; rewards run in the
 kernel's reward pool (separate processes, enforced timeouts), so a slow or
 crashing reward never blocks generation.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -71,15 +72,23 @@ class RLVRWorkflow:
             self.last_reward_error = result.error
             # The first few, then every hundredth: causes without flooding the log.
             if self.reward_failures <= 3 or self.reward_failures % 100 == 0:
-                log.warning("reward call failed; scored 0", reward=self.reward_target, error=result.error,
-                            failures=self.reward_failures)
+                log.warning(
+                    "reward call failed; scored 0",
+                    reward=self.reward_target,
+                    error=result.error,
+                    failures=self.reward_failures,
+                )
         return float(result.score) if result.ok else 0.0
 
     async def arun_episode(self, engine: Any, record: dict[str, Any]) -> TrajectoryGroup:
         input_ids = self.encode_prompt(record)
         n = max(1, self.gconfig.n_samples)
         reqs = [
-            ModelRequest(input_ids=input_ids, gconfig=sample_gconfig(self.gconfig, record, i), metadata={"record_id": record.get("id")})
+            ModelRequest(
+                input_ids=input_ids,
+                gconfig=sample_gconfig(self.gconfig, record, i),
+                metadata={"record_id": record.get("id")},
+            )
             for i in range(n)
         ]
         resps = await asyncio.gather(*(engine.agenerate(r) for r in reqs))
@@ -95,7 +104,10 @@ class RLVRWorkflow:
     async def aevaluate(self, engine: Any, record: dict[str, Any], max_new_tokens: int) -> tuple[float, str]:
         """Greedy answer to one record: (reward, completion)."""
         gconfig = GenerationConfig(
-            max_new_tokens=max_new_tokens, greedy=True, temperature=1.0, stop_token_ids=list(self.gconfig.stop_token_ids)
+            max_new_tokens=max_new_tokens,
+            greedy=True,
+            temperature=1.0,
+            stop_token_ids=list(self.gconfig.stop_token_ids),
         )
         resp = await engine.agenerate(ModelRequest(input_ids=self.encode_prompt(record), gconfig=gconfig))
         text = self.decode(resp.output_ids)

@@ -1,4 +1,5 @@
 """Settings of the ``rlvr`` workflow (``workflow.rlvr``), importable without torch."""
+
 from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field

@@ -11,6 +11,7 @@ identical outputs. The platform says whether its SDPA has that fast path
 float masks, extra arguments) is delegated to transformers' own ``sdpa``
 function unchanged.
 """
+
 from __future__ import annotations
 
 from typing import Any

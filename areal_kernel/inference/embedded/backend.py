@@ -2,6 +2,7 @@
 
 Registered by the builtin plugin exactly like an external backend would be.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -43,7 +44,9 @@ class EmbeddedProtocol(ServerProtocol):
             ids = [int(x) for x in data["output_ids"]]
             lps = [float(x) for x in data["output_logprobs"]]
         except (KeyError, TypeError, ValueError) as e:
-            raise ServerError(f"embedded server answered /generate with an unexpected body ({e}): {str(data)[:300]}") from None
+            raise ServerError(
+                f"embedded server answered /generate with an unexpected body ({e}): {str(data)[:300]}"
+            ) from None
         if len(ids) != len(lps):
             raise ServerError(f"embedded server returned {len(ids)} tokens but {len(lps)} logprobs")
         return GenerateChunk(ids, lps, reason, version=data.get("weight_version"))
@@ -63,15 +66,23 @@ class EmbeddedProtocol(ServerProtocol):
         return HttpCall(
             "POST",
             "/init_weights_group",
-            {"master_addr": master_addr, "master_port": master_port, "world_size": world_size, "rank": rank,
-             "group_name": group_name, "backend": backend},
+            {
+                "master_addr": master_addr,
+                "master_port": master_port,
+                "world_size": world_size,
+                "rank": rank,
+                "group_name": group_name,
+                "backend": backend,
+            },
         )
 
     def update_weights_from_distributed(
         self, tensors: list[dict[str, Any]], version: int, bucket_bytes: int, group_name: str
     ) -> HttpCall:
         return HttpCall(
-            "POST", "/update_weights_from_distributed", {"version": version, "tensors": tensors, "bucket_bytes": bucket_bytes}
+            "POST",
+            "/update_weights_from_distributed",
+            {"version": version, "tensors": tensors, "bucket_bytes": bucket_bytes},
         )
 
     def set_version(self, version: int) -> HttpCall:

@@ -12,6 +12,7 @@ them as one left-padded batch and merge into the running batch, so requests
 join between decode steps); one decode step for every running row; finished
 rows leave the batch at once.
 """
+
 from __future__ import annotations
 
 import logging

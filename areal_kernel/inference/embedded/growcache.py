@@ -6,6 +6,7 @@ core for SmolLM2 with 16 rows (~15% of the step), growing with the context.
 Here ``keys``/``values`` are views of a larger buffer that grows by 25% when
 full: amortised O(1) copying per token, at most 25% extra memory.
 """
+
 from __future__ import annotations
 
 from typing import Any

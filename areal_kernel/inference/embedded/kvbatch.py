@@ -8,6 +8,7 @@ common length and concatenated), so they join between decode steps; finished
 rows are removed and all-padding leading columns trimmed, so compute follows
 the live rows.
 """
+
 from __future__ import annotations
 
 from concurrent.futures import Future, InvalidStateError

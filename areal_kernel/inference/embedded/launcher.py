@@ -4,6 +4,7 @@ Each server is ``python -m areal_kernel.inference.embedded.server``; the
 process plumbing (ports, process groups, health wait, log tail, stop,
 restart) is the kernel's ``SubprocessLauncher``.
 """
+
 from __future__ import annotations
 
 import os
@@ -16,7 +17,14 @@ from areal_kernel.inference.launcher import PORT_IN_USE_EXIT, SubprocessLauncher
 
 SERVER_MODULE = "areal_kernel.inference.embedded.server"
 ADMIN_TOKEN_ENV = "AREAL_EMBEDDED_ADMIN_TOKEN"
-__all__ = ["ADMIN_TOKEN_ENV", "PORT_IN_USE_EXIT", "SERVER_MODULE", "EmbeddedLauncher", "EmbeddedServerConfig", "is_loopback"]
+__all__ = [
+    "ADMIN_TOKEN_ENV",
+    "PORT_IN_USE_EXIT",
+    "SERVER_MODULE",
+    "EmbeddedLauncher",
+    "EmbeddedServerConfig",
+    "is_loopback",
+]
 
 
 class EmbeddedServerConfig(BaseModel):
@@ -24,7 +32,9 @@ class EmbeddedServerConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # bf16 is slower than fp32 on CPUs without avx512_bf16/AMX
+    dtype: Literal["float32", "bfloat16", "float16"] = (
+        "float32"  # bf16 is slower than fp32 on CPUs without avx512_bf16/AMX
+    )
     max_batch_size: int = Field(64, ge=1)
     attn_implementation: Literal["sdpa", "eager"] = "sdpa"
     seed: int = 0
@@ -40,8 +50,10 @@ class EmbeddedServerConfig(BaseModel):
         None, description="Bearer token for control routes (pause, resume, weight updates, version)."
     )
     keepalive_s: float = Field(
-        75.0, gt=0, description="How long the server keeps an idle HTTP connection open (the client's pool "
-        "keeps connections for less: rollout.client_keepalive_s)."
+        75.0,
+        gt=0,
+        description="How long the server keeps an idle HTTP connection open (the client's pool "
+        "keeps connections for less: rollout.client_keepalive_s).",
     )
     extra_env: dict[str, str] = Field(default_factory=dict)
     stop_grace_s: float = Field(5.0, ge=0)

@@ -3,6 +3,7 @@
 Every problem raises ``RequestError`` naming the field; the server turns it
 into HTTP 400 ``{"error": ...}``.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

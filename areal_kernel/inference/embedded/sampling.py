@@ -5,6 +5,7 @@ The reported logprob of a token is ``log_softmax(logits / T)[token]`` with the
 row's temperature ``T`` (``T = 1`` for greedy rows), *before* top-k/top-p
 filtering: that is the behaviour policy's distribution the trainer recomputes.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -49,7 +50,10 @@ class RowParams:
         g = self.greedy[idx]
         tk, tp = self.top_k[idx], self.top_p[idx]
         return RowParams(
-            self.temperature[idx], tk, tp, g,
+            self.temperature[idx],
+            tk,
+            tp,
+            g,
             all_greedy=bool(g.all().item()),
             any_greedy=bool(g.any().item()),
             needs_filter=bool(((tk < self.vocab_size) | (tp < 1.0)).any().item()) if self.needs_filter else False,
@@ -120,7 +124,9 @@ def row_uniforms(
     ``None`` when none does (the caller then draws from ``generator``)."""
     if all(s is None for s in seeds):
         return None
-    free = torch.rand(len(seeds), generator=generator, dtype=torch.float64, device=generator.device if generator else "cpu")
+    free = torch.rand(
+        len(seeds), generator=generator, dtype=torch.float64, device=generator.device if generator else "cpu"
+    )
     vals = [seeded_uniform(s, p) if s is not None else float(f) for s, p, f in zip(seeds, positions, free.tolist())]
     return torch.tensor(vals, dtype=torch.float64, device=device).unsqueeze(1)
 

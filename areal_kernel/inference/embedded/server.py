@@ -22,6 +22,7 @@ The port is bound *before* the model loads (``/health`` answers 503 until it
 is ready), so a port clash is detected in milliseconds and reported with exit
 code ``PORT_IN_USE_EXIT`` for the launcher to retry on another port.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -162,6 +163,7 @@ def load(args: argparse.Namespace, state: ServerState) -> None:
 
 
 # -- HTTP ---------------------------------------------------------------------
+
 
 def build_app(state: ServerState) -> Any:
     from aiohttp import web

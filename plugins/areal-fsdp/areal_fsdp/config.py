@@ -5,6 +5,7 @@ micro-batch token budget, bf16 autocast, gradient checkpointing, ...) plus
 what sharding adds. Field names follow ``TorchEngineConfig`` so a config can
 switch ``actor.backend`` between ``torch`` and ``fsdp:dN`` and keep its section.
 """
+
 from __future__ import annotations
 
 from typing import Literal

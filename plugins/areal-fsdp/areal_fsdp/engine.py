@@ -24,6 +24,7 @@ ranks also answer, the engine stays usable and the error is re-raised
 (same type for kernel errors). If a rank dies or the others hang in a
 collective, every rank is stopped and the engine refuses further calls.
 """
+
 from __future__ import annotations
 
 import multiprocessing.connection as mpc
@@ -91,7 +92,9 @@ class FSDPTrainEngine(TrainEngine):
         self.config = FSDPEngineConfig.parse(config)
         if allocation is None and world_size is not None:
             allocation = f"fsdp:d{int(world_size)}"
-        self.allocation = parse_allocation(allocation) if isinstance(allocation, str) else (allocation or parse_allocation("fsdp"))
+        self.allocation = (
+            parse_allocation(allocation) if isinstance(allocation, str) else (allocation or parse_allocation("fsdp"))
+        )
         if (self.allocation.t, self.allocation.p, self.allocation.c) != (1, 1, 1):
             raise ConfigError(
                 f"actor.backend: {self.allocation} asks for tensor/pipeline/context parallelism, which the fsdp "
@@ -229,9 +232,7 @@ class FSDPTrainEngine(TrainEngine):
                 log_path = os.path.join(self.log_dir or ".", f"rank-{r}.log")
                 self._stop_ranks()
                 self._broken = f"rank {r} exited with code {rc}"
-                raise RankError(
-                    f"fsdp rank {r} exited with code {rc} {when}; log {log_path}:\n{_tail(log_path)}"
-                )
+                raise RankError(f"fsdp rank {r} exited with code {rc} {when}; log {log_path}:\n{_tail(log_path)}")
 
     def _stop_ranks(self) -> None:
         for c in self._conns:
@@ -358,7 +359,10 @@ class FSDPTrainEngine(TrainEngine):
         parts = self._partition(batch)
         answers = self._call(
             "score_part",
-            [{"part": self._sub(batch, p), "only_loss_tokens": only_loss_tokens, "with_entropy": with_entropy} for p in parts],
+            [
+                {"part": self._sub(batch, p), "only_loss_tokens": only_loss_tokens, "with_entropy": with_entropy}
+                for p in parts
+            ],
         )
         lps: list[list[float]] = [[] for _ in range(len(batch))]
         ents: list[list[float]] = [[] for _ in range(len(batch))]

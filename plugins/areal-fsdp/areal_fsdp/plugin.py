@@ -1,4 +1,5 @@
 """Entry point ``fsdp`` of the ``areal.plugins`` group: imports only areal_kernel."""
+
 from __future__ import annotations
 
 from typing import Any

@@ -19,6 +19,7 @@ DCP checkpoints.
 A rank exits when its control connection closes or when the controller (its
 parent) disappears, so no rank outlives the run that started it.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -123,7 +124,13 @@ class FSDPRankEngine:
     # ------------------------------------------------------------------ setup
     def initialize(self, model_path: str, total_train_steps: int) -> dict[str, Any]:
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+        from torch.distributed.fsdp import (
+            CPUOffloadPolicy,
+            FSDPModule,
+            MixedPrecisionPolicy,
+            OffloadPolicy,
+            fully_shard,
+        )
 
         from areal_kernel.weights.broadcast import tensor_meta
 
@@ -160,7 +167,9 @@ class FSDPRankEngine:
         # they are in host memory already (and FSDP's policy refuses a cpu
         # device) the platform says it cannot, and it is a no-op there.
         offload = CPUOffloadPolicy() if cfg.cpu_offload and plat.supports_cpu_offload else OffloadPolicy()
-        kw = dict(mesh=mesh, reshard_after_forward=cfg.reshard_after_forward, mp_policy=mp_policy, offload_policy=offload)
+        kw = dict(
+            mesh=mesh, reshard_after_forward=cfg.reshard_after_forward, mp_policy=mp_policy, offload_policy=offload
+        )
         wrapped = 0
         if cfg.wrap_policy == "decoder_layer":
             block_names = set(getattr(model, "_no_split_modules", None) or [])
@@ -425,9 +434,7 @@ def main(argv: list[str] | None = None) -> int:
     plat = current_platform()
     # The scheduler made exactly this rank's device visible (a no-op on host cores).
     plat.set_device(0)
-    dist.init_process_group(
-        backend=plat.dist_backend, timeout=datetime.timedelta(seconds=args.dist_timeout_s)
-    )
+    dist.init_process_group(backend=plat.dist_backend, timeout=datetime.timedelta(seconds=args.dist_timeout_s))
     try:
         _serve(conn, rank, world_size)
     finally:

@@ -1,6 +1,7 @@
 """Fixtures of the areal-fsdp tests: a tiny random Llama on disk and one
 2-rank engine shared by the tests that only need *an* initialized engine
 (starting ranks costs a few seconds of imports per process)."""
+
 from __future__ import annotations
 
 import os

@@ -1,8 +1,11 @@
 """Helpers of the areal-fsdp tests."""
+
 from __future__ import annotations
 
 
-def random_batch(lengths: list[int], seed: int = 0, prompt_len: int = 3, vocab: int = 256, shared_prompts: bool = False):
+def random_batch(
+    lengths: list[int], seed: int = 0, prompt_len: int = 3, vocab: int = 256, shared_prompts: bool = False
+):
     """Trajectories of random tokens; consecutive pairs form a GRPO group
     (with ``shared_prompts`` the pair also shares its first ``prompt_len`` tokens)."""
     import random

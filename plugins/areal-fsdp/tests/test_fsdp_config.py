@@ -1,4 +1,5 @@
 """``actor.fsdp`` validation, allocation handling and the light entry point (no ranks started)."""
+
 from __future__ import annotations
 
 import dataclasses

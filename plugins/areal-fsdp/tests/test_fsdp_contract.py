@@ -2,6 +2,7 @@
 
 Most checks run on the session's shared engine; the recovery check starts one
 more 2-rank engine to load the checkpoint into."""
+
 import pytest
 
 from areal_kernel.testing.contracts import TrainEngineContract

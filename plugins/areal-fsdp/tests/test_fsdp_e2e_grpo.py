@@ -4,6 +4,7 @@ embedded inference server serves SmolLM2-135M-Instruct, weights move in
 memory every step. Asserted: the sampling reward trends up (first vs last
 steps, as the kernel's own SmolLM2 test does), staleness stays bounded,
 versions advance, the ranks' metrics and the final HF export are there."""
+
 from __future__ import annotations
 
 import json
@@ -38,5 +39,7 @@ def test_grpo_with_two_fsdp_ranks_raises_the_reward(run_areal, tmp_path):
     # The 2 ranks logged to the run dir and are gone; the export is a loadable HF dir.
     assert sorted(os.listdir(os.path.join(run_dir, "fsdp-ranks"))) == ["rank-0.log", "rank-1.log"]
     final = json.load(open(os.path.join(run_dir, "result.json")))["checkpoint"]
-    assert os.path.isfile(os.path.join(final, "config.json")) and os.path.isfile(os.path.join(final, "tokenizer_config.json"))
+    assert os.path.isfile(os.path.join(final, "config.json")) and os.path.isfile(
+        os.path.join(final, "tokenizer_config.json")
+    )
     assert any(f.endswith(".safetensors") for f in os.listdir(final))

@@ -1,4 +1,5 @@
 """Rank processes: errors come back with their type, and no rank outlives its controller."""
+
 from __future__ import annotations
 
 import os

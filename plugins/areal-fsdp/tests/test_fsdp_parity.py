@@ -2,6 +2,7 @@
 single-process torch engine on a tiny Llama: same steps, same numbers; HF
 export equals the single-process weights; a DCP checkpoint resumes training
 identically."""
+
 from __future__ import annotations
 
 import json
@@ -84,9 +85,11 @@ def trained_pair(tiny_model_dir):
         lp_n, ent_n = noise.compute_logprobs_and_entropy(probe)
         lp_r, ent_r = ref.compute_logprobs_and_entropy(probe)
         floor = {k: max(_rel_diff(c[k], b[k]) for c, (_, b) in zip(noise_history, history)) for k in STAT_KEYS}
-        floor.update(logprobs=_max_diff(lp_n, lp_r), entropy=_max_diff(ent_n, ent_r),
-                     weights=_weights_diff(dict(noise.named_weights_for_transfer()),
-                                           dict(ref.named_weights_for_transfer())))
+        floor.update(
+            logprobs=_max_diff(lp_n, lp_r),
+            entropy=_max_diff(ent_n, ent_r),
+            weights=_weights_diff(dict(noise.named_weights_for_transfer()), dict(ref.named_weights_for_transfer())),
+        )
         yield fsdp, ref, history, floor
     finally:
         fsdp.destroy()

@@ -6,6 +6,7 @@ same sample ids per step, same final weights. The engine state goes through
 
 Tiny random Llama with SmolLM2's tokenizer; its arithmetic rewards are 0, so
 an entropy bonus is what makes each update depend on the sampled tokens."""
+
 from __future__ import annotations
 
 import json

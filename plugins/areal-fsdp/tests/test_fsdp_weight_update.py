@@ -1,6 +1,7 @@
 """In-memory weight update from 2 FSDP ranks to a real embedded inference
 server, through the kernel's weight-transport hook and registry (the same
 path ``areal train`` takes), and the disk transport with the streamed export."""
+
 from __future__ import annotations
 
 import asyncio
@@ -46,7 +47,7 @@ def _engine_logprobs(engine, resp):
     ids = list(resp.input_ids) + list(resp.output_ids)
     n = len(ids)
     t = Trajectory(ids, [0] * n, [0.0] * n, [-1] * n, reward=0.0)
-    return engine.compute_logprobs(TrajectoryBatch([t]))[0][len(resp.input_ids):]
+    return engine.compute_logprobs(TrajectoryBatch([t]))[0][len(resp.input_ids) :]
 
 
 def _transport(name_mode, engine, client, run_dir, bucket_bytes):

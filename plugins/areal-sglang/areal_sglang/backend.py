@@ -1,4 +1,5 @@
 """The ``sglang`` inference backend: launcher + SGLang's wire format + the kernel's generic client."""
+
 from __future__ import annotations
 
 import concurrent.futures

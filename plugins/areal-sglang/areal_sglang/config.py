@@ -1,4 +1,5 @@
 """The ``rollout.sglang`` config section (validated by the kernel against this model)."""
+
 from __future__ import annotations
 
 from typing import Literal
@@ -7,12 +8,28 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 # Flags the launcher sets itself; passing them again through extra_args would
 # silently fight the launcher (SGLang's argparse keeps the last one).
-MANAGED_FLAGS = frozenset({
-    "--model-path", "--model", "--host", "--port", "--tp-size", "--tensor-parallel-size", "--dtype",
-    "--context-length", "--mem-fraction-static", "--attention-backend", "--disable-radix-cache",
-    "--random-seed", "--weight-version", "--api-key", "--enable-memory-saver", "--skip-server-warmup",
-    "--log-level", "--base-gpu-id",
-})
+MANAGED_FLAGS = frozenset(
+    {
+        "--model-path",
+        "--model",
+        "--host",
+        "--port",
+        "--tp-size",
+        "--tensor-parallel-size",
+        "--dtype",
+        "--context-length",
+        "--mem-fraction-static",
+        "--attention-backend",
+        "--disable-radix-cache",
+        "--random-seed",
+        "--weight-version",
+        "--api-key",
+        "--enable-memory-saver",
+        "--skip-server-warmup",
+        "--log-level",
+        "--base-gpu-id",
+    }
+)
 
 
 class SGLangServerConfig(BaseModel):
@@ -31,7 +48,9 @@ class SGLangServerConfig(BaseModel):
     tp_size: int | None = Field(
         None, ge=1, description="--tp-size; default: devices per server from rollout.backend (e.g. sglang:d2t4 -> 4)."
     )
-    attention_backend: str | None = Field(None, min_length=1, description="--attention-backend (e.g. flashinfer, fa3, triton)")
+    attention_backend: str | None = Field(
+        None, min_length=1, description="--attention-backend (e.g. flashinfer, fa3, triton)"
+    )
     radix_cache: bool = Field(True, description="false adds --disable-radix-cache")
     seed: int | None = Field(None, ge=0, description="--random-seed; default: the experiment seed.")
     log_level: Literal["debug", "info", "warning", "error", "critical"] = "info"

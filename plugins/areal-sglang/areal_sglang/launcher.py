@@ -5,6 +5,7 @@ Each server is ``python -m sglang.launch_server ...``; process plumbing
 detokenizer processes SGLang forks too, health wait, log tail, stop,
 restart) is the kernel's ``SubprocessLauncher``.
 """
+
 from __future__ import annotations
 
 import sys
@@ -17,8 +18,15 @@ from areal_sglang.config import SGLangServerConfig
 
 
 def build_command(
-    cfg: SGLangServerConfig, model_path: str, port: int, *, dtype: str, tp_size: int, seed: int,
-    weight_version: int = 0, launch_prefix: list[str] | None = None,
+    cfg: SGLangServerConfig,
+    model_path: str,
+    port: int,
+    *,
+    dtype: str,
+    tp_size: int,
+    seed: int,
+    weight_version: int = 0,
+    launch_prefix: list[str] | None = None,
 ) -> list[str]:
     """The argv of one server. ``launch_prefix`` replaces ``python -m sglang.launch_server``
     (tests use it to start a stand-in that speaks the same argv and wire format)."""
@@ -95,8 +103,15 @@ class SGLangLauncher(SubprocessLauncher):
         self._tp = tp
 
     def command(self, model_path: str, port: int, index: int, device_ids: list[int]) -> list[str]:
-        return build_command(self.config, model_path, port, dtype=self.dtype, tp_size=self._tp, seed=self.seed,
-                             launch_prefix=self.launch_prefix)
+        return build_command(
+            self.config,
+            model_path,
+            port,
+            dtype=self.dtype,
+            tp_size=self._tp,
+            seed=self.seed,
+            launch_prefix=self.launch_prefix,
+        )
 
     def environment(self, index: int, n_servers: int, device_ids: list[int]) -> dict[str, str]:
         # Each server sees only its own devices, numbered from 0 (so no --base-gpu-id).

@@ -1,4 +1,5 @@
 """Entry point ``sglang`` (group ``areal.plugins``): registration only, lazy targets."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -44,7 +45,10 @@ def areal_select_weight_transport(train_backend: str, inference_backend: str, pl
         # (cpu; SGLang has no CPU build anyway), follow it.
         from areal_kernel.platforms import platform_named
 
-        if not platform_named(platform).prefers_in_memory_weight_updates or train_backend not in _IN_PROCESS_TRAIN_ENGINES:
+        if (
+            not platform_named(platform).prefers_in_memory_weight_updates
+            or train_backend not in _IN_PROCESS_TRAIN_ENGINES
+        ):
             return "disk"
         return "sglang_broadcast"
     return None

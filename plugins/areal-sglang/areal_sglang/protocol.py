@@ -5,6 +5,7 @@ tests check every body below against the classes of the pinned release).
 SGLang carries weight versions as strings; the kernel counts them as ints,
 so versions travel as ``str(int)`` and come back through ``int()``.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -87,7 +88,9 @@ class SGLangProtocol(ServerProtocol):
             kind = fr.get("type") if isinstance(fr, dict) else fr
             reason = _FINISH[kind]
         except (KeyError, TypeError, ValueError, IndexError) as e:
-            raise ServerError(f"SGLang answered /generate with an unexpected body ({type(e).__name__}: {e}): {str(data)[:300]}") from None
+            raise ServerError(
+                f"SGLang answered /generate with an unexpected body ({type(e).__name__}: {e}): {str(data)[:300]}"
+            ) from None
         if lp_ids != ids:
             raise ServerError(
                 f"SGLang's output_token_logprobs do not match output_ids ({len(lp_ids)} vs {len(ids)} tokens); "
@@ -116,7 +119,12 @@ class SGLangProtocol(ServerProtocol):
         return HttpCall(
             "POST",
             "/update_weights_from_disk",
-            {"model_path": path, "weight_version": _version_str(version), "flush_cache": True, "abort_all_requests": False},
+            {
+                "model_path": path,
+                "weight_version": _version_str(version),
+                "flush_cache": True,
+                "abort_all_requests": False,
+            },
             timeout_s=WEIGHT_CALL_TIMEOUT_S,
         )
 
@@ -127,8 +135,14 @@ class SGLangProtocol(ServerProtocol):
         return HttpCall(
             "POST",
             "/init_weights_update_group",
-            {"master_address": master_addr, "master_port": int(master_port), "rank_offset": int(rank),
-             "world_size": int(world_size), "group_name": group_name, "backend": backend},
+            {
+                "master_address": master_addr,
+                "master_port": int(master_port),
+                "rank_offset": int(rank),
+                "world_size": int(world_size),
+                "group_name": group_name,
+                "backend": backend,
+            },
             timeout_s=WEIGHT_CALL_TIMEOUT_S,
         )
 
@@ -139,9 +153,14 @@ class SGLangProtocol(ServerProtocol):
         return HttpCall(
             "POST",
             "/update_weights_from_distributed",
-            {"names": [t["name"] for t in tensors], "dtypes": [str(t["dtype"]) for t in tensors],
-             "shapes": [[int(x) for x in t["shape"]] for t in tensors], "group_name": group_name,
-             "weight_version": _version_str(version), "flush_cache": True},
+            {
+                "names": [t["name"] for t in tensors],
+                "dtypes": [str(t["dtype"]) for t in tensors],
+                "shapes": [[int(x) for x in t["shape"]] for t in tensors],
+                "group_name": group_name,
+                "weight_version": _version_str(version),
+                "flush_cache": True,
+            },
             timeout_s=WEIGHT_CALL_TIMEOUT_S,
         )
 
@@ -153,8 +172,12 @@ class SGLangProtocol(ServerProtocol):
         one broadcast. Only the last bucket of an update carries the version and
         flushes the cache (the flush is refused while requests still run)."""
         body: dict[str, Any] = {
-            "names": list(names), "dtypes": [str(d) for d in dtypes], "shapes": [[int(x) for x in s] for s in shapes],
-            "group_name": group_name, "load_format": "flattened_bucket", "flush_cache": version is not None,
+            "names": list(names),
+            "dtypes": [str(d) for d in dtypes],
+            "shapes": [[int(x) for x in s] for s in shapes],
+            "group_name": group_name,
+            "load_format": "flattened_bucket",
+            "flush_cache": version is not None,
         }
         if version is not None:
             body["weight_version"] = _version_str(version)
@@ -171,7 +194,9 @@ class SGLangProtocol(ServerProtocol):
         return HttpCall("POST", "/destroy_weights_update_group", {"group_name": group_name})
 
     def set_version(self, version: int) -> HttpCall:
-        return HttpCall("POST", "/update_weight_version", {"new_version": _version_str(version), "abort_all_requests": False})
+        return HttpCall(
+            "POST", "/update_weight_version", {"new_version": _version_str(version), "abort_all_requests": False}
+        )
 
     # -- SGLang-only control calls ----------------------------------------------
     def flush_cache(self) -> HttpCall:
@@ -183,7 +208,11 @@ class SGLangProtocol(ServerProtocol):
         return HttpCall("POST", "/abort_request", body)
 
     def release_memory(self, tags: list[str] | None = None) -> HttpCall:
-        return HttpCall("POST", "/release_memory_occupation", {"tags": list(tags)} if tags else {}, timeout_s=WEIGHT_CALL_TIMEOUT_S)
+        return HttpCall(
+            "POST", "/release_memory_occupation", {"tags": list(tags)} if tags else {}, timeout_s=WEIGHT_CALL_TIMEOUT_S
+        )
 
     def resume_memory(self, tags: list[str] | None = None) -> HttpCall:
-        return HttpCall("POST", "/resume_memory_occupation", {"tags": list(tags)} if tags else {}, timeout_s=WEIGHT_CALL_TIMEOUT_S)
+        return HttpCall(
+            "POST", "/resume_memory_occupation", {"tags": list(tags)} if tags else {}, timeout_s=WEIGHT_CALL_TIMEOUT_S
+        )

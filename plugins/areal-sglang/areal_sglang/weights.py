@@ -22,6 +22,7 @@ but without registering anything in ``torch.distributed``'s global state (the
 trainer process may own a default group of its own), and sends each bucket
 while every server's HTTP call for that bucket is in flight.
 """
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -42,6 +43,7 @@ TRANSPORT_NAME = "sglang_broadcast"
 
 
 # -- bucket planning (pure python: no torch needed) ----------------------------
+
 
 def _itemsize(dtype: str) -> int:
     from areal_kernel.weights.broadcast import parse_dtype
@@ -108,6 +110,7 @@ def flattened_offsets(bucket_meta: list[dict]) -> tuple[list[int], int]:
 
 # -- the trainer's end of SGLang's group ----------------------------------------
 
+
 def _device_prefix(backend: str) -> str:
     """The device name torch's process-group helper prefixes a single backend's
     store with: the first device the backend declares (gloo: cpu, nccl: cuda,
@@ -135,7 +138,9 @@ def _make_backend(backend: str, store: Any, rank: int, world_size: int, timeout:
         return dist.ProcessGroupNCCL(store, rank, world_size, opts)
     plugin = dist.Backend._plugins.get(backend.upper())
     if plugin is None:
-        raise ConfigError(f"weight group backend {backend!r} is not available; valid: 'gloo', 'nccl' or a registered backend")
+        raise ConfigError(
+            f"weight group backend {backend!r} is not available; valid: 'gloo', 'nccl' or a registered backend"
+        )
     return plugin.creator_fn(store, rank, world_size, timeout)
 
 
@@ -149,14 +154,24 @@ def join_sglang_group(
     from areal_kernel.weights.broadcast import WeightGroup
 
     if world_size < 2:
-        raise ConfigError(f"the SGLang weight group needs the trainer and at least one server rank, got world_size={world_size}")
+        raise ConfigError(
+            f"the SGLang weight group needs the trainer and at least one server rank, got world_size={world_size}"
+        )
     timeout = datetime.timedelta(seconds=timeout_s)
     # Rank 0 of torch's tcp:// rendezvous: the store daemon, multi-tenant like there.
-    store = dist.TCPStore(master_addr, int(master_port), world_size, is_master=True, timeout=timeout,
-                          wait_for_workers=False, multi_tenant=True)
+    store = dist.TCPStore(
+        master_addr,
+        int(master_port),
+        world_size,
+        is_master=True,
+        timeout=timeout,
+        wait_for_workers=False,
+        multi_tenant=True,
+    )
     # init_custom_process_group's prefix, then the helper's group and device prefixes.
-    keyed = dist.PrefixStore(f"{_device_prefix(backend)}/",
-                             dist.PrefixStore(f"{group_name}/", dist.PrefixStore(group_name, store)))
+    keyed = dist.PrefixStore(
+        f"{_device_prefix(backend)}/", dist.PrefixStore(f"{group_name}/", dist.PrefixStore(group_name, store))
+    )
     pg = _make_backend(backend, keyed, 0, world_size, timeout)
     if hasattr(pg, "_set_sequence_number_for_group"):
         pg._set_sequence_number_for_group()  # the helper does this too
@@ -205,10 +220,16 @@ class SGLangBroadcastTransport:
     name = TRANSPORT_NAME
     group_name = GROUP_NAME
 
-    def __init__(self, train_engine: Any, infer_engine: Any, run_dir: str, bucket_bytes: int = 256 << 20,
-                 timeout_s: float = 600) -> None:
-        for attr in ("init_weight_group_async", "update_bucket_async", "begin_weight_update", "end_weight_update",
-                     "weight_group_world_size"):
+    def __init__(
+        self, train_engine: Any, infer_engine: Any, run_dir: str, bucket_bytes: int = 256 << 20, timeout_s: float = 600
+    ) -> None:
+        for attr in (
+            "init_weight_group_async",
+            "update_bucket_async",
+            "begin_weight_update",
+            "end_weight_update",
+            "weight_group_world_size",
+        ):
             if not hasattr(infer_engine, attr):
                 raise ConfigError(
                     f"weight transport {TRANSPORT_NAME!r} needs SGLang servers (rollout.backend: sglang); "
@@ -266,8 +287,11 @@ class SGLangBroadcastTransport:
         bucket_meta = [meta[i] for i in idx]
         offsets, size = flattened_offsets(bucket_meta)
         futures = self.infer.update_bucket_async(
-            [m["name"] for m in bucket_meta], [m["dtype"] for m in bucket_meta], [m["shape"] for m in bucket_meta],
-            self.group_name, version,
+            [m["name"] for m in bucket_meta],
+            [m["dtype"] for m in bucket_meta],
+            [m["shape"] for m in bucket_meta],
+            self.group_name,
+            version,
         )
         buf = torch.empty(size, dtype=torch.uint8, device=self.group.buffer_device())
         for i, off in zip(idx, offsets):
@@ -290,7 +314,9 @@ class SGLangBroadcastTransport:
         from areal_kernel.weights.broadcast import tensor_meta
 
         if self.group is None:
-            raise ArealError(f"weight transport {TRANSPORT_NAME!r}: no weight group (setup() not run, or a previous update failed)")
+            raise ArealError(
+                f"weight transport {TRANSPORT_NAME!r}: no weight group (setup() not run, or a previous update failed)"
+            )
         named = self.train.named_weights_for_transfer()
         meta = tensor_meta(named)
         buckets = plan_flattened_buckets(meta, self.bucket_bytes)
@@ -314,8 +340,12 @@ class SGLangBroadcastTransport:
         finally:
             self.infer.resume()
         dt = time.monotonic() - t0
-        return {"weights/broadcast_s": dt, "weights/pause_s": dt, "weights/mb": nbytes / 2**20,
-                "weights/buckets": float(len(buckets))}
+        return {
+            "weights/broadcast_s": dt,
+            "weights/pause_s": dt,
+            "weights/mb": nbytes / 2**20,
+            "weights/buckets": float(len(buckets)),
+        }
 
     def close(self) -> None:
         if self.group is not None:
@@ -325,4 +355,3 @@ class SGLangBroadcastTransport:
                 pass  # servers already gone: nothing left to free there
             self.group.destroy()
             self.group = None
-

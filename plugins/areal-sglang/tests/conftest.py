@@ -1,6 +1,7 @@
 """Fixtures for areal-sglang: SGLang's own code as an oracle (separate process),
 stand-in SGLang servers (tests/sglang_standin.py) launched by the real launcher,
 and small model directories for the stand-in to "load"."""
+
 from __future__ import annotations
 
 import os
@@ -46,8 +47,14 @@ class _OracleProcess:
             return  # the fixture fails with the install hint
         pypath = os.pathsep.join([ORACLE_SITE, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
         env = dict(os.environ, PYTHONPATH=pypath, OMP_NUM_THREADS="1", AREAL_ORACLE_PARENT_PID=str(os.getpid()))
-        cls.proc = subprocess.Popen([sys.executable, str(ORACLE)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                    text=True, env=env, start_new_session=True)
+        cls.proc = subprocess.Popen(
+            [sys.executable, str(ORACLE)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+            start_new_session=True,
+        )
 
         def read() -> None:
             for line in cls.proc.stdout:  # type: ignore[union-attr]
@@ -140,5 +147,3 @@ def launch_standins(tmp_path, oracle_url):
     yield start
     for lau in launchers:
         lau.stop()
-
-

@@ -27,6 +27,7 @@ inert placeholder modules (``triton`` when it is not installed, ``torchvision``)
 or hidden (``torchcodec``, ``torchaudio``). None of them takes part in argument
 parsing or request validation.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -139,8 +140,12 @@ def import_sglang() -> dict[str, Any]:
         "/resume_memory_occupation": io.ResumeMemoryOccupationReqInput,
     }
     return {
-        "version": getattr(sglang, "__version__", "?"), "msgspec": msgspec, "pydantic": pydantic, "routes": routes,
-        "SamplingParams": SamplingParams, "generate_contract_error": generate_contract_error,
+        "version": getattr(sglang, "__version__", "?"),
+        "msgspec": msgspec,
+        "pydantic": pydantic,
+        "routes": routes,
+        "SamplingParams": SamplingParams,
+        "generate_contract_error": generate_contract_error,
         "prepare_server_args": prepare_server_args,
     }
 
@@ -177,9 +182,23 @@ def check_request(sg: dict[str, Any], route: str, body: Any) -> dict[str, Any]:
     return {"ok": True, "error": None, "class": f"{cls.__module__}.{cls.__qualname__}"}
 
 
-FIELDS = ("model_path", "host", "port", "dtype", "tp_size", "random_seed", "weight_version", "context_length",
-          "mem_fraction_static", "attention_backend", "disable_radix_cache", "enable_memory_saver",
-          "skip_server_warmup", "api_key", "log_level")
+FIELDS = (
+    "model_path",
+    "host",
+    "port",
+    "dtype",
+    "tp_size",
+    "random_seed",
+    "weight_version",
+    "context_length",
+    "mem_fraction_static",
+    "attention_backend",
+    "disable_radix_cache",
+    "enable_memory_saver",
+    "skip_server_warmup",
+    "api_key",
+    "log_level",
+)
 
 
 def check_argv(sg: dict[str, Any], argv: list[str]) -> dict[str, Any]:
@@ -221,8 +240,14 @@ class WeightReceiver:
                 if not dist.is_initialized():
                     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
                 self._updater = WeightUpdater(
-                    tp_rank=0, device="cpu", gpu_id=0, model_config=None, custom_weight_loaders={},
-                    get_model=lambda: None, update_model_fields=lambda **k: None, recapture_cuda_graph=lambda: None,
+                    tp_rank=0,
+                    device="cpu",
+                    gpu_id=0,
+                    model_config=None,
+                    custom_weight_loaders={},
+                    get_model=lambda: None,
+                    update_model_fields=lambda **k: None,
+                    recapture_cuda_graph=lambda: None,
                     get_model_runner=lambda: None,
                 )
             return self._updater
@@ -234,14 +259,27 @@ class WeightReceiver:
 
         u = self.updater()
         if path == "/sglang_weights/init":
-            ok, msg = u.init_weights_update_group(req["master_address"], req["master_port"], req["rank_offset"],
-                                                  req["world_size"], req["group_name"], req["backend"])
+            ok, msg = u.init_weights_update_group(
+                req["master_address"],
+                req["master_port"],
+                req["rank_offset"],
+                req["world_size"],
+                req["group_name"],
+                req["backend"],
+            )
             return {"success": ok, "message": msg}
         if path == "/sglang_weights/receive":
-            weights = u.receive_weights_from_distributed(names=req["names"], dtypes=req["dtypes"], shapes=req["shapes"],
-                                                        group_name=req["group_name"], load_format=req.get("load_format"))
-            sums = {n: hashlib.sha256(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
-                    for n, t in weights}
+            weights = u.receive_weights_from_distributed(
+                names=req["names"],
+                dtypes=req["dtypes"],
+                shapes=req["shapes"],
+                group_name=req["group_name"],
+                load_format=req.get("load_format"),
+            )
+            sums = {
+                n: hashlib.sha256(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+                for n, t in weights
+            }
             return {"success": True, "checksums": sums}
         if path == "/sglang_weights/destroy":
             ok, msg = u.destroy_weights_update_group(req["group_name"])

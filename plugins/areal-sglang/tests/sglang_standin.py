@@ -16,6 +16,7 @@ weights are loaded and come back when the old ones are reloaded. Tokens are
 produced one at a time with a small delay so that pauses land mid-generation.
 Test-only routes live under ``/_standin/``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,8 +52,9 @@ def oracle(path: str, payload: dict) -> dict:
     url = os.environ.get("AREAL_SGLANG_ORACLE_URL")
     if not url:
         return {"ok": True}
-    req = urllib.request.Request(url + path, data=json.dumps(payload).encode(), method="POST",
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url + path, data=json.dumps(payload).encode(), method="POST", headers={"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(req, timeout=60) as r:
         return json.loads(r.read())
 
@@ -123,8 +125,10 @@ async def run_generation(st: State, r: Req) -> str:
 # init_method "tcp://<master_address>:<master_port>", rank rank_offset + tp_rank
 # (this stand-in is one TP rank), inside a process that already has a default group.
 
-def join_update_group(master_address: str, master_port: int, rank_offset: int, world_size: int,
-                      group_name: str, backend: str) -> Any:
+
+def join_update_group(
+    master_address: str, master_port: int, rank_offset: int, world_size: int, group_name: str, backend: str
+) -> Any:
     import datetime
 
     import torch.distributed as dist
@@ -139,8 +143,9 @@ def join_update_group(master_address: str, master_port: int, rank_offset: int, w
     store, rank, world_size = next(rendezvous(f"tcp://{host}:{master_port}", rank, world_size, timeout=timeout))
     store.set_timeout(timeout)
     store = dist.PrefixStore(group_name, store)
-    pg, _ = _new_process_group_helper(world_size, rank, [], dist.Backend(backend), store, group_name=group_name,
-                                      backend_options=None, timeout=timeout)
+    pg, _ = _new_process_group_helper(
+        world_size, rank, [], dist.Backend(backend), store, group_name=group_name, backend_options=None, timeout=timeout
+    )
     _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
     return pg
 
@@ -167,8 +172,9 @@ def flattened_bucket_empty(names: list[str], dtypes: list[str], shapes: list[lis
     return torch.empty(offset, dtype=torch.uint8), spans
 
 
-def receive_weights(pg: Any, names: list[str], dtypes: list[str], shapes: list[list[int]],
-                    load_format: str | None) -> dict[str, str]:
+def receive_weights(
+    pg: Any, names: list[str], dtypes: list[str], shapes: list[list[int]], load_format: str | None
+) -> dict[str, str]:
     """WeightUpdater.receive_weights_from_distributed: one broadcast per bucket
     (flattened_bucket) or one per tensor; returns sha256 of each tensor's bytes."""
     import torch
@@ -182,8 +188,10 @@ def receive_weights(pg: Any, names: list[str], dtypes: list[str], shapes: list[l
         tensors = [(n, torch.empty(shape, dtype=getattr(torch, d))) for n, d, shape in zip(names, dtypes, shapes)]
         for handle in [dist.broadcast(t, src=0, group=pg, async_op=True) for _, t in tensors]:
             handle.wait()
-    return {n: hashlib.sha256(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
-            for n, t in tensors}
+    return {
+        n: hashlib.sha256(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+        for n, t in tensors
+    }
 
 
 def build_app(st: State) -> web.Application:
@@ -208,7 +216,9 @@ def build_app(st: State) -> web.Application:
         return web.Response(status=200)
 
     async def model_info(request: web.Request) -> web.Response:
-        return web.json_response({"model_path": st.args.model_path, "weight_version": st.version, "is_generation": True})
+        return web.json_response(
+            {"model_path": st.args.model_path, "weight_version": st.version, "is_generation": True}
+        )
 
     async def generate(request: web.Request) -> web.Response:
         body = await body_of(request)
@@ -239,8 +249,13 @@ def build_app(st: State) -> web.Application:
         else:
             fr.update(message="Abort in waiting queue" if not r.out else "Aborted", status_code=None, err_type=None)
         meta = {
-            "id": rid, "finish_reason": fr, "prompt_tokens": len(r.ids), "completion_tokens": len(r.out),
-            "cached_tokens": 0, "weight_version": st.version, "e2e_latency": time.monotonic() - t0,
+            "id": rid,
+            "finish_reason": fr,
+            "prompt_tokens": len(r.ids),
+            "completion_tokens": len(r.out),
+            "cached_tokens": 0,
+            "weight_version": st.version,
+            "e2e_latency": time.monotonic() - t0,
         }
         if body.get("return_logprob"):
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(r.lps, r.out)]
@@ -252,10 +267,19 @@ def build_app(st: State) -> web.Application:
                 body = await body_of(request) if request.method == "POST" else {}
                 if route != "/flush_cache" and (bad := check(route, body)) is not None:
                     return bad
-                st.log.append({"route": route, "body": body, "version": st.version, "paused": st.paused,
-                               "running": len(st.running)})
+                st.log.append(
+                    {
+                        "route": route,
+                        "body": body,
+                        "version": st.version,
+                        "paused": st.paused,
+                        "running": len(st.running),
+                    }
+                )
                 return await fn(body)
+
             return handler
+
         return deco
 
     def abort_all() -> None:
@@ -290,12 +314,14 @@ def build_app(st: State) -> web.Application:
         try:
             st.digest = weights_digest(body["model_path"])
         except OSError as e:
-            return web.json_response({"success": False, "message": f"Failed to load weights: {e}",
-                                      "num_paused_requests": 0}, status=400)
+            return web.json_response(
+                {"success": False, "message": f"Failed to load weights: {e}", "num_paused_requests": 0}, status=400
+            )
         if body.get("weight_version") is not None:
             st.version = body["weight_version"]
-        return web.json_response({"success": True, "message": "Succeeded to update model weights.",
-                                  "num_paused_requests": 0})
+        return web.json_response(
+            {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0}
+        )
 
     @control("/init_weights_update_group")
     async def init_group(body: dict) -> web.Response:
@@ -303,11 +329,18 @@ def build_app(st: State) -> web.Application:
         name = body.get("group_name", "weight_update_group")
         try:
             st.pgs[name] = await asyncio.to_thread(
-                join_update_group, body["master_address"], int(body["master_port"]), int(body["rank_offset"]),
-                int(body["world_size"]), name, body.get("backend", "nccl"))
+                join_update_group,
+                body["master_address"],
+                int(body["master_port"]),
+                int(body["rank_offset"]),
+                int(body["world_size"]),
+                name,
+                body.get("backend", "nccl"),
+            )
         except Exception as e:
-            return web.json_response({"success": False, "message": f"Failed to initialize custom process group: {e}."},
-                                     status=400)
+            return web.json_response(
+                {"success": False, "message": f"Failed to initialize custom process group: {e}."}, status=400
+            )
         st.groups[name] = body
         return web.json_response({"success": True, "message": "Succeeded to initialize custom process group."})
 
@@ -315,8 +348,9 @@ def build_app(st: State) -> web.Application:
     async def destroy_group(body: dict) -> web.Response:
         name = body.get("group_name", "weight_update_group")
         if name not in st.pgs:
-            return web.json_response({"success": False, "message": "The group to be destroyed does not exist."},
-                                     status=400)
+            return web.json_response(
+                {"success": False, "message": "The group to be destroyed does not exist."}, status=400
+            )
         import torch.distributed as dist
 
         dist.destroy_process_group(st.pgs.pop(name))
@@ -326,16 +360,23 @@ def build_app(st: State) -> web.Application:
     @control("/begin_weight_update")
     async def begin_update(body: dict) -> web.Response:
         if st.session:
-            return web.json_response({"success": False, "message": "a weight-update session is already open; "
-                                      "call end_weight_update() first"}, status=400)
+            return web.json_response(
+                {
+                    "success": False,
+                    "message": "a weight-update session is already open; call end_weight_update() first",
+                },
+                status=400,
+            )
         st.session = True
         return web.json_response({"success": True, "message": "Success"})
 
     @control("/end_weight_update")
     async def end_update(body: dict) -> web.Response:
         if not st.session:
-            return web.json_response({"success": False, "message": "no weight-update session is open; "
-                                      "call begin_weight_update() first"}, status=400)
+            return web.json_response(
+                {"success": False, "message": "no weight-update session is open; call begin_weight_update() first"},
+                status=400,
+            )
         st.session = False
         return web.json_response({"success": True, "message": "Success"})
 
@@ -343,15 +384,27 @@ def build_app(st: State) -> web.Application:
     async def from_dist(body: dict) -> web.Response:
         g = body.get("group_name", "weight_update_group")
         if not st.session:
-            return web.json_response({"success": False, "message": "update_weights_from_distributed must run between "
-                                      "begin_weight_update() and end_weight_update()"}, status=400)
+            return web.json_response(
+                {
+                    "success": False,
+                    "message": "update_weights_from_distributed must run between "
+                    "begin_weight_update() and end_weight_update()",
+                },
+                status=400,
+            )
         if g not in st.pgs:
-            return web.json_response({"success": False, "message": f"Group {g} not in {list(st.pgs)}. "
-                                      "Please call `init_weights_update_group` first."}, status=400)
+            return web.json_response(
+                {
+                    "success": False,
+                    "message": f"Group {g} not in {list(st.pgs)}. Please call `init_weights_update_group` first.",
+                },
+                status=400,
+            )
         await wait_idle()
         try:
-            sums = await asyncio.to_thread(receive_weights, st.pgs[g], body["names"], body["dtypes"], body["shapes"],
-                                           body.get("load_format"))
+            sums = await asyncio.to_thread(
+                receive_weights, st.pgs[g], body["names"], body["dtypes"], body["shapes"], body.get("load_format")
+            )
         except Exception as e:
             return web.json_response({"success": False, "message": f"Failed to receive weights: {e}"}, status=400)
         st.received.update(sums)
@@ -365,8 +418,9 @@ def build_app(st: State) -> web.Application:
         if body.get("abort_all_requests", True):
             abort_all()
         st.version = body["new_version"]
-        return web.json_response({"success": True, "message": f"Weight version updated to {st.version}",
-                                  "new_version": st.version})
+        return web.json_response(
+            {"success": True, "message": f"Weight version updated to {st.version}", "new_version": st.version}
+        )
 
     @control("/flush_cache")
     async def flush(body: dict) -> web.Response:
@@ -393,10 +447,20 @@ def build_app(st: State) -> web.Application:
         return web.Response(status=200)
 
     async def standin_state(request: web.Request) -> web.Response:
-        return web.json_response({"version": st.version, "paused": st.paused, "running": len(st.running),
-                                  "running_tokens": [len(r.out) for r in st.running.values()],
-                                  "released": sorted(st.released), "groups": st.groups, "log": st.log,
-                                  "digest": st.digest, "received": st.received, "session": st.session})
+        return web.json_response(
+            {
+                "version": st.version,
+                "paused": st.paused,
+                "running": len(st.running),
+                "running_tokens": [len(r.out) for r in st.running.values()],
+                "released": sorted(st.released),
+                "groups": st.groups,
+                "log": st.log,
+                "digest": st.digest,
+                "received": st.received,
+                "session": st.session,
+            }
+        )
 
     async def standin_fail(request: web.Request) -> web.Response:
         b = await body_of(request)
@@ -407,13 +471,20 @@ def build_app(st: State) -> web.Application:
     app.router.add_get("/health", health)
     app.router.add_get("/get_model_info", model_info)
     app.router.add_post("/generate", generate)
-    for path, h in [("/pause_generation", pause), ("/continue_generation", cont),
-                    ("/update_weights_from_disk", from_disk), ("/init_weights_update_group", init_group),
-                    ("/update_weights_from_distributed", from_dist), ("/update_weight_version", set_version),
-                    ("/destroy_weights_update_group", destroy_group), ("/begin_weight_update", begin_update),
-                    ("/end_weight_update", end_update),
-                    ("/abort_request", abort), ("/release_memory_occupation", release),
-                    ("/resume_memory_occupation", resume_mem)]:
+    for path, h in [
+        ("/pause_generation", pause),
+        ("/continue_generation", cont),
+        ("/update_weights_from_disk", from_disk),
+        ("/init_weights_update_group", init_group),
+        ("/update_weights_from_distributed", from_dist),
+        ("/update_weight_version", set_version),
+        ("/destroy_weights_update_group", destroy_group),
+        ("/begin_weight_update", begin_update),
+        ("/end_weight_update", end_update),
+        ("/abort_request", abort),
+        ("/release_memory_occupation", release),
+        ("/resume_memory_occupation", resume_mem),
+    ]:
         app.router.add_post(path, h)
     app.router.add_route("*", "/flush_cache", flush)
     app.router.add_get("/_standin/state", standin_state)

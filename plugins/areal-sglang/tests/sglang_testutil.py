@@ -1,5 +1,6 @@
 """Helpers shared by the areal-sglang tests (a uniquely named module: every
 test directory of the repo has its own conftest.py)."""
+
 from __future__ import annotations
 
 import json
@@ -18,8 +19,9 @@ STANDIN_PREFIX = [sys.executable, str(STANDIN)]
 
 
 def post_json(url: str, obj: Any, timeout: float = 60) -> Any:
-    req = urllib.request.Request(url, data=json.dumps(obj).encode(), method="POST",
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url, data=json.dumps(obj).encode(), method="POST", headers={"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(req, timeout=timeout) as r:
         return json.loads(r.read())
 

@@ -7,6 +7,7 @@ Covers: generation across servers, retries on 5xx, interruption by a weight
 update (abort, new weights, resume from partial output: one response with
 tokens of two versions), weight-update call order and versions, the
 SGLang-only control calls, failover when a server dies, and auth."""
+
 from __future__ import annotations
 
 import asyncio
@@ -153,9 +154,16 @@ def test_weight_update_sequence_and_versions_reach_the_server(model_dir, alt_mod
     for i, info in enumerate(infos):
         st = standin_state(info.address)
         routes = [e["route"] for e in st["log"]]
-        assert routes == ["/pause_generation", "/update_weights_from_disk", "/continue_generation",
-                          "/update_weight_version", "/flush_cache", "/release_memory_occupation",
-                          "/resume_memory_occupation", "/abort_request"]
+        assert routes == [
+            "/pause_generation",
+            "/update_weights_from_disk",
+            "/continue_generation",
+            "/update_weight_version",
+            "/flush_cache",
+            "/release_memory_occupation",
+            "/resume_memory_occupation",
+            "/abort_request",
+        ]
         log = {e["route"]: e for e in st["log"]}
         assert log["/update_weights_from_disk"]["paused"] == "abort"  # loaded while paused
         assert log["/update_weights_from_disk"]["body"]["weight_version"] == "1"
@@ -168,7 +176,9 @@ def test_failover_when_a_server_dies_mid_generation(model_dir, launch_standins):
     _, infos = launch_standins(model_dir, n=2, extra_env={"AREAL_STANDIN_TOKEN_DELAY_S": "0.02"})
     engine = SGLangInferenceEngine([i.address for i in infos], down_probe_s=30)
     box = {}
-    t = threading.Thread(target=lambda: box.setdefault("rs", gen(engine, [[1, 2], [3, 4]], max_new_tokens=40, greedy=True)))
+    t = threading.Thread(
+        target=lambda: box.setdefault("rs", gen(engine, [[1, 2], [3, 4]], max_new_tokens=40, greedy=True))
+    )
     t.start()
     for info in infos:  # least-loaded put one request on each server
         wait_for_tokens(info.address, 1, 2)
@@ -205,8 +215,9 @@ def test_supervisor_restarts_a_killed_server_with_the_current_weights(model_dir,
     lau, (info,) = launch_standins(model_dir)
     engine = SGLangInferenceEngine([info.address], down_probe_s=0.2)
     restarted = []
-    sup = ServerSupervisor(lau, engine, max_restarts=1, poll_s=0.05,
-                           on_restart=lambda a, v: restarted.append((a, v))).start()
+    sup = ServerSupervisor(
+        lau, engine, max_restarts=1, poll_s=0.05, on_restart=lambda a, v: restarted.append((a, v))
+    ).start()
     try:
         engine.pause()
         engine.update_weights(WeightUpdateMeta(kind="disk", version=1, path=alt_model_dir))

@@ -1,6 +1,7 @@
 """The kernel's inference-engine contract against STAND-IN SGLang servers
 (sglang_standin.py; no real SGLang runs here), launched through SGLangBackend
 from a validated config, with every request checked by SGLang's own classes."""
+
 from __future__ import annotations
 
 import pytest
@@ -27,8 +28,14 @@ def backend(model_dir, oracle_url, tmp_path_factory):
     from areal_kernel.config import validate_config
     from areal_sglang.backend import SGLangBackend
 
-    cfg = validate_config({"rollout": {"backend": "sglang:d2", "sglang": {
-        "startup_timeout_s": 120, "extra_env": {"AREAL_SGLANG_ORACLE_URL": oracle_url}}}})
+    cfg = validate_config(
+        {
+            "rollout": {
+                "backend": "sglang:d2",
+                "sglang": {"startup_timeout_s": 120, "extra_env": {"AREAL_SGLANG_ORACLE_URL": oracle_url}},
+            }
+        }
+    )
     b = SGLangBackend(cfg, launch_prefix=STANDIN_PREFIX)
     addresses = b.launch(model_dir, [[], []], str(tmp_path_factory.mktemp("contract")))
     assert len(addresses) == 2

@@ -1,5 +1,6 @@
 """The launcher for real: processes, ports, health wait, log tail on failure,
 process-group stop, device placement through the platform layer."""
+
 from __future__ import annotations
 
 import os
@@ -28,7 +29,9 @@ def test_server_that_exits_at_once_fails_with_its_log_tail(tmp_path, model_dir):
 
 def test_server_that_never_gets_healthy_times_out_and_is_killed(tmp_path, model_dir):
     hang = [sys.executable, "-c", "import time, sys; print('loading...', flush=True); time.sleep(600)"]
-    lau = SGLangLauncher(SGLangServerConfig(startup_timeout_s=1.5, stop_grace_s=1), run_dir=str(tmp_path), launch_prefix=hang)
+    lau = SGLangLauncher(
+        SGLangServerConfig(startup_timeout_s=1.5, stop_grace_s=1), run_dir=str(tmp_path), launch_prefix=hang
+    )
     with pytest.raises(ServerError, match=r"not healthy after 1.5 s \(rollout.sglang.startup_timeout_s[\s\S]*loading"):
         lau.launch(model_dir, n_servers=1, devices_per_server=0)
 
@@ -43,8 +46,9 @@ def test_missing_interpreter_is_a_clear_error(tmp_path, model_dir):
 def test_argv_rejected_by_sglang_parser_surfaces_in_the_error(tmp_path, model_dir, oracle_url):
     """The stand-in refuses to start when SGLang's own parser rejects its argv,
     as `python -m sglang.launch_server` would; the launcher shows why."""
-    cfg = SGLangServerConfig(startup_timeout_s=60, extra_args=["--radix-cache-off"],
-                             extra_env={"AREAL_SGLANG_ORACLE_URL": oracle_url})
+    cfg = SGLangServerConfig(
+        startup_timeout_s=60, extra_args=["--radix-cache-off"], extra_env={"AREAL_SGLANG_ORACLE_URL": oracle_url}
+    )
     lau = SGLangLauncher(cfg, run_dir=str(tmp_path), launch_prefix=STANDIN_PREFIX)
     with pytest.raises(ServerError, match=r"exited with code 2[\s\S]*unrecognized arguments: --radix-cache-off"):
         lau.launch(model_dir, n_servers=1, devices_per_server=0)

@@ -1,4 +1,5 @@
 """Registration, light import and the validated `rollout.sglang` config section."""
+
 from __future__ import annotations
 
 import subprocess
@@ -39,11 +40,22 @@ def _cfg(**sglang):
 def test_section_is_validated_against_the_plugin_model():
     from areal_sglang.config import SGLangServerConfig
 
-    cfg = _cfg(context_length=4096, mem_fraction_static=0.7, attention_backend="fa3", radix_cache=False, seed=3,
-               extra_args=["--max-running-requests", "32"])
+    cfg = _cfg(
+        context_length=4096,
+        mem_fraction_static=0.7,
+        attention_backend="fa3",
+        radix_cache=False,
+        seed=3,
+        extra_args=["--max-running-requests", "32"],
+    )
     sc = cfg.rollout.plugin_config
     assert isinstance(sc, SGLangServerConfig)
-    assert (sc.context_length, sc.mem_fraction_static, sc.radix_cache, sc.extra_args[0]) == (4096, 0.7, False, "--max-running-requests")
+    assert (sc.context_length, sc.mem_fraction_static, sc.radix_cache, sc.extra_args[0]) == (
+        4096,
+        0.7,
+        False,
+        "--max-running-requests",
+    )
 
 
 @pytest.mark.parametrize(
@@ -67,7 +79,8 @@ def _select(train="torch", infer="sglang", platform="cpu", mode="auto"):
     from areal_kernel.plugins import get_plugin_manager
 
     return get_plugin_manager().hook.areal_select_weight_transport(
-        train_backend=train, inference_backend=infer, platform=platform, mode=mode)
+        train_backend=train, inference_backend=infer, platform=platform, mode=mode
+    )
 
 
 def test_transport_selection():
@@ -92,8 +105,12 @@ def test_broadcast_config_validates_and_selects_the_sglang_transport():
 
     cfg = validate_config({"rollout": {"backend": "sglang"}, "weight_update": {"mode": "broadcast", "bucket_mb": 8}})
     SGLangBackend(cfg)  # no longer refused
-    name = _select(train=cfg.actor.allocation.backend, infer=cfg.rollout.allocation.backend, platform="cuda",
-                   mode=cfg.weight_update.mode)
+    name = _select(
+        train=cfg.actor.allocation.backend,
+        infer=cfg.rollout.allocation.backend,
+        platform="cuda",
+        mode=cfg.weight_update.mode,
+    )
     assert get_registry().get("weight_transport", name).load() is SGLangBroadcastTransport
     ok = SGLangBackend(validate_config({"rollout": {"backend": "sglang"}, "model": {"dtype": "bfloat16"}}))
     assert ok.server_config.dtype is None  # follows model.dtype at launch

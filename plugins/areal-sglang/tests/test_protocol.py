@@ -1,4 +1,5 @@
 """SGLangProtocol in isolation: bodies and answer parsing (no server)."""
+
 from __future__ import annotations
 
 import pytest
@@ -10,9 +11,15 @@ from areal_sglang.protocol import SGLangProtocol, parse_version
 
 def answer(ids, reason, version="3", lps=None):
     lps = lps if lps is not None else [-0.5] * len(ids)
-    return {"text": "", "output_ids": ids,
-            "meta_info": {"finish_reason": reason, "weight_version": version,
-                          "output_token_logprobs": [[lp, t, None] for lp, t in zip(lps, ids)]}}
+    return {
+        "text": "",
+        "output_ids": ids,
+        "meta_info": {
+            "finish_reason": reason,
+            "weight_version": version,
+            "output_token_logprobs": [[lp, t, None] for lp, t in zip(lps, ids)],
+        },
+    }
 
 
 def test_generate_body_maps_greedy_and_disabled_top_k():
@@ -22,9 +29,14 @@ def test_generate_body_maps_greedy_and_disabled_top_k():
     assert sp["temperature"] == 0.0 and sp["top_k"] == -1 and sp["max_new_tokens"] == 5 and sp["stop_token_ids"] == [7]
 
 
-@pytest.mark.parametrize("reason, expected", [({"type": "stop", "matched": 2}, StopReason.STOP),
-                                               ({"type": "length", "length": 2}, StopReason.LENGTH),
-                                               ({"type": "abort", "message": "Aborted"}, StopReason.ABORT)])
+@pytest.mark.parametrize(
+    "reason, expected",
+    [
+        ({"type": "stop", "matched": 2}, StopReason.STOP),
+        ({"type": "length", "length": 2}, StopReason.LENGTH),
+        ({"type": "abort", "message": "Aborted"}, StopReason.ABORT),
+    ],
+)
 def test_parse_finish_reasons_logprobs_and_version(reason, expected):
     chunk = SGLangProtocol().parse_generate(answer([5, 2], reason, lps=[-0.1, -0.2]))
     assert chunk.output_ids == [5, 2] and chunk.output_logprobs == [-0.1, -0.2]

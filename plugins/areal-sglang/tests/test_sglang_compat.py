@@ -3,6 +3,7 @@ in a separate process; see sglang_oracle.py): our launch command is accepted by
 SGLang's server-argument parser with the intended values, and every request
 body our protocol builds is accepted by the request class that SGLang's route
 declares. Negative controls show the oracle does reject what SGLang rejects."""
+
 from __future__ import annotations
 
 import pytest
@@ -29,16 +30,35 @@ def _argv(cfg: SGLangServerConfig, **kw) -> list[str]:
 
 
 def test_full_launch_command_is_parsed_by_sglang_as_intended(sglang_oracle):
-    cfg = SGLangServerConfig(context_length=8192, mem_fraction_static=0.75, attention_backend="flashinfer",
-                             radix_cache=False, enable_memory_saver=True, skip_server_warmup=True, api_key="k",
-                             log_level="warning", extra_args=["--max-running-requests", "64", "--chunked-prefill-size=4096"])
+    cfg = SGLangServerConfig(
+        context_length=8192,
+        mem_fraction_static=0.75,
+        attention_backend="flashinfer",
+        radix_cache=False,
+        enable_memory_saver=True,
+        skip_server_warmup=True,
+        api_key="k",
+        log_level="warning",
+        extra_args=["--max-running-requests", "64", "--chunked-prefill-size=4096"],
+    )
     res = sglang_oracle.argv(_argv(cfg, tp_size=4, seed=11, weight_version=3))
     assert res["ok"], res["error"]
     assert res["fields"] == {
-        "model_path": "/models/qwen", "host": "127.0.0.1", "port": 31234, "dtype": "bfloat16", "tp_size": 4,
-        "random_seed": 11, "weight_version": "3", "context_length": 8192, "mem_fraction_static": 0.75,
-        "attention_backend": "flashinfer", "disable_radix_cache": True, "enable_memory_saver": True,
-        "skip_server_warmup": True, "api_key": "k", "log_level": "warning",
+        "model_path": "/models/qwen",
+        "host": "127.0.0.1",
+        "port": 31234,
+        "dtype": "bfloat16",
+        "tp_size": 4,
+        "random_seed": 11,
+        "weight_version": "3",
+        "context_length": 8192,
+        "mem_fraction_static": 0.75,
+        "attention_backend": "flashinfer",
+        "disable_radix_cache": True,
+        "enable_memory_saver": True,
+        "skip_server_warmup": True,
+        "api_key": "k",
+        "log_level": "warning",
     }
 
 
@@ -46,11 +66,18 @@ def test_default_launch_command_is_parsed(sglang_oracle):
     res = sglang_oracle.argv(_argv(SGLangServerConfig(), dtype="float32"))
     assert res["ok"], res["error"]
     f = res["fields"]
-    assert (f["dtype"], f["disable_radix_cache"], f["context_length"], f["weight_version"]) == ("float32", False, None, "0")
+    assert (f["dtype"], f["disable_radix_cache"], f["context_length"], f["weight_version"]) == (
+        "float32",
+        False,
+        None,
+        "0",
+    )
 
 
-@pytest.mark.parametrize("extra, needle", [(["--no-such-flag"], "unrecognized arguments"),
-                                           (["--attention-backend-typo", "x"], "unrecognized arguments")])
+@pytest.mark.parametrize(
+    "extra, needle",
+    [(["--no-such-flag"], "unrecognized arguments"), (["--attention-backend-typo", "x"], "unrecognized arguments")],
+)
 def test_sglang_parser_rejects_what_it_does_not_know(sglang_oracle, extra, needle):
     res = sglang_oracle.argv(_argv(SGLangServerConfig(extra_args=extra)))
     assert not res["ok"] and needle in res["error"]
@@ -68,18 +95,38 @@ def _calls():
         p.generate("rid-1", [1, 2, 3], g(max_new_tokens=8, greedy=True), 8),
         p.generate("rid-2", [5], g(max_new_tokens=8, temperature=0.7, top_p=0.9, top_k=20, stop_token_ids=[2, 7]), 3),
         p.generate("rid-3", [5, 6], g(top_k=0), 1),  # top_k 0 (kernel: disabled) must become SGLang's -1
-        p.pause(), SGLangProtocol("retract").pause(), SGLangProtocol("in_place").pause(), p.resume(),
+        p.pause(),
+        SGLangProtocol("retract").pause(),
+        SGLangProtocol("in_place").pause(),
+        p.resume(),
         p.update_weights_from_disk("/ckpt/v3", 3),
         p.init_weight_group("10.0.0.1", 29500, 5, 3, "areal_weights", "nccl"),
-        p.update_weights_from_distributed([{"name": "model.embed_tokens.weight", "dtype": "bfloat16", "shape": [8, 4]},
-                                           {"name": "lm_head.weight", "dtype": "float32", "shape": [8, 4]}], 4, 1 << 20,
-                                          "areal_weights"),
-        p.update_weights_bucket(["model.embed_tokens.weight", "model.norm.weight"], ["float32", "bfloat16"],
-                                [[8, 4], [4]], "areal_weights", None),
+        p.update_weights_from_distributed(
+            [
+                {"name": "model.embed_tokens.weight", "dtype": "bfloat16", "shape": [8, 4]},
+                {"name": "lm_head.weight", "dtype": "float32", "shape": [8, 4]},
+            ],
+            4,
+            1 << 20,
+            "areal_weights",
+        ),
+        p.update_weights_bucket(
+            ["model.embed_tokens.weight", "model.norm.weight"],
+            ["float32", "bfloat16"],
+            [[8, 4], [4]],
+            "areal_weights",
+            None,
+        ),
         p.update_weights_bucket(["lm_head.weight"], ["bfloat16"], [[8, 4]], "areal_weights", 4),
-        p.begin_weight_update(), p.end_weight_update(), p.destroy_weight_group("areal_weights"),
-        p.set_version(5), p.abort_request("rid-1"), p.abort_request(None),
-        p.release_memory(["weights", "kv_cache"]), p.release_memory(None), p.resume_memory(["weights"]),
+        p.begin_weight_update(),
+        p.end_weight_update(),
+        p.destroy_weight_group("areal_weights"),
+        p.set_version(5),
+        p.abort_request("rid-1"),
+        p.abort_request(None),
+        p.release_memory(["weights", "kv_cache"]),
+        p.release_memory(None),
+        p.resume_memory(["weights"]),
     ]
 
 

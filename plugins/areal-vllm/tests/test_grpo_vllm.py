@@ -3,6 +3,7 @@
 engine, in-memory weight updates every step over gloo through vLLM's
 weight-transfer routes. Asserts a reward trend (not a value or a time), the
 staleness bound and one weight version per step, like the kernel's own e2e test."""
+
 import json
 import os
 

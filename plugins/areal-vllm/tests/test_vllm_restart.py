@@ -8,6 +8,7 @@ the server, its log file and the last recovery checkpoint.
 Before the plugin's launcher was the kernel's, killing the only vLLM server
 ended the run within seconds ("/pause?mode=abort failed: Connection refused").
 """
+
 from __future__ import annotations
 
 import json
@@ -70,7 +71,9 @@ def test_killed_vllm_server_is_restarted_with_the_current_weights(tmp_path):
     def wait(cond, what: str, timeout: float = 600) -> None:
         deadline = time.monotonic() + timeout
         while not cond():
-            assert proc.poll() is None, f"the run ended (rc={proc.returncode}) while waiting for {what}:\n{plain()[-4000:]}"
+            assert proc.poll() is None, (
+                f"the run ended (rc={proc.returncode}) while waiting for {what}:\n{plain()[-4000:]}"
+            )
             assert time.monotonic() < deadline, f"timed out waiting for {what}:\n{plain()[-4000:]}"
             time.sleep(0.1)
 

@@ -13,6 +13,7 @@
 
 Every test leaves the server serving the original weights.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -94,6 +95,7 @@ class TestVLLMContract(InferenceEngineContract):
 
 # -- helpers --------------------------------------------------------------------------
 
+
 def _post(address: str, path: str, body: Any = None, timeout: float = 300) -> Any:
     req = urllib.request.Request(
         f"http://{address}{path}", data=json.dumps(body or {}).encode(), headers={"Content-Type": "application/json"},
@@ -126,8 +128,9 @@ def _start_and_wait_for_tokens(address: str, target: Any, n: int = 8) -> threadi
     before = _tokens_generated(address)
     t = threading.Thread(target=target)
     t.start()
-    wait_until(lambda: _tokens_generated(address) >= before + n, timeout_s=120,
-               what=f"{n} tokens generated on {address}")
+    wait_until(
+        lambda: _tokens_generated(address) >= before + n, timeout_s=120, what=f"{n} tokens generated on {address}"
+    )
     return t
 
 
@@ -180,10 +183,11 @@ def _recompute(train: Any, prompt: list[int], output: list[int]) -> list[float]:
     n = len(ids)
     mask = [0] * len(prompt) + [1] * len(output)
     traj = Trajectory(ids, mask, [0.0] * n, [-1] * n, reward=0.0, group_id="g")
-    return train.compute_logprobs(TrajectoryBatch([traj]))[0][len(prompt):]
+    return train.compute_logprobs(TrajectoryBatch([traj]))[0][len(prompt) :]
 
 
 # -- tests ------------------------------------------------------------------------------
+
 
 def test_logprobs_equal_the_train_engine_recompute(inference_engine, smollm2_fp32):
     prompt = _chat_prompt(smollm2_fp32, "What is 17 + 25? Answer briefly.")
@@ -248,7 +252,9 @@ def test_pause_keep_freezes_and_abort_returns_partial_output(vllm_server):
     assert len(proto.parse_generate(box["late"]).output_ids) == 4
 
 
-def test_keep_pause_across_a_reload_gives_two_weight_version_spans(inference_engine, vllm_server, smollm2_fp32, smollm2_alt):
+def test_keep_pause_across_a_reload_gives_two_weight_version_spans(
+    inference_engine, vllm_server, smollm2_fp32, smollm2_alt
+):
     """vLLM's own weight_versions bookkeeping: one request, frozen across a
     weight reload + version bump, reports two spans."""
     from areal_vllm.protocol import VLLMProtocol
@@ -321,7 +327,9 @@ def test_in_memory_update_through_the_kernel_transport(inference_engine, smollm2
         _load_disk(inference_engine, smollm2_fp32, 0)
 
 
-def test_generation_interrupted_by_an_update_holds_two_versions(inference_engine, vllm_server, smollm2_fp32, smollm2_alt):
+def test_generation_interrupted_by_an_update_holds_two_versions(
+    inference_engine, vllm_server, smollm2_fp32, smollm2_alt
+):
     """Through the kernel client: pause (abort) mid-generation, load other
     weights, resume. The response continues from its partial output; tokens
     are stamped 0 then 1, and each logprob is that of the weights that
@@ -329,7 +337,9 @@ def test_generation_interrupted_by_an_update_holds_two_versions(inference_engine
     prompt = [5, 6, 7, 8]
     box: dict[str, Any] = {}
     t = _start_and_wait_for_tokens(
-        vllm_server.address, lambda: box.update(r=_generate(inference_engine, [prompt], max_new_tokens=300, greedy=True)[0]))
+        vllm_server.address,
+        lambda: box.update(r=_generate(inference_engine, [prompt], max_new_tokens=300, greedy=True)[0]),
+    )
     try:
         _load_disk(inference_engine, smollm2_alt, 1)
         t.join(180)
@@ -379,8 +389,9 @@ def test_connections_vllm_closed_while_idle_are_resent_not_failed_over(vllm_serv
         return asyncio.run(go())
 
     # A pool that keeps connections longer than vLLM does: the stale case happens, and is not a failure.
-    long_pool = VLLMInferenceEngine([vllm_server.address], VLLMProtocol(), request_timeout_s=300, down_probe_s=60,
-                                    keepalive_s=30.0)
+    long_pool = VLLMInferenceEngine(
+        [vllm_server.address], VLLMProtocol(), request_timeout_s=300, down_probe_s=60, keepalive_s=30.0
+    )
     first, second = bursts(long_pool)
     assert [r.output_ids for r in first] == [r.output_ids for r in second]
     assert long_pool.stats["failovers"] == 0
