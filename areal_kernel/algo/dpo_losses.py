@@ -90,6 +90,8 @@ def pair_loss_and_grads(
     r = torch.tensor(rejected, dtype=torch.float64, requires_grad=True)
     loss = loss_of(c, r).mean()
     loss.backward()
+    # Both are leaves with requires_grad and part of the loss: backward() set their grads.
+    assert c.grad is not None and r.grad is not None
     return float(loss.detach()), c.grad.tolist(), r.grad.tolist()
 
 

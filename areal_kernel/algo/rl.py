@@ -168,6 +168,7 @@ def shaped_rewards(batch: TrajectoryBatch, cfg: RLConfig) -> list[float]:
     trajs = batch.trajectories
     out = shape_rewards([t.reward for t in trajs], scale=cfg.reward_scale, bias=cfg.reward_bias, clip=cfg.reward_clip)
     if cfg.overlong_buffer_len is not None:
+        assert cfg.max_new_tokens is not None  # RLConfig refuses overlong_buffer_len without it
         pen = overlong_penalty(
             [t.n_generated for t in trajs], cfg.max_new_tokens, cfg.overlong_buffer_len, cfg.overlong_penalty_factor
         )

@@ -59,7 +59,7 @@ def json_schema() -> dict[str, Any]:
     reg = get_registry()
     # Sections holding settings named after a registered factory: the plugin
     # sections, plus algorithm (estimators, losses) and logging (metric sinks).
-    sections = [(c.__name__, (c.registry_kind,)) for c in _plugin_section_classes()]
+    sections: list[tuple[str, tuple[str, ...]]] = [(c.__name__, (c.registry_kind,)) for c in _plugin_section_classes()]
     sections += [("AlgorithmConfig", ("advantage_estimator", "loss", "trainer")), ("LoggingConfig", ("metric_sink",))]
     for section_name, kinds in sections:
         if section_name not in defs:

@@ -113,11 +113,16 @@ def load_dataset(
     source = spec.load()
     result = source(config, seed, tuple(required))
     check_shape(result, origin=origin)
-    kw = dict(dataset=spec.name, origin=origin, required=tuple(required), needed_by=needed_by)
+
+    def check(part: Sequence[Any], split: str | None) -> list[Record]:
+        return check_records(
+            part, split=split, dataset=spec.name, origin=origin, required=tuple(required), needed_by=needed_by
+        )
+
     if isinstance(result, tuple):
-        return check_records(result[0], split="train", **kw), check_records(result[1], split="eval", **kw)
+        return check(result[0], "train"), check(result[1], "eval")
     # Checked before the split, so that an index is a position in the list the source returned.
-    records = check_records(result, split=None, **kw)
+    records = check(result, None)
     if config.eval_fraction <= 0:
         return records, []
     from areal_kernel.data.split import train_eval_split

@@ -50,10 +50,11 @@ def file_source(config: Any, seed: int, required: Sequence[str] = ("prompt",)) -
 
     if not config.path:
         raise DataError(f"dataset.path is required for dataset.type '{config.type}'")
-    kw = dict(field_map=config.field_map or None, required=list(required))
-    train = load_records(config.path, split=config.split, limit=config.limit, **kw)
+    field_map = config.field_map or None
+    fields = list(required)
+    train = load_records(config.path, split=config.split, limit=config.limit, field_map=field_map, required=fields)
     if config.eval_split:
-        evals = load_records(config.path, split=config.eval_split, **kw)
+        evals = load_records(config.path, split=config.eval_split, field_map=field_map, required=fields)
     elif config.eval_fraction > 0:
         train, evals = train_eval_split(train, config.eval_fraction, seed)
     else:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -41,8 +41,9 @@ class TorchEngineConfig(BaseModel):
     seed: int = 1
 
     @classmethod
-    def parse(cls, data: "TorchEngineConfig | dict[str, Any] | None") -> "TorchEngineConfig":
-        """Validate ``data`` and turn pydantic errors into a ``ConfigError``
+    def parse(cls, data: "TorchEngineConfig | dict[str, Any] | None") -> Self:
+        """Validate ``data`` (a subclass's ``parse`` returns the subclass,
+        e.g. a plugin's engine config) and turn pydantic errors into a ``ConfigError``
         naming the offending field(s)."""
         if isinstance(data, cls):
             return data

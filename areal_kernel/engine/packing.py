@@ -100,7 +100,7 @@ def pack_row(
     for name, rows in float_fields.items():
         flat = [x for i in indices for x in rows[i]]
         data[name] = torch.tensor(flat, dtype=torch.float32, device=device)
-    for name, rows in long_fields.items():
-        flat = [x for i in indices for x in rows[i]]
-        data[name] = torch.tensor(flat, dtype=torch.long, device=device)
+    for name, id_rows in long_fields.items():
+        flat_ids = [x for i in indices for x in id_rows[i]]
+        data[name] = torch.tensor(flat_ids, dtype=torch.long, device=device)
     return PackedRow(t_ids, t_pos, seq_start, cu, list(indices), data)

@@ -175,11 +175,12 @@ class RemoteInferenceEngine(InferenceEngine):
     # -- weight updates ----------------------------------------------------------
     def update_weights(self, meta: WeightUpdateMeta) -> None:
         if meta.kind == "disk":
-            if not meta.path:
+            path = meta.path
+            if not path:
                 raise ServerError("disk weight update needs a path (WeightUpdateMeta.path)")
             with self._weights_lock:
-                self._last_disk = (meta.path, meta.version)
-                self.control_all(lambda a: self.protocol.update_weights_from_disk(meta.path, meta.version))
+                self._last_disk = (path, meta.version)
+                self.control_all(lambda a: self.protocol.update_weights_from_disk(path, meta.version))
                 self._version = meta.version
             return
         raise ServerError(f"update_weights: use the broadcast helpers for kind {meta.kind!r}")

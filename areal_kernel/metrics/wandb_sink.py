@@ -16,6 +16,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from areal_kernel.errors import ConfigError
 from areal_kernel.metrics.sinks import _clean
 
+WandbMode = Literal["online", "offline", "disabled"]
+
 
 class WandbSettings(BaseModel):
     """``logging.wandb``; unset values fall back to wandb's own environment
@@ -26,7 +28,7 @@ class WandbSettings(BaseModel):
 
     project: str | None = Field(None, description="W&B project; unset: WANDB_PROJECT, else 'areal'.")
     entity: str | None = Field(None, description="W&B team or user; unset: WANDB_ENTITY, else your default entity.")
-    mode: Literal["online", "offline", "disabled"] | None = Field(
+    mode: WandbMode | None = Field(
         None,
         description="online: stream to the server; offline: write a local run directory only (upload later "
         "with `wandb sync`); disabled: log nothing. Unset: WANDB_MODE, else online.",
@@ -51,7 +53,7 @@ class WandbSink:
         total_steps: int | None = None,
         project: str | None,
         entity: str | None,
-        mode: str | None,
+        mode: WandbMode | None,
         name: str | None,
         group: str | None,
         tags: list[str],

@@ -305,7 +305,8 @@ class RewardPool:
             self._restart(worker)
             raise _Retry from exc
         start = time.monotonic()
-        status, payload = "timeout", None
+        status = "timeout"
+        payload: Any = None  # the score (ok), or what the worker sent about its failure
         try:
             if worker.conn.poll(self.timeout_s):
                 got_id, status, payload = worker.conn.recv()

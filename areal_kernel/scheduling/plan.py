@@ -17,7 +17,7 @@ def make_plan(cfg: ExperimentConfig) -> dict[str, Any]:
     available = plat.compute_units()
     actor = cfg.actor.allocation
     rollout = cfg.rollout.allocation
-    roles = [
+    roles: list[dict[str, Any]] = [
         {
             "role": "actor",
             "allocation": str(actor),

@@ -9,13 +9,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from typing import Callable
+from typing import Callable, Iterator
 
 import pytest
 
 
 @pytest.fixture
-def areal_env(monkeypatch: pytest.MonkeyPatch) -> Callable[..., None]:
+def areal_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., None]]:
     """Set AREAL_* variables for one test and reset the kernel's caches
     (plugin manager, platform) before and after."""
     from areal_kernel.platforms import reset_current_platform

@@ -88,7 +88,8 @@ def _wandb_records(run_file: str) -> Iterator[Any]:
         pending += chunk
         if kind not in (1, 4):
             continue
-        record = pb.Record()
+        # wandb picks the generated module by protobuf version at import time (star import), so mypy sees no names.
+        record = pb.Record()  # type: ignore[attr-defined]
         record.ParseFromString(pending)
         pending = b""
         yield record

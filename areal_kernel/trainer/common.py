@@ -28,6 +28,10 @@ from areal_kernel.plugins import get_plugin_manager, get_registry
 # Registered trainers with this capability use inference servers (areal check, areal plan).
 ROLLOUT_CAPABILITY = "rollout"
 
+# The message when a trainer method runs before setup() built the parts it uses
+# (the attributes are None until then so that close() can tell what to stop).
+SETUP_FIRST = "the trainer is not set up: call setup() before train()"
+
 
 class RecordStream:
     """Training records in a seeded order, epoch after epoch (``None`` at the end).

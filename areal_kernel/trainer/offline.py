@@ -24,7 +24,7 @@ from areal_kernel.api.trainer import Trainer, TrainerContext
 from areal_kernel.errors import ConfigError, DataError
 from areal_kernel.logging import get_logger
 from areal_kernel.plugins import get_plugin_manager
-from areal_kernel.trainer.common import RecordStream, make_sinks, save_hf_checkpoint, write_run_config
+from areal_kernel.trainer.common import SETUP_FIRST, RecordStream, make_sinks, save_hf_checkpoint, write_run_config
 from areal_kernel.trainer.components import build_train_engine, load_data, load_tokenizer, resolve_model_dir
 
 log = get_logger(__name__)
@@ -60,6 +60,12 @@ class OfflineTrainer(Trainer):
 
     def extra_setup(self) -> None:
         """After the engine is ready (e.g. the DPO reference model)."""
+
+    def trained_engine(self) -> TrainEngine:
+        """The engine being trained (``self.engine``); built by ``setup()``."""
+        if self.engine is None:
+            raise RuntimeError(f"{type(self).__name__}: {SETUP_FIRST}")
+        return self.engine
 
     # -- set-up -------------------------------------------------------------------
     @property
@@ -162,7 +168,7 @@ class OfflineTrainer(Trainer):
         }  # fmt: skip
 
     def save_hf(self, tag: str) -> str:
-        return save_hf_checkpoint(self.engine, self.run_dir, tag, self.cfg.checkpoint.keep_last, self.step)
+        return save_hf_checkpoint(self.trained_engine(), self.run_dir, tag, self.cfg.checkpoint.keep_last, self.step)
 
     def close(self, status: str) -> None:
         for engine in self.engines():

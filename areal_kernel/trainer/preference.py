@@ -16,6 +16,7 @@ from areal_kernel.api.io import TrajectoryBatch
 from areal_kernel.errors import ConfigError
 from areal_kernel.logging import get_logger
 from areal_kernel.plugins import get_plugin_manager
+from areal_kernel.trainer.common import SETUP_FIRST
 from areal_kernel.trainer.components import build_train_engine
 from areal_kernel.trainer.offline import OfflineTrainer
 from areal_kernel.trainer.offline_data import (
@@ -113,7 +114,7 @@ class PairTrainer(OfflineTrainer):
 
         batch = pair_batch(items)
         rows = seq_coef_rows(batch, grads_c, grads_r, per_token)
-        return self.engine.train_batch(batch, make_sequence_linear_loss_fn(), extra={"seq_coef": rows})
+        return self.trained_engine().train_batch(batch, make_sequence_linear_loss_fn(), extra={"seq_coef": rows})
 
 
 class PreferenceTrainer(PairTrainer):
@@ -153,6 +154,8 @@ class PreferenceTrainer(PairTrainer):
     def ref_scores(self, items: list[PairExample]) -> tuple[list[float], list[float]]:
         todo = [p for p in items if id(p) not in self._ref]
         if todo:
+            if self.ref_engine is None:
+                raise RuntimeError(f"{type(self).__name__}: {SETUP_FIRST}")
             c, r = self.scores_chunked(self.ref_engine, todo)
             for p, ci, ri in zip(todo, c, r):
                 self._ref[id(p)] = (ci, ri)
@@ -199,7 +202,7 @@ class PreferenceTrainer(PairTrainer):
         from areal_kernel.algo.dpo_losses import pair_loss_and_grads
 
         ref_c, ref_r = self.ref_scores(items)
-        chosen, rejected = self.scores(self.engine, items)
+        chosen, rejected = self.scores(self.trained_engine(), items)
         loss_of, _, _ = self._loss_of(ref_c, ref_r)
         loss, gc, gr = pair_loss_and_grads(loss_of, chosen, rejected)
         stats = self.surrogate_step(items, gc, gr, per_token=self.average)
@@ -211,7 +214,7 @@ class PreferenceTrainer(PairTrainer):
 
     def evaluate(self) -> dict[str, float]:
         ref_c, ref_r = self.ref_scores(self.eval_examples)
-        chosen, rejected = self.scores_chunked(self.engine, self.eval_examples)
+        chosen, rejected = self.scores_chunked(self.trained_engine(), self.eval_examples)
         s = self._pair_stats(chosen, rejected, ref_c, ref_r)
         return {
             "eval/loss": s["loss"], "eval/accuracy": s["rewards/accuracy"], "eval/margin": s["rewards/margin"],

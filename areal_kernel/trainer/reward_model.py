@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from areal_kernel.api.engine import TrainEngine
 from areal_kernel.errors import ConfigError
 from areal_kernel.trainer.offline_data import Encoded, PairExample
 from areal_kernel.trainer.preference import PairTrainer, pair_batch
@@ -47,8 +48,16 @@ class RewardModelTrainer(PairTrainer):
             )
         return ScalarHeadEngine(self.cfg.actor.plugin_config)
 
-    def scores(self, engine: ScalarHeadEngine, items: list[PairExample]) -> tuple[list[float], list[float]]:
-        rows = engine.compute_values(pair_batch(items), only_loss_tokens=True)
+    def scores(self, engine: TrainEngine, items: list[PairExample]) -> tuple[list[float], list[float]]:
+        from areal_kernel.engine.scalar_head import ScalarHeadEngine
+
+        # make_engine built it: scores are the scalar head's values, which plain train engines lack.
+        if not isinstance(engine, ScalarHeadEngine):
+            raise TypeError(f"the reward-model trainer scores with a ScalarHeadEngine, got {type(engine).__name__}")
+        # A name of its own: a TrainEngine-typed name may use only the contract's
+        # members (tests/kernel/test_train_engine_api.py), compute_values is not one.
+        head: ScalarHeadEngine = engine
+        rows = head.compute_values(pair_batch(items), only_loss_tokens=True)
         s = [row[-1] for row in rows]
         return s[0::2], s[1::2]
 
@@ -64,7 +73,7 @@ class RewardModelTrainer(PairTrainer):
         from areal_kernel.algo.dpo_losses import pair_loss_and_grads
         from areal_kernel.algo.rm_losses import rm_stats
 
-        chosen, rejected = self.scores(self.engine, items)
+        chosen, rejected = self.scores(self.trained_engine(), items)
         loss, gc, gr = pair_loss_and_grads(self._loss_of(), chosen, rejected)
         stats = self.surrogate_step(items, gc, gr, per_token=False)
         stats.update(rm_stats(torch.tensor(chosen), torch.tensor(rejected)))
@@ -76,7 +85,7 @@ class RewardModelTrainer(PairTrainer):
 
         from areal_kernel.algo.rm_losses import rm_stats
 
-        chosen, rejected = self.scores_chunked(self.engine, self.eval_examples)
+        chosen, rejected = self.scores_chunked(self.trained_engine(), self.eval_examples)
         c, r = torch.tensor(chosen, dtype=torch.float64), torch.tensor(rejected, dtype=torch.float64)
         s = rm_stats(c, r)
         return {

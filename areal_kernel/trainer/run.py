@@ -20,7 +20,7 @@ from areal_kernel.errors import ArealError, ConfigError
 from areal_kernel.logging import get_logger
 from areal_kernel.plugins import get_plugin_manager, get_registry
 from areal_kernel.rollout.executor import RolloutExecutor, staleness_histogram, zero_variance
-from areal_kernel.trainer.common import RecordStream, make_sinks, save_hf_checkpoint, write_run_config
+from areal_kernel.trainer.common import SETUP_FIRST, RecordStream, make_sinks, save_hf_checkpoint, write_run_config
 from areal_kernel.trainer.components import (
     Rollout,
     build_train_engine,
@@ -34,6 +34,7 @@ from areal_kernel.trainer.recovery import (
     SAMPLES_FILE,
     STATE_FILE,
     STATE_FORMAT,
+    Checkpoint,
     SamplesLog,
     plan_start,
     recovery_manager,
@@ -114,8 +115,7 @@ class RLTrainer(Trainer):
         self.step = 0  # last completed step
         self.trained_samples = 0
         self.before_eval: dict[str, Any] | None = None
-        self.resume_from: Any = None  # the Checkpoint being resumed, if any
-        self._resume_state: dict[str, Any] | None = None
+        self.resume_from: Checkpoint | None = None  # the checkpoint being resumed, if any
         self.recovery = recovery_manager(self.run_dir, cfg.checkpoint.keep_last)
         self.skipped_streak = 0
         self.reward_seen = (0, 0)  # (calls, failures) already reported
@@ -131,7 +131,7 @@ class RLTrainer(Trainer):
         self.train_records, self.eval_records = load_data(cfg, workflow_required_fields(cfg))
         planned = plan_start(cfg, self.run_dir)
         if planned is not None:
-            self.resume_from, self._resume_state = planned
+            self.resume_from = planned[0]
             # Steps after the checkpoint are redone: their log lines go.
             k = self.resume_from.step
             for name in ("metrics.jsonl", SAMPLES_FILE):
@@ -203,13 +203,14 @@ class RLTrainer(Trainer):
             keep=_keep_group(self.rl_cfg) if a.dynamic_filter else None,
             retry_budget=a.filter_retry_budget,
         )
-        if self.resume_from is not None:
-            self._restore(self.resume_from, self._resume_state)
+        if planned is not None:
+            self._restore(*planned)
         self.samples_log = SamplesLog(self.run_dir)
 
     # -- recovery ---------------------------------------------------------------
-    def _restore(self, ckpt: Any, state: dict[str, Any]) -> None:
+    def _restore(self, ckpt: Checkpoint, state: dict[str, Any]) -> None:
         """Load a recovery checkpoint into the freshly built parts."""
+        assert self.train_engine is not None and self.rollout is not None and self.executor is not None, SETUP_FIRST
         self.train_engine.load_state(os.path.join(ckpt.path, "engine"))
         if self.critic is not None:
             self.critic.load_state(os.path.join(ckpt.path, "critic"))
@@ -230,8 +231,11 @@ class RLTrainer(Trainer):
 
     def save_recovery(self) -> str:
         """A recovery checkpoint of the state after ``self.step`` (see trainer/recovery.py)."""
+        assert self.train_engine is not None and self.rollout is not None and self.executor is not None, SETUP_FIRST
+        engine: TrainEngine = self.train_engine
+        executor = self.executor
         t0 = time.monotonic()
-        self.executor.drain()
+        executor.drain()
         wf = self.rollout.workflow
         state = {
             "format": STATE_FORMAT,
@@ -239,7 +243,7 @@ class RLTrainer(Trainer):
             "version": self.version,
             "trained_samples": self.trained_samples,
             "stream_position": self.stream.position,
-            "executor": self.executor.state_dict(),
+            "executor": executor.state_dict(),
             "before_eval": self.before_eval,
             "skipped_streak": self.skipped_streak,
             "reward_counts": [wf.reward_calls, wf.reward_failures],
@@ -247,7 +251,7 @@ class RLTrainer(Trainer):
         }
 
         def write(path: str) -> None:
-            self.train_engine.save_state(os.path.join(path, "engine"))
+            engine.save_state(os.path.join(path, "engine"))
             if self.critic is not None:
                 self.critic.save_state(os.path.join(path, "critic"))
             with open(os.path.join(path, STATE_FILE), "w", encoding="utf-8") as f:
@@ -256,7 +260,7 @@ class RLTrainer(Trainer):
         try:
             ckpt = self.recovery.save(self.step, write)
         finally:
-            self.executor.resume()
+            executor.resume()
         self.hook.areal_on_checkpoint(step=self.step, path=ckpt.path)
         log.info("recovery checkpoint written", path=ckpt.path, seconds=round(time.monotonic() - t0, 2))
         return ckpt.path
@@ -281,7 +285,7 @@ class RLTrainer(Trainer):
             sink.log(step, metrics)
 
     def evaluate(self) -> dict[str, Any]:
-        assert self.rollout is not None
+        assert self.rollout is not None, SETUP_FIRST
         threshold = get_registry().get("reward", self.cfg.reward.type, platform="").success_threshold
         return evaluate(
             self.rollout.workflow,
@@ -297,6 +301,7 @@ class RLTrainer(Trainer):
         return {k: result[k] for k in ("eval/accuracy", "eval/reward") if k in result}
 
     def _check_reward_health(self) -> None:
+        assert self.rollout is not None, SETUP_FIRST
         wf = self.rollout.workflow
         if wf.reward_calls >= 20 and wf.reward_failures / wf.reward_calls > self.cfg.reward.max_failure_fraction:
             raise ArealError(
@@ -309,6 +314,8 @@ class RLTrainer(Trainer):
     def train(self) -> dict[str, Any]:
         from areal_kernel.algo.rl import rl_train_step
 
+        assert self.train_engine is not None and self.rollout is not None, SETUP_FIRST
+        assert self.executor is not None and self.samples_log is not None, SETUP_FIRST
         cfg = self.cfg
         eval_on = bool(self.eval_records)
         if self.before_eval is None:
@@ -418,6 +425,7 @@ class RLTrainer(Trainer):
         }
 
     def _reward_metrics(self) -> dict[str, float]:
+        assert self.rollout is not None, SETUP_FIRST
         wf = self.rollout.workflow
         calls, failures = getattr(wf, "reward_calls", 0), getattr(wf, "reward_failures", 0)
         seen_calls, seen_failures = self.reward_seen
@@ -449,6 +457,7 @@ class RLTrainer(Trainer):
             )
 
     def save_hf(self, tag: str) -> str:
+        assert self.train_engine is not None, SETUP_FIRST
         return save_hf_checkpoint(self.train_engine, self.run_dir, tag, self.cfg.checkpoint.keep_last, self.version)
 
     def close(self, status: str) -> None:

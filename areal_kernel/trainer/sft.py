@@ -32,7 +32,7 @@ class SFTTrainer(OfflineTrainer):
         from areal_kernel.algo.sft_losses import make_sft_loss_fn
 
         batch = TrajectoryBatch([e.trajectory() for e in items])
-        stats = self.engine.train_batch(batch, make_sft_loss_fn(self.cfg.algorithm.sft.loss_aggregation))
+        stats = self.trained_engine().train_batch(batch, make_sft_loss_fn(self.cfg.algorithm.sft.loss_aggregation))
         stats["nll"] = stats.get("nll_sum", 0.0) / max(stats.get("nll_tokens", 1.0), 1.0)
         return stats
 
@@ -40,9 +40,10 @@ class SFTTrainer(OfflineTrainer):
         """Token-mean NLL of the held-out answers under the current weights."""
         nll, tokens = 0.0, 0
         bs = max(self.cfg.trainer.batch_size, 1)
+        engine = self.trained_engine()
         for i in range(0, len(self.eval_examples), bs):
             chunk = self.eval_examples[i : i + bs]
-            lps = self.engine.compute_logprobs(TrajectoryBatch([e.trajectory() for e in chunk]), only_loss_tokens=True)
+            lps = engine.compute_logprobs(TrajectoryBatch([e.trajectory() for e in chunk]), only_loss_tokens=True)
             for e, lp in zip(chunk, lps):
                 for m, x in zip(e.loss_mask, lp):
                     if m:

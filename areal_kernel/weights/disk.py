@@ -75,10 +75,10 @@ def save_state_dict_dir(
     try:
         if os.path.isdir(path):
             # Keep non-weight files (config, tokenizer) of an existing directory.
-            for f in os.listdir(path):
-                src = os.path.join(path, f)
-                if os.path.isfile(src) and not (f.endswith(".safetensors") or f == INDEX_NAME):
-                    shutil.copy2(src, os.path.join(tmp, f))
+            for entry in os.listdir(path):
+                src = os.path.join(path, entry)
+                if os.path.isfile(src) and not (entry.endswith(".safetensors") or entry == INDEX_NAME):
+                    shutil.copy2(src, os.path.join(tmp, entry))
         names = []
         weight_map: dict[str, str] = {}
         total = 0

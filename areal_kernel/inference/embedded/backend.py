@@ -5,13 +5,16 @@ Registered by the builtin plugin exactly like an external backend would be.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from areal_kernel.api.io import GenerationConfig, StopReason
 from areal_kernel.errors import ServerError
 from areal_kernel.inference.backend import InferenceBackend
 from areal_kernel.inference.client import RemoteInferenceEngine, client_options
 from areal_kernel.inference.wire import GenerateChunk, HttpCall, ServerProtocol
+
+if TYPE_CHECKING:
+    from areal_kernel.inference.embedded.launcher import EmbeddedLauncher
 
 _FINISH = {"stop": StopReason.STOP, "length": StopReason.LENGTH, "abort": StopReason.ABORT}
 
@@ -93,6 +96,7 @@ class EmbeddedBackend(InferenceBackend):
     """Built from the experiment config; the scheduler calls ``launch``."""
 
     protocol_cls = EmbeddedProtocol
+    launcher: EmbeddedLauncher | None  # what make_launcher made, once launched
 
     def __init__(self, config: Any) -> None:
         from areal_kernel.inference.embedded.launcher import EmbeddedServerConfig
@@ -102,7 +106,7 @@ class EmbeddedBackend(InferenceBackend):
         # model.dtype is the run-wide choice of inference precision.
         self.server_config = server_cfg.model_copy(update={"dtype": config.model.dtype})
 
-    def make_launcher(self, run_dir: str) -> Any:
+    def make_launcher(self, run_dir: str) -> EmbeddedLauncher:
         from areal_kernel.inference.embedded.launcher import EmbeddedLauncher
 
         return EmbeddedLauncher(self.server_config, run_dir=run_dir)

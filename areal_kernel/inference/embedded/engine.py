@@ -112,8 +112,13 @@ class GenerationEngine:
             self.waiting.append(req)
 
         self._inbox.put((add, None))
+
         # A client that went away should not keep a batch row busy.
-        fut.add_done_callback(lambda f: f.cancelled() and self._inbox.put((lambda: self._drop(req), None)))
+        def drop_if_cancelled(f: Future) -> None:
+            if f.cancelled():
+                self._inbox.put((lambda: self._drop(req), None))
+
+        fut.add_done_callback(drop_if_cancelled)
         return fut
 
     def pause(self, mode: str) -> Future:

@@ -26,21 +26,24 @@ class GrowingLayer(DynamicLayer):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        cur = self._len if self._kbuf is not None else 0
+        # The two buffers are always set together (here and in set_kv).
+        kbuf, vbuf = self._kbuf, self._vbuf
+        cur = self._len if kbuf is not None else 0
         need = cur + key_states.shape[-2]
-        if self._kbuf is None or need > self._kbuf.shape[-2]:
+        if kbuf is None or vbuf is None or need > kbuf.shape[-2]:
             cap = need + max(32, need // 4)
             kb = key_states.new_empty(key_states.shape[:2] + (cap,) + key_states.shape[3:])
             vb = value_states.new_empty(value_states.shape[:2] + (cap,) + value_states.shape[3:])
-            if cur:
-                kb[:, :, :cur].copy_(self._kbuf[:, :, :cur])
-                vb[:, :, :cur].copy_(self._vbuf[:, :, :cur])
+            if kbuf is not None and vbuf is not None and cur:
+                kb[:, :, :cur].copy_(kbuf[:, :, :cur])
+                vb[:, :, :cur].copy_(vbuf[:, :, :cur])
+            kbuf, vbuf = kb, vb
             self._kbuf, self._vbuf = kb, vb
-        self._kbuf[:, :, cur:need].copy_(key_states)
-        self._vbuf[:, :, cur:need].copy_(value_states)
+        kbuf[:, :, cur:need].copy_(key_states)
+        vbuf[:, :, cur:need].copy_(value_states)
         self._len = need
-        self.keys = self._kbuf[:, :, :need]
-        self.values = self._vbuf[:, :, :need]
+        self.keys = kbuf[:, :, :need]
+        self.values = vbuf[:, :, :need]
         return self.keys, self.values
 
     def set_kv(self, keys: torch.Tensor, values: torch.Tensor) -> None:

@@ -361,11 +361,16 @@ async def serve(args: argparse.Namespace) -> int:
 
         watcher = asyncio.ensure_future(watch_parent())  # noqa: F841 (kept alive by the loop)
     loader = loop.run_in_executor(None, load, args, state)
-    done, _ = await asyncio.wait([loader, asyncio.ensure_future(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
-    if loader in done and loader.exception() is not None:
-        e = loader.exception()
-        traceback.print_exception(type(e), e, e.__traceback__)
-        print(f"failed to load model from {args.model!r}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+    waiters: list[asyncio.Future[Any]] = [loader, asyncio.ensure_future(stop.wait())]
+    done, _ = await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+    load_error = loader.exception() if loader in done else None
+    if load_error is not None:
+        traceback.print_exception(type(load_error), load_error, load_error.__traceback__)
+        print(
+            f"failed to load model from {args.model!r}: {type(load_error).__name__}: {load_error}",
+            file=sys.stderr,
+            flush=True,
+        )
         await runner.cleanup()
         return 1
     if not stop.is_set():

@@ -36,7 +36,7 @@ import tempfile
 import threading
 import time
 from collections import deque
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 from areal_kernel.api.engine import TrainEngine, TrainEngineContext, WeightUpdateMeta
 from areal_kernel.api.io import TrajectoryBatch
@@ -112,7 +112,7 @@ class FSDPTrainEngine(TrainEngine):
         self._scheduler: Any = scheduler
         self._owns_scheduler = False
         self._procs: list[Any] = []
-        self._conns: list[Any] = []
+        self._conns: list[mpc.Connection] = []
         self._broken: str | None = None
         self._lock = threading.Lock()
 
@@ -191,8 +191,8 @@ class FSDPTrainEngine(TrainEngine):
         if len(self._procs) != self.world_size:
             self._stop_ranks()
             raise ArealError(f"the scheduler started {len(self._procs)} ranks, expected {self.world_size}")
-        conns: dict[int, Any] = {}
-        accepted: list[Any] = []
+        conns: dict[int, mpc.Connection] = {}
+        accepted: list[mpc.Connection] = []
 
         def accept() -> None:
             try:
@@ -271,7 +271,8 @@ class FSDPTrainEngine(TrainEngine):
         errors: list[tuple[int, Any]] = []
         first_error_at: float | None = None
         while pending:
-            ready = mpc.wait(list(pending), timeout=1.0)
+            # wait() returns a subset of what it was given: connections only here.
+            ready = cast("list[mpc.Connection]", mpc.wait(list(pending), timeout=1.0))
             for c in ready:
                 r = pending.pop(c)
                 try:

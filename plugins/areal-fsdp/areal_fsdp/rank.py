@@ -167,17 +167,24 @@ class FSDPRankEngine:
         # they are in host memory already (and FSDP's policy refuses a cpu
         # device) the platform says it cannot, and it is a no-op there.
         offload = CPUOffloadPolicy() if cfg.cpu_offload and plat.supports_cpu_offload else OffloadPolicy()
-        kw = dict(
-            mesh=mesh, reshard_after_forward=cfg.reshard_after_forward, mp_policy=mp_policy, offload_policy=offload
-        )
+
+        def shard(module: Any) -> None:
+            fully_shard(
+                module,
+                mesh=mesh,
+                reshard_after_forward=cfg.reshard_after_forward,
+                mp_policy=mp_policy,
+                offload_policy=offload,
+            )
+
         wrapped = 0
         if cfg.wrap_policy == "decoder_layer":
             block_names = set(getattr(model, "_no_split_modules", None) or [])
             for m in list(model.modules()):
                 if type(m).__name__ in block_names:
-                    fully_shard(m, **kw)
+                    shard(m)
                     wrapped += 1
-        fully_shard(model, **kw)
+        shard(model)
         # Each rank's loss is its share of the *batch* loss (normalised by
         # batch-level token counts), so gradients must be summed across ranks,
         # not averaged as FSDP does by default.
@@ -348,7 +355,7 @@ class FSDPRankEngine:
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
         msd, osd = get_state_dict(self.model, self.optimizer)
-        state = {"model": msd, "optim": osd}
+        state: dict[str, Any] = {"model": msd, "optim": osd}
         dcp.load(state, checkpoint_id=os.path.join(path, "dcp"))
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         rng_path = os.path.join(path, f"rng-rank{self.rank}.safetensors")

@@ -85,7 +85,7 @@ class SGLangProtocol(ServerProtocol):
             lps = [float(e[0]) for e in entries]
             lp_ids = [int(e[1]) for e in entries]
             fr = meta["finish_reason"]
-            kind = fr.get("type") if isinstance(fr, dict) else fr
+            kind = fr["type"] if isinstance(fr, dict) else fr
             reason = _FINISH[kind]
         except (KeyError, TypeError, ValueError, IndexError) as e:
             raise ServerError(

@@ -254,16 +254,17 @@ class SGLangBroadcastTransport:
                 "use weight_update.mode: disk with this actor.backend"
             )
         del named
-        self.backend_name = current_platform().dist_backend
+        backend = current_platform().dist_backend
+        self.backend_name = backend
         addr = _master_address([s.address for s in self.infer.servers])
         port = find_free_port()
         world = self.infer.weight_group_world_size
-        futures = self.infer.init_weight_group_async(addr, port, self.group_name, self.backend_name)
+        futures = self.infer.init_weight_group_async(addr, port, self.group_name, backend)
         box: dict[str, Any] = {}
 
         def join() -> None:
             try:
-                box["group"] = join_sglang_group(addr, port, world, self.group_name, self.backend_name, self.timeout_s)
+                box["group"] = join_sglang_group(addr, port, world, self.group_name, backend, self.timeout_s)
             except BaseException as e:  # surfaced below
                 box["error"] = e
 

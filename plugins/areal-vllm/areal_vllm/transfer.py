@@ -32,6 +32,12 @@ from vllm.distributed.weight_transfer.base import (
 ENGINE_NAME = "areal"
 
 
+def _weight(layer: Any) -> torch.Tensor:
+    """An embedding or LM head's ``weight``: vLLM registers it at run time, so
+    statically it is only what ``nn.Module.__getattr__`` returns (tensor or module)."""
+    return layer.weight
+
+
 def refresh_tied_lm_heads(model: torch.nn.Module, tied: bool) -> int:
     """Re-run vLLM's own post-load processing for an LM head tied to the
     input embedding; returns how many heads were refreshed.
@@ -53,12 +59,13 @@ def refresh_tied_lm_heads(model: torch.nn.Module, tied: bool) -> int:
     for head in model.modules():
         if not isinstance(head, ParallelLMHead) or getattr(head.weight, "is_meta", False):
             continue
-        source = next((e for e in embeds if e.weight.data_ptr() == head.weight.data_ptr()), None)
-        if source is None and tied and len(embeds) == 1 and embeds[0].weight.shape == head.weight.shape:
+        head_w = _weight(head)
+        source = next((e for e in embeds if _weight(e).data_ptr() == head_w.data_ptr()), None)
+        if source is None and tied and len(embeds) == 1 and _weight(embeds[0]).shape == head_w.shape:
             # Tied by config but no longer sharing storage: copy the fresh values.
             source = embeds[0]
             with torch.no_grad():
-                head.weight.data.copy_(source.weight.data)
+                head_w.data.copy_(_weight(source).data)
         if source is None:
             continue
         process = getattr(getattr(head, "quant_method", None), "process_weights_after_loading", None)
@@ -147,7 +154,10 @@ class AReaLWeightTransferEngine(WeightTransferEngine[AReaLInitInfo, AReaLUpdateI
             raise ValueError("update_info.tensors is empty: nothing to receive")
         # recv_buckets yields views into the current bucket; load_weights copies
         # each into the model before the next bucket arrives.
-        self.model.load_weights(recv_buckets(self.group, update_info.tensors, update_info.bucket_bytes))
+        # vLLM types the model as nn.Module; its models all define load_weights (vLLM's own engines call it so).
+        self.model.load_weights(  # type: ignore[operator]
+            recv_buckets(self.group, update_info.tensors, update_info.bucket_bytes)
+        )
 
     def shutdown(self) -> None:
         if self.group is not None:
