@@ -40,11 +40,14 @@ test: install lint
 	$(PY) -m pytest
 
 # Runs before the tests: a lint failure is cheaper to see than a test run.
+# mypy reads its settings and the packages it checks from pyproject.toml.
 lint: install
 	$(VENV)/bin/ruff check areal_kernel plugins tests bench examples
+	$(VENV)/bin/ruff format --check areal_kernel plugins
+	$(VENV)/bin/mypy
 
 bench: install
 	$(PY) bench/run_all.py
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) runs .pytest_cache .mypy_cache
