@@ -30,6 +30,7 @@ BENCHES = [
     "bench_recovery.py",
     "bench_fsdp.py",
     "bench_demo_seeds.py",
+    "bench_learning_signal.py",
     "bench_vllm.py",
 ]
 

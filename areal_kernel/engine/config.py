@@ -14,7 +14,7 @@ class TorchEngineConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    lr: float = Field(1e-6, gt=0, description="peak learning rate")
+    lr: float = Field(1e-6, ge=0, description="peak learning rate (0 freezes the weights: a control run)")
     weight_decay: float = Field(0.0, ge=0)
     adam_beta1: float = Field(0.9, ge=0, lt=1)
     adam_beta2: float = Field(0.999, ge=0, lt=1)
