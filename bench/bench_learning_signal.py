@@ -10,6 +10,9 @@ statistic with the widest separation, with a margin set from these numbers.
 Statistics (per run):
 - ``trend``: mean sampling reward over steps 3..end minus step 1's
   (``areal_kernel.testing.trends.sampling_reward_trend``);
+- ``trend12``: mean over the second half of the steps minus the mean of
+  steps 1 and 2 (with staleness 1, step 2 still samples mostly from the
+  initial weights: a baseline twice as large, biased towards no gain);
 - ``eval_gain``: held-out greedy accuracy after minus before (the same fixed
   held-out sums in every run; greedy, so a frozen policy scores exactly its
   "before" figure).
@@ -48,10 +51,16 @@ def run(seed: int, steps: int, lr0: bool, root: str, overrides: list[str]) -> di
         raise SystemExit(f"seed {seed} (lr0={lr0}): areal train failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
     rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
     step_rows = [r for r in rows if "perf/step_s" in r]
-    first, later, _ = sampling_reward_trend(step_rows)
+    first, later, rewards = sampling_reward_trend(step_rows)
     result = json.load(open(os.path.join(run_dir, "result.json")))
-    return {"seed": seed, "lr0": lr0, "trend": later - first, "eval_gain": result["after"] - result["before"],
-            "wall_s": time.monotonic() - t0}
+    return {"seed": seed, "lr0": lr0, "trend": later - first, "trend12": trend12(rewards),
+            "eval_gain": result["after"] - result["before"], "rewards": rewards, "wall_s": time.monotonic() - t0}
+
+
+def trend12(rewards: list[float]) -> float:
+    half = [x for x in rewards[len(rewards) // 2 :] if x == x]  # NaN: a step without finished rollouts
+    base = [x for x in rewards[:2] if x == x]
+    return sum(half) / len(half) - sum(base) / len(base)
 
 
 def main() -> int:
@@ -66,12 +75,13 @@ def main() -> int:
         for lr0, n in ((False, args.runs), (True, args.controls)):
             for seed in range(1, n + 1):
                 r = run(seed, args.steps, lr0, root, args.overrides)
-                print(f"{'lr=0' if lr0 else 'lr  '} seed {seed}: trend {r['trend']:+.3f}, "
-                      f"eval gain {r['eval_gain']:+.3f} ({r['wall_s']:.0f} s)", flush=True)  # fmt: skip
+                print(f"{'lr=0' if lr0 else 'lr  '} seed {seed}: trend {r['trend']:+.3f}, trend12 {r['trend12']:+.3f}, "
+                      f"eval gain {r['eval_gain']:+.3f}; per step {[round(x, 3) for x in r['rewards']]} "
+                      f"({r['wall_s']:.0f} s)", flush=True)  # fmt: skip
                 rows.append(r)
     print("\n| statistic | lr: mean | lr: std | lr=0: mean | lr=0: std | separation (pooled std) |")
     print("|---|---|---|---|---|---|")
-    for stat in ("trend", "eval_gain"):
+    for stat in ("trend", "trend12", "eval_gain"):
         a = [r[stat] for r in rows if not r["lr0"]]
         b = [r[stat] for r in rows if r["lr0"]]
         sa = statistics.stdev(a) if len(a) > 1 else 0.0
