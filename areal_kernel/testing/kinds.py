@@ -542,10 +542,7 @@ class LossContract:
     @pytest.fixture(scope="class")
     @classmethod
     def loss_engine(cls, loss_model_dir: str) -> Any:
-        from areal_kernel.engine.torch_engine import TorchTrainEngine
-
-        engine = TorchTrainEngine({"lr": 1e-3, "seed": 0})
-        engine.initialize(loss_model_dir, 8)
+        engine = _torch_engine(loss_model_dir, total_steps=8)
         yield engine
         engine.destroy()
 
@@ -760,6 +757,15 @@ class _RecordingEngine:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._engine, name)
+
+
+def _torch_engine(model_dir: str, total_steps: int) -> Any:
+    """The kernel's torch train engine on ``model_dir`` (lr 1e-3, seed 0), initialized."""
+    from areal_kernel.engine.torch_engine import TorchTrainEngine
+
+    engine = TorchTrainEngine({"lr": 1e-3, "seed": 0})
+    engine.initialize(model_dir, total_steps)
+    return engine
 
 
 def _embedded_engine(model_dir: str, run_dir: str) -> tuple[Any, Any]:
@@ -1007,10 +1013,7 @@ class WeightTransportContract:
     @pytest.fixture(scope="class")
     @classmethod
     def transport_train_engine(cls, transport_model_dir: str) -> Any:
-        from areal_kernel.engine.torch_engine import TorchTrainEngine
-
-        engine = TorchTrainEngine({"lr": 1e-3, "seed": 0})
-        engine.initialize(transport_model_dir, 4)
+        engine = _torch_engine(transport_model_dir, total_steps=4)
         yield engine
         engine.destroy()
 
