@@ -1,6 +1,7 @@
 """Can the end-to-end learning tests tell learning from noise?
 
-Runs the demo config for a few steps several times with its learning rate and
+Runs the demo config for a few steps (its peak lr held constant, as the
+tests do) several times with its learning rate and
 several times with ``lr=0`` (the negative control: same sampling, same data
 order, weights frozen), and reports, for each candidate statistic, its mean
 and standard deviation in both arms and the separation between them in
@@ -43,7 +44,8 @@ EXAMPLE = os.path.join(REPO, "examples", "grpo_arithmetic.yaml")
 def run(seed: int, steps: int, lr0: bool, root: str, overrides: list[str]) -> dict:
     run_dir = os.path.join(root, f"{'lr0' if lr0 else 'lr'}-seed{seed}")
     cmd = [sys.executable, "-m", "areal_kernel.cli", "train", EXAMPLE, f"seed={seed}", f"run_dir={run_dir}",
-           f"trainer.max_steps={steps}", "logging.sinks=[jsonl]", *(["actor.torch.lr=0"] if lr0 else []),
+           f"trainer.max_steps={steps}", "logging.sinks=[jsonl]", "actor.torch.lr_scheduler=constant",
+           *(["actor.torch.lr=0"] if lr0 else []),
            *overrides]  # fmt: skip
     t0 = time.monotonic()
     proc = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), cwd=REPO, capture_output=True, text=True)
