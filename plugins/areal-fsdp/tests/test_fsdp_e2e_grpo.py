@@ -20,6 +20,8 @@ STEPS = 6
 
 
 def test_grpo_with_two_fsdp_ranks_raises_the_reward(run_areal, tmp_path):
+    """About 65 s: two SmolLM2 FSDP ranks plus a server start, and 6 real GRPO
+    steps, the fewest that show a reward trend."""
     run_dir = str(tmp_path / "run")
     proc = run_areal(
         "train", EXAMPLE, f"run_dir={run_dir}", f"trainer.max_steps={STEPS}", "trainer.eval_size=0",

