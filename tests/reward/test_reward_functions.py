@@ -8,6 +8,7 @@ import pytest
 
 from areal_kernel.data import arithmetic_records
 from areal_kernel.reward import exact_match_reward, math_verify_reward
+from areal_kernel.testing.contracts import RewardContract
 
 RIGHT = ["8", "The answer is 8.", "\\boxed{8}", "3 + 5 = 8", "$8$", " 8\n", "8.0", "So, 5 + 3 = 8. The answer is 8"]
 WRONG = ["18", "The answer is 9.", "\\boxed{18}", "", "eight", "80", "8.5"]
@@ -71,3 +72,31 @@ def test_exact_match_text_and_strict():
     assert exact_match_reward(" 8 ", "8", strict=True) == 1.0
     assert exact_match_reward("The answer is 8.", "8", strict=True) == 0.0
     assert exact_match_reward("paris", "Paris", strict=True) == 0.0
+
+
+class TestMathRewardContract(RewardContract):
+    """The plugin authors' reward suite on the built-in ``math`` reward."""
+
+    @pytest.fixture
+    def reward_target(self) -> str:
+        return "areal_kernel.reward.math:math_verify_reward"
+
+    @pytest.fixture
+    def reward_cases(self) -> list[tuple[str, str, float]]:
+        return [("The answer is 8.", "8", 1.0), ("\\boxed{18}", "8", 0.0), ("eight", "8", 0.0)]
+
+
+class TestExactMatchRewardContract(RewardContract):
+    """The plugin authors' reward suite on the built-in ``exact_match`` reward, with a setting."""
+
+    @pytest.fixture
+    def reward_target(self) -> str:
+        return "areal_kernel.reward.exact_match:exact_match_reward"
+
+    @pytest.fixture
+    def reward_settings(self) -> dict:
+        return {"strict": False}
+
+    @pytest.fixture
+    def reward_cases(self) -> list[tuple[str, str, float]]:
+        return [("So 5 + 3 = 8", "8", 1.0), ("The answer is 9.", "8", 0.0)]
