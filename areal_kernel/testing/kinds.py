@@ -624,28 +624,23 @@ class LossContract:
         (max/min for ``_max``/``_min`` keys): any split must give the whole batch's loss and gradient."""
         import torch
 
+        from areal_kernel.engine.microbatch import merge_stats
+
         fn = self._loss_fn(loss_name, loss_settings, loss_knobs)
         lp, ent, data = loss_step["logprobs"], loss_step["entropy"], loss_step["data"]
         n = lp.shape[0]
         whole, grad, stats = self._run(fn, lp, ent, data)
         seq_ids = data["seq_ids"]
         for split in ([[0, 1], [2, 3]], [[0], [1, 2], [3]], [[3], [0, 1, 2]]):
-            total, merged = 0.0, {}
+            total = 0.0
+            merged: dict[str, float] = {}
             g = torch.zeros_like(grad)
             for part in split:
                 idx = torch.nonzero(torch.isin(seq_ids, torch.tensor(part))).flatten()
                 share, g_part, s_part = self._run(fn, lp[idx], ent[idx], self._select(data, idx, n))
                 total += share
                 g[idx] = g_part
-                for k, v in s_part.items():
-                    if k not in merged:
-                        merged[k] = v
-                    elif k.endswith("_max"):
-                        merged[k] = max(merged[k], v)
-                    elif k.endswith("_min"):
-                        merged[k] = min(merged[k], v)
-                    else:
-                        merged[k] += v
+                merge_stats(merged, s_part)  # the engine's own rule for folding micro-batch stats
             assert total == pytest.approx(whole, rel=1e-5, abs=1e-6), (split, total, whole)
             assert torch.allclose(g, grad, rtol=1e-5, atol=1e-7), split
             for k, v in stats.items():
