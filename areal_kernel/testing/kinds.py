@@ -1133,14 +1133,6 @@ _RANK = textwrap.dedent(
 )
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 def _accepts(address: str) -> bool:
     host, port = address.rsplit(":", 1)
     try:
@@ -1188,6 +1180,7 @@ class SchedulerContract:
     def test_train_ranks_run_in_their_own_sessions_and_stop(
         self, scheduler: Any, scheduler_cfg: Any, tmp_path: Any
     ) -> None:
+        from areal_kernel.testing.procs import is_alive
         from areal_kernel.testing.waits import wait_until
 
         if not self.starts_train_ranks:
@@ -1215,7 +1208,7 @@ class SchedulerContract:
                    timeout_s=30, what="the ranks' output in <log_dir>/rank-<r>.log")  # fmt: skip
         scheduler.stop()
         pids = [x["pid"] for x in reports] + [x["child"] for x in reports]
-        wait_until(lambda: not any(_alive(p) for p in pids), timeout_s=30, what="the ranks and their children to end")
+        wait_until(lambda: not any(is_alive(p) for p in pids), timeout_s=30, what="the ranks and their children to end")
 
     def test_starts_inference_servers_and_stops_them(
         self, scheduler: Any, scheduler_cfg: Any, scheduler_model_dir: str, tmp_path: Any

@@ -9,20 +9,9 @@ import pytest
 import torch
 from test_grpo import _fixed_batch
 
-from areal_kernel.testing.packages import pip_install_private, use_private_site
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
-
-
-@pytest.fixture(scope="module")
-def algo_plugin_site(tmp_path_factory) -> Path:
-    return pip_install_private(HERE / "plugin_packages" / "areal-test-algo", tmp_path_factory.mktemp("algo-plugin"))
-
-
-@pytest.fixture
-def with_algo_plugin(algo_plugin_site, monkeypatch, areal_env):
-    return use_private_site(algo_plugin_site, monkeypatch, areal_env)
 
 
 def test_plugin_estimator_and_loss_selected_by_config(with_algo_plugin, tiny_llama_dir):

@@ -3,24 +3,9 @@ areal-test-algo, pip-installed into a private directory) pass the kernel's
 contract suites, settings included."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from areal_kernel.testing import AdvantageEstimatorContract, LossContract
-from areal_kernel.testing.packages import pip_install_private, use_private_site
-
-HERE = Path(__file__).resolve().parent
-
-
-@pytest.fixture(scope="module")
-def algo_plugin_site(tmp_path_factory) -> Path:
-    return pip_install_private(HERE / "plugin_packages" / "areal-test-algo", tmp_path_factory.mktemp("algo-plugin"))
-
-
-@pytest.fixture
-def with_algo_plugin(algo_plugin_site, monkeypatch, areal_env):
-    return use_private_site(algo_plugin_site, monkeypatch, areal_env)
 
 
 class TestSignEstimator(AdvantageEstimatorContract):

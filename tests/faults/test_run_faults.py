@@ -30,6 +30,7 @@ from pathlib import Path
 import pytest
 
 from areal_kernel.testing.packages import pip_install_private
+from areal_kernel.testing.procs import live_processes
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -110,21 +111,7 @@ class Run:
 def _processes_with(marker: str) -> list[int]:
     """Pids of live processes whose environment carries ``marker``: the run's
     servers and reward workers inherit it from the ``areal`` process."""
-    needle = marker.encode()
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                env = f.read()
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                state = f.read().rsplit(b")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if needle in env and state != b"Z":
-            found.append(int(entry))
-    return found
+    return [p.pid for p in live_processes(lambda p: p.environ_has(marker))]
 
 
 def _run_areal_train(

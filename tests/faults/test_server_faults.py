@@ -20,6 +20,7 @@ import pytest
 from areal_kernel.api.engine import WeightUpdateMeta
 from areal_kernel.api.io import GenerationConfig, ModelRequest, StopReason, Trajectory, TrajectoryGroup
 from areal_kernel.errors import ServerError
+from areal_kernel.testing.procs import live_processes
 from areal_kernel.testing.waits import embedded_info, embedded_running, wait_until
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -227,18 +228,12 @@ def test_restart_budget_exhausted_gives_a_clear_error(tiny_dir, tmp_path):
 
 def _server_pids(parent_pid: int) -> list[int]:
     """Embedded servers started by ``parent_pid`` (they carry ``--parent-pid``)."""
-    out = []
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            argv = open(f"/proc/{d}/cmdline", "rb").read().split(b"\0")
-        except OSError:
-            continue
-        if b"areal_kernel.inference.embedded.server" in argv and b"--parent-pid" in argv:
-            if argv[argv.index(b"--parent-pid") + 1] == str(parent_pid).encode():
-                out.append(int(d))
-    return out
+    return [
+        p.pid
+        for p in live_processes(
+            lambda p: p.runs("areal_kernel.inference.embedded.server") and p.arg_after("--parent-pid") == str(parent_pid)
+        )
+    ]
 
 
 def test_areal_train_survives_a_killed_server(tmp_path):

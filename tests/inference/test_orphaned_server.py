@@ -6,6 +6,8 @@ import subprocess
 import sys
 import time
 
+from areal_kernel.testing.procs import is_alive
+
 SCRIPT = """
 import sys, time
 from areal_kernel.inference.embedded.launcher import EmbeddedLauncher, EmbeddedServerConfig
@@ -16,17 +18,6 @@ time.sleep(600)
 """
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie still answers kill(0); look at its state.
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def test_server_exits_when_its_controller_is_killed(tiny_model_dir, tmp_path):
@@ -35,14 +26,14 @@ def test_server_exits_when_its_controller_is_killed(tiny_model_dir, tmp_path):
     ctl = subprocess.Popen([sys.executable, "-c", SCRIPT, tiny_model_dir, str(tmp_path)], stdout=subprocess.PIPE,
                            text=True, env=env)
     server_pid = int(ctl.stdout.readline())
-    assert _alive(server_pid)
+    assert is_alive(server_pid)
     ctl.send_signal(signal.SIGKILL)
     ctl.wait()
     deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and _alive(server_pid):
+    while time.monotonic() < deadline and is_alive(server_pid):
         time.sleep(0.2)
     try:
-        assert not _alive(server_pid), "server outlived its killed controller"
+        assert not is_alive(server_pid), "server outlived its killed controller"
     finally:
-        if _alive(server_pid):
+        if is_alive(server_pid):
             os.killpg(server_pid, signal.SIGKILL)

@@ -5,13 +5,13 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from areal_kernel.errors import ArealError, ConfigError
 from areal_kernel.reward import RewardPool, RewardResult, math_verify_reward
+from areal_kernel.testing.procs import wait_gone
 
 HELPERS = "areal_h3_reward_helpers"
 
@@ -31,22 +31,8 @@ def pool(helpers_on_path):
         yield p
 
 
-def _gone(pid: int) -> bool:
-    """True once ``pid`` no longer runs (absent, or a zombie nobody reaped yet)."""
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except FileNotFoundError:
-        return True
 
 
-def _wait_gone(pid: int, deadline_s: float = 30.0) -> bool:
-    end = time.monotonic() + deadline_s
-    while time.monotonic() < end:
-        if _gone(pid):
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def test_builtin_rewards_by_name_and_path(pool):
@@ -129,8 +115,8 @@ def test_hung_reward_times_out_and_pool_recovers(tmp_path):
         new_pids = set(pool.worker_pids())
         killed = old_pids - new_pids
         assert len(killed) == 1 and len(new_pids) == 2
-        assert _wait_gone(killed.pop())
-        assert _wait_gone(int(pid_file.read_text()))
+        assert wait_gone(killed.pop())
+        assert wait_gone(int(pid_file.read_text()))
         stats = pool.stats()
         assert (stats["timeouts"], stats["restarts"], stats["failures"]) == (1, 1, 1)
         # And the pool keeps working, on the replacement too.
@@ -149,7 +135,7 @@ def test_close_stops_workers():
     assert pool.score("exact_match", "1", "1").score == 1.0
     pids = pool.worker_pids()
     pool.close()
-    assert all(_wait_gone(pid) for pid in pids)
+    assert all(wait_gone(pid) for pid in pids)
     with pytest.raises(ArealError, match="closed"):
         pool.score("exact_match", "1", "1")
 

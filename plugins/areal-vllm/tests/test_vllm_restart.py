@@ -21,6 +21,8 @@ import time
 
 import pytest
 
+from areal_kernel.testing.procs import live_processes
+
 pytestmark = pytest.mark.slow
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -29,19 +31,7 @@ EXAMPLE = os.path.join(REPO, "examples", "grpo_arithmetic.yaml")
 
 def _vllm_servers_of(parent: int) -> list[int]:
     """vLLM API-server processes started by ``parent`` (each leads its own process group)."""
-    out = []
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            argv = open(f"/proc/{d}/cmdline", "rb").read().split(b"\0")
-            stat = open(f"/proc/{d}/stat").read()
-        except OSError:
-            continue
-        ppid = int(stat[stat.rfind(")") + 2 :].split()[1])
-        if ppid == parent and b"vllm.entrypoints.openai.api_server" in argv:
-            out.append(int(d))
-    return out
+    return [p.pid for p in live_processes(lambda p: p.ppid == parent and p.runs("vllm.entrypoints.openai.api_server"))]
 
 
 def _steps(metrics: str) -> list[dict]:

@@ -29,6 +29,7 @@ import pytest
 from areal_kernel.api.engine import WeightUpdateMeta
 from areal_kernel.api.io import GenerationConfig, ModelRequest
 from areal_kernel.testing.contracts import InferenceEngineContract
+from areal_kernel.testing.procs import live_processes
 from areal_kernel.testing.waits import wait_until
 
 pytestmark = pytest.mark.slow
@@ -49,23 +50,7 @@ def vllm_server(smollm2_fp32, tmp_path_factory):
         launcher.stop()
     # stop() took the whole process group down (API server, engine core,
     # worker); killed children may linger as zombies until init reaps them.
-    assert _live_group_members(info.pid) == []
-
-
-def _live_group_members(pgid: int) -> list[int]:
-    live = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        fields = stat[stat.rfind(")") + 2 :].split()
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            live.append(int(entry))
-    return live
+    assert live_processes(lambda p: p.pgid == info.pid) == []
 
 
 @pytest.fixture
