@@ -143,3 +143,10 @@ def test_reasoning_split():
     out = HermesParser().parse("<think>2+3 needs a tool</think>" + CALL)
     assert isinstance(out, ParsedOutput) and out.reasoning == "2+3 needs a tool" and out.content == ""
     assert isinstance(HermesParser(), ToolCallParser)
+
+
+def test_areal_plugins_lists_the_tools_the_parser_and_multi_turn(run_areal):
+    proc = run_areal("plugins", "--json", timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    registered = {r for p in json.loads(proc.stdout)["plugins"] for r in p.get("registers") or []}
+    assert {"workflow:multi_turn", "tool_parser:hermes", "tool:calculator", "tool:python"} <= registered
