@@ -256,7 +256,7 @@ def test_contract_episodes_took_several_turns(tok, engine, tmp_path):
             tokenizer=tok, gconfig=GenerationConfig(max_new_tokens=6, n_samples=3), reward_target=PROBE_REWARD_TARGET,
             reward_pool=p, config=MultiTurnConfig(max_turns=3, turn_discount=1.0, feedback="No.", tools=["calculator"]),
         )  # fmt: skip
-        group = _run(engine, wf.arun_episode(engine, {"id": "c", "prompt": "What is 2 + 3?", "answer": "5"}))
+        group = _run(engine, wf.arun_episode(engine, {"id": "c", "prompt": ASK, "answer": "5", "_sample_seed": 7}))
     finally:
         p.close()
     assert all(len(t.metadata["turns"]) > 1 for t in group.trajectories)
