@@ -214,6 +214,36 @@ def areal_register_trainers(register: Register) -> None:
     """
 
 
+@hookspec
+def areal_register_tool_parsers(register: Register) -> None:
+    """Register tool-call parsers (``workflow.multi_turn.tool_parser``), e.g. ``hermes``.
+
+    Target: a class built with no arguments whose instances satisfy
+    ``areal_kernel.tools.ToolCallParser``: ``stop_strings`` (generation
+    stops after one of them, the turn then ends with
+    ``stop_reason=tool_call``) and ``parse(text) -> ParsedOutput``, which
+    never raises on model output (a malformed call is an entry of
+    ``ParsedOutput.errors``). Used in the controller by the multi-turn
+    workflow and the OpenAI-compatible proxy; see docs/plugin-authoring.md,
+    "Tools and tool-call parsers".
+    """
+
+
+@hookspec
+def areal_register_tools(register: Register) -> None:
+    """Register tools a model may call (``workflow.multi_turn.tools``), e.g. ``calculator``, ``python``.
+
+    Target: a class built as ``Tool(**settings)`` (``settings``: the fields
+    of its validated ``config_model``; nothing without one) whose instances
+    have ``description: str``, ``parameters`` (a JSON schema of the
+    arguments, OpenAI function format) and ``async call(arguments: dict)
+    -> str``. A call that raises or runs past its timeout becomes an error
+    message fed back to the model; the run goes on. Called in the
+    controller's asyncio loop; see docs/plugin-authoring.md, "Tools and
+    tool-call parsers".
+    """
+
+
 REGISTRATION_HOOKS: dict[str, str] = {
     # registry kind -> hook name
     "train_engine": "areal_register_train_engines",
@@ -229,6 +259,8 @@ REGISTRATION_HOOKS: dict[str, str] = {
     "metric_sink": "areal_register_metric_sinks",
     "model_source": "areal_register_model_sources",
     "trainer": "areal_register_trainers",
+    "tool_parser": "areal_register_tool_parsers",
+    "tool": "areal_register_tools",
 }
 
 # ---------------------------------------------------------------------------

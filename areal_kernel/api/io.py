@@ -40,6 +40,12 @@ class GenerationConfig:
     # else is batched with it and even across an interruption: that is what
     # lets a resumed run regenerate exactly what the killed run would have.
     seed: int | None = None
+    # Stop strings: generation ends right after the token that completes one
+    # of them (that token is kept, so the output ids stay exactly what was
+    # sampled; nothing is trimmed or re-tokenised). The response names the
+    # string in ``matched_stop``. A tool-call parser's ``stop_strings`` go
+    # here so that a turn ends as soon as a call is complete.
+    stop: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -50,6 +56,7 @@ class GenerationConfig:
             "greedy": self.greedy,
             "stop_token_ids": list(self.stop_token_ids),
             "seed": self.seed,
+            "stop": list(self.stop),
         }
 
 
@@ -80,6 +87,9 @@ class ModelResponse:
     latency_s: float = 0.0
     n_interruptions: int = 0
     server: str | None = None
+    # The entry of ``GenerationConfig.stop`` that ended the generation
+    # (``stop_reason`` is then ``STOP``); None for a stop token, length or abort.
+    matched_stop: str | None = None
 
     @property
     def output_len(self) -> int:

@@ -109,6 +109,39 @@ def areal_register_workflows(register: Any) -> None:
         config_model="areal_kernel.workflow.rlvr_config:RLVRConfig",
         description="single-turn: chat prompt -> n samples -> verifiable reward",
     )
+    register(
+        "multi_turn",
+        "areal_kernel.workflow.multi_turn:MultiTurnWorkflow",
+        config_model="areal_kernel.workflow.multi_turn_config:MultiTurnConfig",
+        description="several turns per sample: feedback after a wrong answer, tool results after a call; "
+        "discounted turn rewards, loss only on model tokens",
+    )
+
+
+@hookimpl
+def areal_register_tool_parsers(register: Any) -> None:
+    register(
+        "hermes",
+        "areal_kernel.tools.hermes:HermesParser",
+        description='<tool_call>{"name": ..., "arguments": {...}}</tool_call> blocks; <think> reasoning split off',
+    )
+
+
+@hookimpl
+def areal_register_tools(register: Any) -> None:
+    tools = "areal_kernel.tools.builtin_tools"
+    register(
+        "calculator",
+        f"{tools}:CalculatorTool",
+        config_model=f"{tools}:CalculatorSettings",
+        description="arithmetic on a parsed expression (+ - * / // % **), nothing run as code",
+    )
+    register(
+        "python",
+        f"{tools}:PythonTool",
+        config_model=f"{tools}:PythonToolSettings",
+        description="a Python program in the code_exec sandbox (time, memory and process limits); returns its output",
+    )
 
 
 @hookimpl

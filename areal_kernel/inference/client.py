@@ -425,6 +425,7 @@ class RemoteInferenceEngine(InferenceEngine):
         failures = 0
         interruptions = 0
         stop = StopReason.LENGTH
+        matched_stop: str | None = None
         self.stats["requests"] += 1
         while True:
             await self._wait_running()
@@ -473,6 +474,7 @@ class RemoteInferenceEngine(InferenceEngine):
                     await asyncio.sleep(0.05)
                 continue
             stop = chunk.stop_reason
+            matched_stop = chunk.matched_stop if stop == StopReason.STOP else None
             server.completed += 1
             break
         return ModelResponse(
@@ -484,6 +486,7 @@ class RemoteInferenceEngine(InferenceEngine):
             latency_s=time.monotonic() - t0,
             n_interruptions=interruptions,
             server=server.address if server else None,
+            matched_stop=matched_stop,
         )
 
     async def aclose(self, current_loop_only: bool = False) -> None:

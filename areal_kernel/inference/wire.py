@@ -81,6 +81,9 @@ class GenerateChunk:
     stop_reason: StopReason
     version: int | None = None  # weight version that produced these tokens
     extra: dict[str, Any] = field(default_factory=dict)
+    # The stop string (of ``GenerationConfig.stop``) that ended this chunk,
+    # as the server reported it; None when it stopped otherwise.
+    matched_stop: str | None = None
 
 
 class ServerProtocol:

@@ -21,6 +21,10 @@ from areal_kernel.rollout.staleness import StalenessBudget
 
 log = get_logger(__name__)
 
+# Trajectory.metadata key of a sample's own metrics: {name: number}; the
+# trainer logs the mean over every finished sample as workflow/<name>.
+SAMPLE_METRICS_KEY = "metrics"
+
 
 def zero_variance(group: TrajectoryGroup) -> bool:
     r = group.rewards
@@ -39,11 +43,23 @@ class RolloutStats:
     # Rewards of every finished group, kept or filtered out: the model's real
     # sampling accuracy, which the (filtered) training batch over- or under-states.
     rewards: list[float] = field(default_factory=list)
+    # Per-sample numbers workflows report in Trajectory.metadata["metrics"]
+    # (every finished sample, like rewards), logged as workflow/<name> means.
+    sample_metrics: dict[str, list[float]] = field(default_factory=dict)
+
+    def add_sample_metrics(self, group: TrajectoryGroup) -> None:
+        for t in group.trajectories:
+            m = t.metadata.get(SAMPLE_METRICS_KEY) if isinstance(t.metadata, dict) else None
+            if isinstance(m, dict):
+                for k, v in m.items():
+                    if isinstance(v, (int, float)) and not isinstance(v, bool):
+                        self.sample_metrics.setdefault(str(k), []).append(float(v))
 
     def snapshot_and_reset(self) -> dict[str, float]:
-        lat, rew = self.latencies, self.rewards
-        self.latencies, self.rewards = [], []
+        lat, rew, per_sample = self.latencies, self.rewards, self.sample_metrics
+        self.latencies, self.rewards, self.sample_metrics = [], [], {}
         return {
+            **{f"workflow/{k}": sum(v) / len(v) for k, v in sorted(per_sample.items()) if v},
             "rollout/reward_mean": sum(rew) / len(rew) if rew else float("nan"),
             "rollout/admitted": self.admitted,
             "rollout/accepted": self.accepted,
@@ -256,6 +272,7 @@ class RolloutExecutor:
             self.stats.rejected += 1
             return
         self.stats.rewards.extend(group.rewards)
+        self.stats.add_sample_metrics(group)
         if self.keep is not None and not self.keep(group):
             if self._rejected_since_batch < self.retry_budget * self.budget.batch_size:
                 self._rejected_since_batch += 1

@@ -8,7 +8,7 @@ supplies shared fixtures. Every suite is importable from here::
 
 Engines and platforms: ``areal_kernel.testing.contracts``; the other kinds
 (datasets, metric sinks, advantage estimators, losses, workflows, weight
-transports, schedulers): ``areal_kernel.testing.kinds``. The names resolve
+transports, schedulers, tool-call parsers, tools): ``areal_kernel.testing.kinds``. The names resolve
 on first use, so importing a helper module of this package (``models``,
 ``waits``) does not import pytest.
 """
@@ -30,6 +30,8 @@ _SUITES = {
     "WorkflowContract": "kinds",
     "WeightTransportContract": "kinds",
     "SchedulerContract": "kinds",
+    "ToolParserContract": "kinds",
+    "ToolContract": "kinds",
 }
 
 __all__ = sorted(_SUITES)

@@ -10,7 +10,7 @@ it in ``errors``), not a failure of the run.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 
 @dataclass(frozen=True)
@@ -46,3 +46,22 @@ class ToolCallParser(Protocol):
     stop_strings: tuple[str, ...]
 
     def parse(self, text: str) -> ParsedOutput: ...
+
+
+@runtime_checkable
+class Tool(Protocol):
+    """What a registered tool provides (built as ``Tool(**settings)``).
+
+    The registered name is the tool's name. ``parameters`` is the JSON schema
+    of the arguments object (OpenAI function format: ``{"type": "object",
+    "properties": {...}, "required": [...]}``). ``call`` receives the decoded
+    arguments and returns the text fed back to the model; it must not block
+    the event loop (run blocking work with ``asyncio.to_thread``). Raising is
+    allowed: the caller turns the exception into an error message for the
+    model, as it does for a call that runs past its timeout.
+    """
+
+    description: str
+    parameters: dict[str, Any]
+
+    async def call(self, arguments: dict[str, Any]) -> str: ...

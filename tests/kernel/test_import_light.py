@@ -14,6 +14,10 @@ LIGHT_MODULES = [
     "areal_kernel.api.io",
     "areal_kernel.api.engine",
     "areal_kernel.hookspecs",
+    "areal_kernel.tools",
+    "areal_kernel.tools.hermes",
+    "areal_kernel.tools.builtin_tools",
+    "areal_kernel.workflow.multi_turn_config",
 ]
 
 

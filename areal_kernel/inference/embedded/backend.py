@@ -37,6 +37,7 @@ class EmbeddedProtocol(ServerProtocol):
                     "greedy": gconfig.greedy,
                     "stop_token_ids": list(gconfig.stop_token_ids),
                     "seed": gconfig.seed,
+                    "stop": list(gconfig.stop),
                 },
             },
         )
@@ -52,7 +53,14 @@ class EmbeddedProtocol(ServerProtocol):
             ) from None
         if len(ids) != len(lps):
             raise ServerError(f"embedded server returned {len(ids)} tokens but {len(lps)} logprobs")
-        return GenerateChunk(ids, lps, reason, version=data.get("weight_version"))
+        matched = data.get("matched_stop")
+        return GenerateChunk(
+            ids,
+            lps,
+            reason,
+            version=data.get("weight_version"),
+            matched_stop=matched if isinstance(matched, str) else None,
+        )
 
     def pause(self, mode: str = "abort") -> HttpCall:
         return HttpCall("POST", "/pause", {"mode": mode})

@@ -28,6 +28,7 @@ import torch
 from areal_kernel.inference.embedded.kvbatch import Request, RunningBatch, _layers, _set_kv, new_cache, stop_matrix
 from areal_kernel.inference.embedded.protocol import GenerateBody, RequestError
 from areal_kernel.inference.embedded.sampling import RowParams, row_uniforms, sample
+from areal_kernel.inference.embedded.stopstr import StopStrings
 
 log = logging.getLogger("areal.embedded.engine")
 
@@ -48,6 +49,7 @@ class GenerationEngine:
         pad_id: int = 0,
         num_threads: int = 1,
         admit_window_s: float = 0.005,
+        decode: Callable[[list[int]], str] | None = None,
     ) -> None:
         self.model = model
         self.max_batch_size = max_batch_size
@@ -58,6 +60,8 @@ class GenerationEngine:
         self.pad_id = pad_id
         self.num_threads = num_threads
         self.admit_window_s = admit_window_s
+        # Token ids -> text (the model's tokenizer); needed only for stop strings.
+        self.decode = decode
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
 
@@ -101,8 +105,15 @@ class GenerationEngine:
 
     def submit(self, body: GenerateBody) -> Future:
         """Queue a generation; the future resolves to the response body."""
+        if body.params.stop and self.decode is None:
+            raise RequestError(
+                "sampling_params.stop: this server has no tokenizer (none in the model directory), "
+                "so it cannot match stop strings; use stop_token_ids"
+            )
         fut: Future = Future()
         req = Request(body.rid, body.input_ids, body.params, fut=fut)
+        if body.params.stop and self.decode is not None:
+            req.stop_strings = StopStrings(body.params.stop, self.decode)
 
         def add() -> None:
             if req.rid in self._active:
@@ -247,9 +258,9 @@ class GenerationEngine:
         if fut is not None:
             fut.set_result(res)
 
-    def _finish(self, req: Request, reason: str) -> None:
+    def _finish(self, req: Request, reason: str, matched_stop: str | None = None) -> None:
         self._active.pop(req.rid, None)
-        req.finish(reason, self.version)
+        req.finish(reason, self.version, matched_stop)
 
     def _abort_running(self) -> int:
         b = self.batch
@@ -376,7 +387,10 @@ class GenerationEngine:
         for i, r in enumerate(b.reqs):
             r.output_ids.append(int(toks[i]))
             r.output_logprobs.append(lps[i])
-            if dones[i]:
+            matched = r.stop_strings.match(r.output_ids) if r.stop_strings is not None and not hits[i] else None
+            if matched is not None:
+                self._finish(r, "stop", matched_stop=matched)
+            elif dones[i]:
                 self._finish(r, "stop" if hits[i] else "length")
             else:
                 keep.append(i)

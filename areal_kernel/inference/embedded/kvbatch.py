@@ -20,6 +20,7 @@ import torch
 from areal_kernel.inference.embedded.growcache import new_cache  # noqa: F401  (re-exported for the engine)
 from areal_kernel.inference.embedded.protocol import SamplingParams
 from areal_kernel.inference.embedded.sampling import RowParams
+from areal_kernel.inference.embedded.stopstr import StopStrings
 
 
 @dataclass
@@ -33,8 +34,10 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     finished: bool = False
+    # Set by the engine when the request has stop strings.
+    stop_strings: StopStrings | None = None
 
-    def finish(self, reason: str, version: int) -> None:
+    def finish(self, reason: str, version: int, matched_stop: str | None = None) -> None:
         if self.finished:
             return
         self.finished = True
@@ -45,6 +48,7 @@ class Request:
                 "output_logprobs": self.output_logprobs,
                 "finish_reason": reason,
                 "weight_version": version,
+                "matched_stop": matched_stop,
             }
         )
 

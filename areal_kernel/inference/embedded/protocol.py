@@ -25,6 +25,7 @@ class SamplingParams:
     greedy: bool = False
     stop_token_ids: list[int] = field(default_factory=list)
     seed: int | None = None  # see GenerationConfig.seed
+    stop: list[str] = field(default_factory=list)  # see GenerationConfig.stop
 
 
 @dataclass
@@ -53,7 +54,7 @@ def parse_sampling(sp: Any) -> SamplingParams:
         sp = {}
     if not isinstance(sp, dict):
         raise RequestError("sampling_params must be a JSON object")
-    known = {"max_new_tokens", "temperature", "top_p", "top_k", "greedy", "stop_token_ids", "seed"}
+    known = {"max_new_tokens", "temperature", "top_p", "top_k", "greedy", "stop_token_ids", "seed", "stop"}
     unknown = sorted(set(sp) - known)
     if unknown:
         raise RequestError(f"sampling_params: unknown field(s) {unknown}; valid: {sorted(known)}")
@@ -95,6 +96,11 @@ def parse_sampling(sp: Any) -> SamplingParams:
         if not _is_int(v) or not 0 <= v < 2**63:
             raise RequestError(f"sampling_params.seed must be an integer in [0, 2**63) or null, got {v!r}")
         out.seed = v
+    if sp.get("stop") is not None:
+        v = sp["stop"]
+        if not isinstance(v, list) or not all(isinstance(x, str) and x for x in v):
+            raise RequestError(f"sampling_params.stop must be a list of non-empty strings, got {v!r}")
+        out.stop = list(v)
     # temperature 0 means greedy (the usual convention of vLLM/SGLang).
     if out.temperature == 0:
         out.greedy = True

@@ -6,7 +6,9 @@ field, 401 for a missing/wrong admin token, 503 while loading, 500 otherwise):
 - ``GET /health`` -> ``{"status": "ok"}``
 - ``GET /info`` -> ``{"model", "weight_version", "paused", "running", "queued", ...}``
 - ``POST /generate {"rid", "input_ids", "sampling_params"}`` ->
-  ``{"rid", "output_ids", "output_logprobs", "finish_reason", "weight_version"}``
+  ``{"rid", "output_ids", "output_logprobs", "finish_reason", "weight_version", "matched_stop"}``
+  (``sampling_params.stop``: strings that end the generation after the token
+  completing one, which stays in ``output_ids``; ``matched_stop`` names it)
 - ``POST /pause {"mode": "abort"|"keep"}``; ``POST /resume``; ``POST /abort {"rid"}``
 - ``POST /update_weights_from_disk {"path", "version"}``
 - ``POST /init_weights_group {"master_addr", "master_port", "world_size", "rank", "group_name", "backend"}``
@@ -28,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import errno
+import functools
 import hmac
 import json
 import logging
@@ -146,6 +149,15 @@ def load(args: argparse.Namespace, state: ServerState) -> None:
     state.max_positions = int(getattr(cfg.get_text_config(), "max_position_embeddings", 1 << 20))
     state.model = model
     state.table = model_tensor_table(model)
+    decode: Any = None
+    try:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(args.model)
+        # Special tokens stay: a stop string may be one ("</tool_call>").
+        decode = functools.partial(tok.decode, skip_special_tokens=False)
+    except Exception as e:  # a weights-only directory: serves token ids, just no stop strings
+        log.info("no tokenizer in %s (%s: %s); stop strings are unavailable", args.model, type(e).__name__, e)
     engine = GenerationEngine(
         model,
         max_batch_size=args.max_batch_size,
@@ -156,6 +168,7 @@ def load(args: argparse.Namespace, state: ServerState) -> None:
         seed=args.seed,
         pad_id=pad if isinstance(pad, int) and 0 <= pad < state.vocab_size else 0,
         num_threads=threads,
+        decode=decode,
     )
     engine.start()
     state.engine = engine

@@ -35,7 +35,7 @@ def parse_version(raw: Any) -> int | None:
 
 def sampling_params(gconfig: GenerationConfig, max_new_tokens: int) -> dict[str, Any]:
     """SGLang ``SamplingParams`` keys. Greedy is temperature 0 in SGLang; top_k -1 disables."""
-    return {
+    sp: dict[str, Any] = {
         "max_new_tokens": int(max_new_tokens),
         "temperature": 0.0 if gconfig.greedy else float(gconfig.temperature),
         "top_p": float(gconfig.top_p),
@@ -45,6 +45,10 @@ def sampling_params(gconfig: GenerationConfig, max_new_tokens: int) -> dict[str,
         "no_stop_trim": True,
         "skip_special_tokens": False,
     }
+    if gconfig.stop:
+        # Matched on the decoded text; output_ids keep every sampled token.
+        sp["stop"] = list(gconfig.stop)
+    return sp
 
 
 class SGLangProtocol(ServerProtocol):
@@ -99,7 +103,15 @@ class SGLangProtocol(ServerProtocol):
         extra = {"finish_reason": fr}
         if isinstance(fr, dict) and reason == StopReason.STOP and fr.get("matched") is not None:
             extra["matched"] = fr["matched"]
-        return GenerateChunk(ids, lps, reason, version=parse_version(meta.get("weight_version")), extra=extra)
+        matched = extra.get("matched")
+        return GenerateChunk(
+            ids,
+            lps,
+            reason,
+            version=parse_version(meta.get("weight_version")),
+            extra=extra,
+            matched_stop=matched if isinstance(matched, str) else None,
+        )
 
     # -- pause / resume ------------------------------------------------------
     def pause(self, mode: str | None = None) -> HttpCall:

@@ -43,6 +43,17 @@ def test_parse_finish_reasons_logprobs_and_version(reason, expected):
     assert chunk.stop_reason == expected and chunk.version == 3
 
 
+def test_stop_strings_travel_and_come_back_as_matched_stop():
+    p = SGLangProtocol()
+    assert "stop" not in p.generate("r", [1], GenerationConfig(), 3).json["sampling_params"]
+    assert p.generate("r", [1], GenerationConfig(stop=["</tool_call>"]), 3).json["sampling_params"]["stop"] == [
+        "</tool_call>"
+    ]
+    chunk = p.parse_generate(answer([5, 2], {"type": "stop", "matched": "</tool_call>"}))
+    assert chunk.stop_reason == StopReason.STOP and chunk.matched_stop == "</tool_call>"
+    assert p.parse_generate(answer([5, 2], {"type": "stop", "matched": 2})).matched_stop is None
+
+
 def test_parse_rejects_misaligned_or_missing_logprobs():
     bad = answer([5, 2], {"type": "stop"})
     bad["meta_info"]["output_token_logprobs"] = bad["meta_info"]["output_token_logprobs"][:1]

@@ -95,6 +95,7 @@ def _calls():
         p.generate("rid-1", [1, 2, 3], g(max_new_tokens=8, greedy=True), 8),
         p.generate("rid-2", [5], g(max_new_tokens=8, temperature=0.7, top_p=0.9, top_k=20, stop_token_ids=[2, 7]), 3),
         p.generate("rid-3", [5, 6], g(top_k=0), 1),  # top_k 0 (kernel: disabled) must become SGLang's -1
+        p.generate("rid-4", [5, 6], g(stop=["</tool_call>", "\n\n"]), 4),  # stop strings (multi-turn tool calls)
         p.pause(),
         SGLangProtocol("retract").pause(),
         SGLangProtocol("in_place").pause(),

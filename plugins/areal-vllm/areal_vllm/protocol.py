@@ -70,6 +70,13 @@ class VLLMProtocol(ServerProtocol):
             "stop_token_ids": list(gconfig.stop_token_ids),
             "detokenize": False,
         }
+        if gconfig.stop:
+            # vLLM matches stop strings on detokenized text only; the token
+            # ids it returns still hold every sampled token. Special tokens
+            # stay in that text: a stop string may be one.
+            sp.update(
+                stop=list(gconfig.stop), detokenize=True, include_stop_str_in_output=True, skip_special_tokens=False
+            )
         return sp
 
     def generate(self, rid: str, input_ids: list[int], gconfig: GenerationConfig, max_new_tokens: int) -> HttpCall:
@@ -107,7 +114,11 @@ class VLLMProtocol(ServerProtocol):
         known = [v for v in versions if v is not None]
         version = known[-1] if known else None
         extra = {"versions": versions} if len(set(versions)) > 1 else {}
-        return GenerateChunk(ids, lps, reason, version=version, extra=extra)
+        # vLLM's stop_reason: the matched stop string (or a stop token id).
+        matched = choice.get("stop_reason")
+        return GenerateChunk(
+            ids, lps, reason, version=version, extra=extra, matched_stop=matched if isinstance(matched, str) else None
+        )
 
     @staticmethod
     def token_versions(spans: Any, n: int) -> list[int | None]:

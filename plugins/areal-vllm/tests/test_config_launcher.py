@@ -137,6 +137,22 @@ def test_protocol_bodies_and_parsing():
     assert seq[-1].json == {"new_version": "5"}
 
 
+def test_stop_strings_ask_vllm_to_detokenize_and_come_back_as_matched_stop():
+    from areal_vllm.protocol import VLLMProtocol
+
+    p = VLLMProtocol()
+    assert "stop" not in p.generate("r", [1], GenerationConfig(), 3).json["sampling_params"]
+    sp = p.generate("r", [1], GenerationConfig(stop=["</tool_call>"]), 3).json["sampling_params"]
+    # vLLM only matches stop strings on detokenized text; ids still come back whole.
+    assert sp["stop"] == ["</tool_call>"] and sp["detokenize"] is True and sp["skip_special_tokens"] is False
+    body = {"choices": [{"finish_reason": "stop", "stop_reason": "</tool_call>", "token_ids": [7, 8],
+                         "logprobs": {"content": [{"token_id": t, "logprob": -0.5} for t in (7, 8)]}}]}  # fmt: skip
+    chunk = p.parse_generate(body)
+    assert chunk.stop_reason == StopReason.STOP and chunk.matched_stop == "</tool_call>"
+    body["choices"][0]["stop_reason"] = 2  # a stop token id is no stop string
+    assert p.parse_generate(body).matched_stop is None
+
+
 @pytest.mark.slow
 def test_failed_start_reports_the_log_tail(tmp_path, smollm2_fp32):
     """A real vLLM process that cannot start: the error carries its log tail,

@@ -192,6 +192,23 @@ def test_logprobs_equal_the_train_engine_recompute(inference_engine, smollm2_fp3
     train.destroy()
 
 
+def test_a_stop_string_ends_generation_with_exact_token_ids(inference_engine, smollm2_fp32):
+    """vLLM stops on a string of the greedy output: the ids are the free
+    generation's, up to and including the token that completed the string."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2_fp32)
+    prompt = _chat_prompt(smollm2_fp32, "Name three colours.")
+    (free,) = _generate(inference_engine, [prompt], max_new_tokens=16, greedy=True)
+    k = next(i for i in range(4, 16) if len(tok.decode(free.output_ids[i - 2 : i]).strip()) >= 2)
+    stop = tok.decode(free.output_ids[k - 2 : k]).strip()
+    (cut,) = _generate(inference_engine, [prompt], max_new_tokens=16, greedy=True, stop=[stop])
+    assert cut.matched_stop == stop and cut.output_len < free.output_len
+    assert cut.output_ids == free.output_ids[: cut.output_len]
+    assert stop in tok.decode(cut.output_ids) and stop not in tok.decode(cut.output_ids[:-1])
+    assert max(abs(a - b) for a, b in zip(cut.output_logprobs, free.output_logprobs)) < 1e-4
+
+
 def test_pause_keep_freezes_and_abort_returns_partial_output(vllm_server):
     from areal_vllm.protocol import VLLMProtocol
 
