@@ -144,6 +144,8 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         plat = current_platform()
         report["platform"] = plat.describe()
         report["memory_gb"] = round(plat.total_memory() / 2**30, 1)
+        # The device stack beside torch (e.g. CANN, torch_npu and driver on npu).
+        report["device_software"] = plat.versions()
     except Exception as e:
         problems.append(f"platform: {e}")
     pm = get_plugin_manager().ensure_loaded()

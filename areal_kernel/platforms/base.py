@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import datetime
 import os
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+
+if TYPE_CHECKING:
+    from pydantic import BaseModel
+
+SettingsT = TypeVar("SettingsT", bound="BaseModel")
 
 
 class Platform:
@@ -25,6 +31,13 @@ class Platform:
     def is_available(cls) -> bool:
         """Cheap probe: can this platform be used in this process?"""
         return True
+
+    @classmethod
+    def unavailable_reason(cls) -> str:
+        """One line saying why ``is_available()`` is false (what is missing and
+        what to install or set). ``AREAL_PLATFORM=<name>`` naming a platform
+        that is not available fails with this line."""
+        return f"no {cls.device_type} device is usable in this process ({cls.__name__}.is_available() is false)"
 
     # -- capabilities ----------------------------------------------------------
     # Code outside this package decides through these, never by comparing
@@ -148,6 +161,79 @@ class Platform:
 
         torch.manual_seed(seed)
 
+    def versions(self) -> dict[str, str]:
+        """Versions of the device software stack beside torch (runtime, driver,
+        collective library, ...) for ``areal doctor``; empty where there is none."""
+        return {}
+
+    # -- collectives -----------------------------------------------------------
+    def new_process_group(
+        self, backend: str, store: Any, rank: int, world_size: int, timeout: datetime.timedelta
+    ) -> Any:
+        """A standalone collective backend object (``ProcessGroupGloo``-like:
+        ``broadcast([t], opts).wait()``) of kind ``backend`` on ``store``, not
+        registered in torch.distributed's global state. The kernel's in-memory
+        weight groups are built through this, in the trainer and in inference
+        workers, so a platform whose backend needs its own constructor
+        (``hccl``) overrides it for that name and defers to this for the rest."""
+        import torch.distributed as dist
+
+        if backend == "gloo":
+            return dist.ProcessGroupGloo(store, rank, world_size, timeout)
+        if backend == "nccl":
+            opts = dist.ProcessGroupNCCL.Options()
+            opts.is_high_priority_stream = False  # what torch's own group helper sets
+            opts._timeout = timeout
+            return dist.ProcessGroupNCCL(store, rank, world_size, opts)
+        # Other backends registered with torch.distributed.Backend.register_backend
+        # through its plain (store, rank, size, timeout) creator signature.
+        plugin = dist.Backend._plugins.get(backend.upper())
+        if plugin is None or getattr(plugin, "extended_api", False):
+            from areal_kernel.errors import ConfigError
+
+            raise ConfigError(
+                f"collective backend {backend!r} cannot be built on platform {self.name!r}; valid: 'gloo', "
+                f"'nccl', a backend registered with torch.distributed.Backend.register_backend (plain creator), "
+                f"or one the platform builds itself (Platform.new_process_group)"
+            )
+        return plugin.creator_fn(store, rank, world_size, timeout)
+
+    # -- inference servers -------------------------------------------------------
+    def inference_server_defaults(self, backend: str) -> dict[str, Any]:
+        """Settings this platform gives inference backend ``backend`` (its
+        registered name): ``{field of its rollout.<backend> section: value}``,
+        used only for fields the user left unset. This is how a device's
+        variant of a backend is selected without the backend knowing device
+        names (e.g. the npu platform gives ``sglang`` its ``device`` and
+        ``attention_backend``). Default: none."""
+        return {}
+
+    def apply_server_defaults(self, backend: str, section: SettingsT) -> SettingsT:
+        """``section`` (the validated ``rollout.<backend>`` settings) with
+        ``inference_server_defaults(backend)`` filled into the fields the user
+        did not set, validated again by the section's own model. Backends call
+        this once when they read their section."""
+        defaults = self.inference_server_defaults(backend)
+        if not defaults:
+            return section
+        from pydantic import ValidationError
+
+        from areal_kernel.errors import ConfigError
+
+        cls = type(section)
+        unknown = sorted(set(defaults) - set(cls.model_fields))
+        if unknown:
+            raise ConfigError(
+                f"platform {self.name!r} gives rollout.{backend} the setting(s) {unknown}, which "
+                f"{cls.__name__} does not have; update the platform plugin or the backend plugin"
+            )
+        given = section.model_dump(exclude_unset=True)
+        merged = {**{k: v for k, v in defaults.items() if k not in section.model_fields_set}, **given}
+        try:
+            return cls.model_validate(merged)
+        except ValidationError as e:
+            raise ConfigError(f"rollout.{backend} with the defaults of platform {self.name!r}: {e}") from None
+
     def describe(self) -> dict[str, Any]:
         return {
             "name": self.name,
@@ -260,3 +346,8 @@ class CudaPlatform(Platform):
 
         torch.manual_seed(seed)
         torch.cuda.manual_seed_all(seed)
+
+    def versions(self) -> dict[str, str]:
+        import torch
+
+        return {"cuda": str(torch.version.cuda)}

@@ -4,7 +4,9 @@ Order: ``AREAL_PLATFORM`` (a registered platform name) > out-of-tree probes
 from the ``areal.platforms`` entry-point group > built-in ``cuda`` > ``cpu``.
 An out-of-tree probe is a zero-argument callable returning a
 ``"pkg.mod:Class"`` string when its hardware is present, else ``None``; it
-must not import heavy libraries unless it is about to answer yes.
+must not import heavy libraries unless it is about to answer yes. A platform
+named by ``AREAL_PLATFORM`` must be available (``is_available()``); otherwise
+resolution fails with its ``unavailable_reason()``.
 """
 
 from __future__ import annotations
@@ -22,13 +24,16 @@ _lock = threading.RLock()
 _current: Platform | None = None
 
 
-def _from_registry(name: str) -> Platform:
+def _platform_class(name: str) -> type[Platform]:
     from areal_kernel.plugins.registry import get_registry
 
     # platform="" skips the registry's platform check, which would recurse here.
     spec = get_registry().get("platform", name, platform="")
-    cls = spec.load()
-    return cls()
+    return spec.load()
+
+
+def _from_registry(name: str) -> Platform:
+    return _platform_class(name)()
 
 
 def _probe_out_of_tree() -> Platform | None:
@@ -48,7 +53,12 @@ def resolve_platform() -> Platform:
     name = os.environ.get("AREAL_PLATFORM", "").strip()
     if name:
         try:
-            return _from_registry(name)
+            cls = _platform_class(name)
+            # Chosen by name, it must still be usable here: say why not now
+            # instead of failing later inside a backend.
+            if not cls.is_available():
+                raise ArealError(cls.unavailable_reason())
+            return cls()
         except ArealError as e:
             raise ArealError(f"AREAL_PLATFORM={name!r} is not usable: {e}") from None
     found = _probe_out_of_tree()

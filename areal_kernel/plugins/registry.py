@@ -159,6 +159,8 @@ class Registry:
         spec = self._specs[kind].get(name)
         if spec is None:
             raise self._not_found(kind, name)
+        if platform is None and spec.platforms is None:
+            return spec  # supports every platform: no need to resolve the current one
         if platform is None:
             from areal_kernel.platforms import current_platform
 

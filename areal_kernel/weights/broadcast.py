@@ -76,25 +76,11 @@ class WeightGroup:
 
 
 def _make_backend(name: str, store: Any, rank: int, world_size: int, timeout: datetime.timedelta) -> Any:
-    import torch.distributed as dist
+    # The platform builds it: gloo and nccl here, and a platform plugin's own
+    # backend (hccl on Ascend) through its override.
+    from areal_kernel.platforms import current_platform
 
-    if name == "gloo":
-        return dist.ProcessGroupGloo(store, rank, world_size, timeout)
-    if name == "nccl":
-        opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = timeout
-        return dist.ProcessGroupNCCL(store, rank, world_size, opts)
-    # Out-of-tree backends (e.g. hccl from a platform plugin) register a creator
-    # with torch.distributed.Backend.register_backend; use it the same way.
-    plugin = dist.Backend._plugins.get(name.upper())
-    if plugin is None:
-        raise ConfigError(
-            f"weight group backend {name!r} is not available; valid: 'gloo', 'nccl' or a backend "
-            f"registered with torch.distributed.Backend.register_backend"
-        )
-    # Untested here (no such backend on CPU machines): plain creators take
-    # (store, rank, size, timeout), which is what register_backend documents.
-    return plugin.creator_fn(store, rank, world_size, timeout)
+    return current_platform().new_process_group(name, store, rank, world_size, timeout)
 
 
 def init_weight_group(

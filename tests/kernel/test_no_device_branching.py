@@ -105,7 +105,7 @@ def test_the_scan_sees_every_package():
     top = {p.relative_to(ROOT).parts[0] for p in files}
     assert top == {"areal_kernel", "plugins"}
     plugin_pkgs = {p.relative_to(ROOT / "plugins").parts[0] for p in files if p.parts[len(ROOT.parts)] == "plugins"}
-    assert {"areal-fsdp", "areal-vllm", "areal-sglang"} <= plugin_pkgs
+    assert {"areal-fsdp", "areal-vllm", "areal-sglang", "areal-npu"} <= plugin_pkgs
     # The platform layer is the one place allowed to know device kinds.
     assert not any(p.is_relative_to(ROOT / "areal_kernel" / "platforms") for p in files)
     assert not any(p.name.startswith("test_") or "tests" in p.parts for p in files)

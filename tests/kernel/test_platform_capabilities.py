@@ -41,6 +41,38 @@ def test_cpu_and_cuda_answer_every_capability():
     assert cuda.prefers_in_memory_weight_updates and cuda.supports_cpu_offload
 
 
+class _ServerDefaultsAccel(_ThirdPartyAccel):
+    name = "defaultsaccel"
+
+    def inference_server_defaults(self, backend):
+        return {"embedded": {"max_batch_size": 3, "seed": 9}, "broken": {"no_such_field": 1}}.get(backend, {})
+
+
+def test_platform_server_defaults_fill_only_what_the_user_left_unset():
+    from areal_kernel.inference.embedded.launcher import EmbeddedServerConfig
+
+    p = _ServerDefaultsAccel()
+    got = p.apply_server_defaults("embedded", EmbeddedServerConfig(seed=1))
+    assert (got.max_batch_size, got.seed) == (3, 1)  # the user's seed wins
+    untouched = EmbeddedServerConfig(seed=1)
+    assert p.apply_server_defaults("other", untouched) is untouched
+    assert CpuPlatform().apply_server_defaults("embedded", untouched) is untouched
+    with pytest.raises(ConfigError, match=r"platform 'defaultsaccel' gives rollout.broken the setting\(s\) \['no_such_field'\]"):
+        p.apply_server_defaults("broken", untouched)
+
+
+def test_platform_builds_gloo_groups_and_names_what_it_cannot_build():
+    import datetime
+
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    pg = CpuPlatform().new_process_group("gloo", store, 0, 1, datetime.timedelta(seconds=5))
+    assert isinstance(pg, dist.ProcessGroupGloo)
+    with pytest.raises(ConfigError, match=r"collective backend 'warpnet' cannot be built on platform 'cpu'"):
+        CpuPlatform().new_process_group("warpnet", store, 0, 1, datetime.timedelta(seconds=5))
+
+
 def test_math_reward_declares_its_worker_preload():
     spec = get_registry().get("reward", "math", platform="")
     assert spec.worker_preload == ("areal_kernel.reward.math:warmup",)

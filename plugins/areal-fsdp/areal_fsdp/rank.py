@@ -123,7 +123,6 @@ class FSDPRankEngine:
 
     # ------------------------------------------------------------------ setup
     def initialize(self, model_path: str, total_train_steps: int) -> dict[str, Any]:
-        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import (
             CPUOffloadPolicy,
             FSDPModule,
@@ -155,7 +154,7 @@ class FSDPRankEngine:
         if cfg.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
-        mesh = init_device_mesh(plat.device_type, (self.world_size,))
+        mesh = device_mesh(self.world_size)
         mp = cfg.mixed_precision
         mp_policy = MixedPrecisionPolicy(
             param_dtype=torch_dtype(mp.param_dtype),
@@ -419,6 +418,29 @@ def _serve(conn: Any, rank: int, world_size: int) -> None:
         conn.send_bytes(pickle.dumps(reply))
 
 
+def join_process_group(timeout_s: float) -> Any:
+    """Bind this rank to its device and join the default process group on the
+    platform's collective backend (gloo on cpu, nccl on cuda, hccl on npu);
+    returns the platform."""
+    import datetime
+
+    import torch.distributed as dist
+
+    plat = current_platform()
+    # The scheduler made exactly this rank's device visible (a no-op on host cores).
+    plat.set_device(0)
+    dist.init_process_group(backend=plat.dist_backend, timeout=datetime.timedelta(seconds=timeout_s))
+    return plat
+
+
+def device_mesh(world_size: int) -> Any:
+    """The 1-D mesh FSDP shards over, on the platform's device type (torch
+    picks the collective backend registered for that device)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(current_platform().device_type, (world_size,))
+
+
 def main(argv: list[str] | None = None) -> int:
     from multiprocessing.connection import Client
 
@@ -428,8 +450,6 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     threading.Thread(target=_watch_parent, args=(args.parent_pid,), daemon=True).start()
 
-    import datetime
-
     import torch
     import torch.distributed as dist
 
@@ -438,10 +458,7 @@ def main(argv: list[str] | None = None) -> int:
     host, _, port = os.environ[CONTROL_ENV].rpartition(":")
     conn = Client((host, int(port)), authkey=bytes.fromhex(os.environ.pop(AUTHKEY_ENV)))
     conn.send_bytes(pickle.dumps(("hello", rank, os.getpid())))
-    plat = current_platform()
-    # The scheduler made exactly this rank's device visible (a no-op on host cores).
-    plat.set_device(0)
-    dist.init_process_group(backend=plat.dist_backend, timeout=datetime.timedelta(seconds=args.dist_timeout_s))
+    join_process_group(args.dist_timeout_s)
     try:
         _serve(conn, rank, world_size)
     finally:

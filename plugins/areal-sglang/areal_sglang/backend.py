@@ -77,7 +77,12 @@ class SGLangBackend(InferenceBackend):
 
     def __init__(self, config: Any, launch_prefix: list[str] | None = None) -> None:
         super().__init__(config)
-        self.server_config: SGLangServerConfig = config.rollout.plugin_config or SGLangServerConfig()
+        from areal_kernel.platforms import current_platform
+
+        section = config.rollout.plugin_config or SGLangServerConfig()
+        # The platform's variant of SGLang (e.g. --device npu and the ascend
+        # attention backend) fills the fields the user left unset.
+        self.server_config: SGLangServerConfig = current_platform().apply_server_defaults("sglang", section)
         self.launch_prefix = launch_prefix
         self.tp_size = 1
 

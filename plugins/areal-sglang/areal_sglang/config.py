@@ -28,6 +28,7 @@ MANAGED_FLAGS = frozenset(
         "--skip-server-warmup",
         "--log-level",
         "--base-gpu-id",
+        "--device",
     }
 )
 
@@ -49,7 +50,16 @@ class SGLangServerConfig(BaseModel):
         None, ge=1, description="--tp-size; default: devices per server from rollout.backend (e.g. sglang:d2t4 -> 4)."
     )
     attention_backend: str | None = Field(
-        None, min_length=1, description="--attention-backend (e.g. flashinfer, fa3, triton)"
+        None,
+        min_length=1,
+        description="--attention-backend (e.g. flashinfer, fa3, triton); default: SGLang's choice, or the "
+        "platform's (ascend on the npu platform).",
+    )
+    device: str | None = Field(
+        None,
+        min_length=1,
+        description="--device (cuda, npu, xpu, ...); default: SGLang's auto-detection, or the platform's "
+        "(npu on the npu platform).",
     )
     radix_cache: bool = Field(True, description="false adds --disable-radix-cache")
     seed: int | None = Field(None, ge=0, description="--random-seed; default: the experiment seed.")

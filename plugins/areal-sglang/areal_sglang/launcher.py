@@ -47,6 +47,8 @@ def build_command(
         cmd += ["--context-length", str(cfg.context_length)]
     if cfg.mem_fraction_static is not None:
         cmd += ["--mem-fraction-static", repr(cfg.mem_fraction_static)]
+    if cfg.device is not None:
+        cmd += ["--device", cfg.device]
     if cfg.attention_backend is not None:
         cmd += ["--attention-backend", cfg.attention_backend]
     if not cfg.radix_cache:

@@ -127,21 +127,10 @@ def _device_prefix(backend: str) -> str:
 
 
 def _make_backend(backend: str, store: Any, rank: int, world_size: int, timeout: datetime.timedelta) -> Any:
-    import torch.distributed as dist
+    # The platform builds the backend object (gloo, nccl, or its own such as hccl).
+    from areal_kernel.platforms import current_platform
 
-    if backend == "gloo":
-        return dist.ProcessGroupGloo(store, rank, world_size, timeout)
-    if backend == "nccl":
-        opts = dist.ProcessGroupNCCL.Options()
-        opts.is_high_priority_stream = False  # what torch's helper sets on SGLang's side
-        opts._timeout = timeout
-        return dist.ProcessGroupNCCL(store, rank, world_size, opts)
-    plugin = dist.Backend._plugins.get(backend.upper())
-    if plugin is None:
-        raise ConfigError(
-            f"weight group backend {backend!r} is not available; valid: 'gloo', 'nccl' or a registered backend"
-        )
-    return plugin.creator_fn(store, rank, world_size, timeout)
+    return current_platform().new_process_group(backend, store, rank, world_size, timeout)
 
 
 def join_sglang_group(

@@ -193,6 +193,7 @@ FIELDS = (
     "context_length",
     "mem_fraction_static",
     "attention_backend",
+    "device",
     "disable_radix_cache",
     "enable_memory_saver",
     "skip_server_warmup",

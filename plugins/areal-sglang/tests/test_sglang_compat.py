@@ -54,6 +54,7 @@ def test_full_launch_command_is_parsed_by_sglang_as_intended(sglang_oracle):
         "context_length": 8192,
         "mem_fraction_static": 0.75,
         "attention_backend": "flashinfer",
+        "device": None,
         "disable_radix_cache": True,
         "enable_memory_saver": True,
         "skip_server_warmup": True,
@@ -88,6 +89,27 @@ def test_unknown_attention_backend_is_rejected_by_sglang(sglang_oracle):
     assert not res["ok"] and "invalid choice" in res["error"]
 
 
+def test_npu_variant_launch_command_is_parsed_by_sglang(sglang_oracle, monkeypatch, tmp_path):
+    """On the npu platform (areal-npu's NPUPlatform, whose launch answers need
+    no torch_npu) the command carries SGLang's NPU build flags, --device npu
+    and its ascend attention backend, as SGLang's own parser reads them; each
+    server sees its NPUs through ASCEND_RT_VISIBLE_DEVICES. Not run on NPUs."""
+    import areal_kernel.platforms as platforms
+    from areal_kernel.config.loader import validate_config
+    from areal_npu.platform import NPUPlatform
+    from areal_sglang.backend import SGLangBackend
+
+    monkeypatch.setattr(platforms, "current_platform", lambda: NPUPlatform())
+    launcher = SGLangBackend(validate_config({"rollout": {"backend": "sglang:d2t2"}})).make_launcher(str(tmp_path))
+    launcher.check_launch("/models/qwen", 2, 2)
+    cmd = launcher.command("/models/qwen", 31234, 1, [2, 3])
+    assert launcher.environment(1, 2, [2, 3])["ASCEND_RT_VISIBLE_DEVICES"] == "2,3"
+    res = sglang_oracle.argv(cmd[3:])
+    assert res["ok"], res["error"]
+    f = res["fields"]
+    assert (f["device"], f["attention_backend"], f["tp_size"]) == ("npu", "ascend", 2)
+
+
 def _calls():
     p = SGLangProtocol()
     g = GenerationConfig
@@ -102,6 +124,7 @@ def _calls():
         p.resume(),
         p.update_weights_from_disk("/ckpt/v3", 3),
         p.init_weight_group("10.0.0.1", 29500, 5, 3, "areal_weights", "nccl"),
+        p.init_weight_group("10.0.0.1", 29500, 5, 3, "areal_weights", "hccl"),  # the npu platform's backend
         p.update_weights_from_distributed(
             [
                 {"name": "model.embed_tokens.weight", "dtype": "bfloat16", "shape": [8, 4]},

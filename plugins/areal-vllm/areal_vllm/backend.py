@@ -19,7 +19,10 @@ class VLLMBackend(InferenceBackend):
         from areal_vllm.config import VLLMServerConfig
 
         super().__init__(config)
-        section = config.rollout.plugin_config or VLLMServerConfig()
+        from areal_kernel.platforms import current_platform
+
+        # A platform may give vLLM settings for its device (fields the user left unset).
+        section = current_platform().apply_server_defaults("vllm", config.rollout.plugin_config or VLLMServerConfig())
         # model.dtype is the run-wide inference precision unless the section overrides it.
         dtype = section.dtype or config.model.dtype
         alloc = config.rollout.allocation
