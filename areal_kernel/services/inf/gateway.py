@@ -251,7 +251,7 @@ class ModelService:
         try:
             return await self.client.agenerate(ModelRequest(input_ids=list(ids), gconfig=gconfig))
         except ServerError as e:
-            msg = str(e)
+            msg = one_line(str(e))
             # The client raises at once (no failover) when a replica rejects a
             # request (HTTP 4xx): that is the request's fault, e.g. too long.
             if "rejected the request (HTTP 4" in msg:
@@ -549,6 +549,17 @@ class Gateway:
                 delta["content"] = text
             return {"index": i, "delta": delta, "finish_reason": finish, "logprobs": None}
 
+        try:
+            await self._stream_choices(resp, send, choice, svc, s, ids, chat)
+        except ConnectionResetError:
+            return resp  # the caller went away; nothing more to send
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    async def _stream_choices(
+        self, resp: Any, send: Any, choice: Any, svc: ModelService, s: oa.Sampling, ids: list[int], chat: bool
+    ) -> None:
         n_out = 0
         try:
             for i in range(s.n):
@@ -562,12 +573,15 @@ class Gateway:
                     k = min(self.settings.stream_chunk_tokens, s.max_tokens - len(out))
                     r = await svc.generate(ids + out, s, k, seed)
                     out.extend(r.output_ids)
-                    ended = r.stop_reason.value == "stop" or len(out) >= s.max_tokens
+                    # No token at all: the context is full (a step would never make progress).
+                    ended = r.stop_reason.value == "stop" or len(out) >= s.max_tokens or not r.output_ids
                     delta, stopped = texts.delta(out, final=ended)
                     if delta:
                         await send([choice(i, delta, None)])
                     if stopped or r.stop_reason.value == "stop":
                         finish = "stop"
+                        break
+                    if ended:
                         break
                 n_out += len(out)
                 await send([choice(i, None if chat else "", finish)])
@@ -576,9 +590,6 @@ class Gateway:
         except oa.OpenAIError as e:
             # Headers are sent: the error travels as an event, as OpenAI's API does.
             await resp.write(f"data: {json.dumps(e.body())}\n\n".encode())
-        await resp.write(b"data: [DONE]\n\n")
-        await resp.write_eof()
-        return resp
 
     # -- the HTTP app -------------------------------------------------------------------------
     def app(self) -> Any:
