@@ -64,6 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("doctor", help="python/torch/platform/devices/plugins health")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_doctor)
+
+    from areal_kernel.services.inf.cli import add_parser as add_inf_parser
+
+    add_inf_parser(sub)
     return parser
 
 

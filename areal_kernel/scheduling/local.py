@@ -16,6 +16,30 @@ from areal_kernel.config.models import ExperimentConfig
 from areal_kernel.errors import ArealError
 
 
+def replica_device_plan(
+    platform: Any, allocation: Any, taken: set[int] | frozenset[int] = frozenset()
+) -> list[list[int]]:
+    """Device ids for ``allocation.d`` inference replicas of
+    ``allocation.devices_per_replica`` devices each, on this machine, skipping
+    the ids in ``taken`` (held by other services). On platforms whose cores
+    are shared (no exclusive devices) every replica gets an empty list.
+
+    Used by long-running services (``areal inf``) that place several models
+    side by side; a training run plans all its roles at once
+    (``LocalScheduler.device_plan``)."""
+    if not platform.exclusive_devices:
+        return [[] for _ in range(allocation.d)]
+    per = allocation.devices_per_replica
+    free = [i for i in range(platform.device_count()) if i not in taken]
+    need = allocation.d * per
+    if need > len(free):
+        raise ArealError(
+            f"{allocation} needs {need} {platform.device_type} device(s) but only {len(free)} of this machine's "
+            f"{platform.device_count()} are free" + (f" (in use: {sorted(taken)})" if taken else "")
+        )
+    return [free[r * per : (r + 1) * per] for r in range(allocation.d)]
+
+
 class LocalScheduler:
     def __init__(self, config: ExperimentConfig) -> None:
         from areal_kernel.platforms import current_platform

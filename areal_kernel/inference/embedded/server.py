@@ -31,7 +31,6 @@ import argparse
 import asyncio
 import errno
 import functools
-import hmac
 import json
 import logging
 import os
@@ -40,10 +39,10 @@ import sys
 import traceback
 from typing import Any
 
+from areal_kernel.utils.network import LOOPBACK_HOSTS, bearer_matches
+
 PORT_IN_USE_EXIT = 98
 ADMIN_TOKEN_ENV = "AREAL_EMBEDDED_ADMIN_TOKEN"
-# Same set as launcher.LOOPBACK_HOSTS (kept here so the server imports nothing of the launcher).
-LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
 # Routes that change server state; guarded by the admin token when one is set.
 CONTROL_ROUTES = frozenset(
     {
@@ -191,8 +190,7 @@ def build_app(state: ServerState) -> Any:
     async def guard(request: web.Request, handler: Any) -> web.StreamResponse:
         token = state.args.admin_token
         if token and request.path in CONTROL_ROUTES:
-            got = request.headers.get("Authorization", "")
-            if not hmac.compare_digest(got.encode(), f"Bearer {token}".encode()):
+            if not bearer_matches(request.headers.get("Authorization", ""), token):
                 return err(401, f"{request.path} needs header 'Authorization: Bearer <admin token>'")
         if request.path != "/health" and state.engine is None:
             return err(503, "model is still loading")
