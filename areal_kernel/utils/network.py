@@ -1,4 +1,4 @@
-"""Loopback port helpers."""
+"""Loopback port and address helpers."""
 
 from __future__ import annotations
 
@@ -19,3 +19,14 @@ def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
         except OSError:
             return False
         return True
+
+
+# Only these names count as private; any other address (even 127.0.0.2) is
+# treated as reachable by others. The embedded server and the agent proxy
+# both require a token to bind anything else.
+LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` is a loopback name (``LOOPBACK_HOSTS``)."""
+    return host in LOOPBACK_HOSTS

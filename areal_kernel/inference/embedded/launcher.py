@@ -14,6 +14,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from areal_kernel.inference.launcher import PORT_IN_USE_EXIT, SubprocessLauncher
+from areal_kernel.utils.network import LOOPBACK_HOSTS, is_loopback
 
 SERVER_MODULE = "areal_kernel.inference.embedded.server"
 ADMIN_TOKEN_ENV = "AREAL_EMBEDDED_ADMIN_TOKEN"
@@ -23,6 +24,7 @@ __all__ = [
     "SERVER_MODULE",
     "EmbeddedLauncher",
     "EmbeddedServerConfig",
+    "LOOPBACK_HOSTS",
     "is_loopback",
 ]
 
@@ -58,15 +60,6 @@ class EmbeddedServerConfig(BaseModel):
     extra_env: dict[str, str] = Field(default_factory=dict)
     stop_grace_s: float = Field(5.0, ge=0)
     port_retries: int = Field(3, ge=0)
-
-
-LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
-
-
-def is_loopback(host: str) -> bool:
-    """Only these names count as private; any other address (even 127.0.0.2)
-    is treated as reachable by others and needs an admin token."""
-    return host in LOOPBACK_HOSTS
 
 
 class EmbeddedLauncher(SubprocessLauncher):

@@ -37,10 +37,10 @@ import sys
 import traceback
 from typing import Any
 
+from areal_kernel.utils.network import LOOPBACK_HOSTS
+
 PORT_IN_USE_EXIT = 98
 ADMIN_TOKEN_ENV = "AREAL_EMBEDDED_ADMIN_TOKEN"
-# Same set as launcher.LOOPBACK_HOSTS (kept here so the server imports nothing of the launcher).
-LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
 # Routes that change server state; guarded by the admin token when one is set.
 CONTROL_ROUTES = frozenset(
     {
