@@ -38,6 +38,19 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
     p.set_defaults(func=cmd_train)
 
+    p = sub.add_parser("agent", help="agentic RL through the OpenAI-compatible proxy")
+    agent_sub = p.add_subparsers(dest="agent_command", metavar="AGENT_COMMAND")
+    q = agent_sub.add_parser(
+        "serve",
+        help="online training: serve the proxy, train on the sessions external clients complete",
+        description="Starts the run of CONFIG (workflow.type: agent, dataset.type: agent_sessions) in online "
+        "mode: the proxy prints its URL; clients open sessions (POST /sessions), talk to <url>/v1 with the "
+        "session's api_key, post a reward and end the session; every completed group is trained on.",
+    )
+    _add_config_args(q)
+    q.set_defaults(func=cmd_agent_serve)
+    p.set_defaults(func=lambda a, agent_parser=p: (agent_parser.print_help(), EXIT_USER_ERROR)[1])
+
     p = sub.add_parser("check", help="dry run: a few samples through data, workflow, engine and reward")
     _add_config_args(p)
     p.add_argument("-n", "--num-samples", type=int, default=4)
@@ -204,6 +217,25 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise ArealError(f"training is not available in this build: {e}") from None
     # The trainer registered as algorithm.type (built-in or a plugin's).
     return run_training(cfg)
+
+
+def cmd_agent_serve(args: argparse.Namespace) -> int:
+    from areal_kernel.config import load_config
+    from areal_kernel.errors import ConfigError
+
+    cfg = load_config(args.config, args.overrides)
+    if cfg.workflow.type != "agent":
+        raise ConfigError(
+            f"areal agent serve: workflow.type must be 'agent', got {cfg.workflow.type!r} ({args.config})"
+        )
+    if cfg.dataset.type != "agent_sessions":
+        raise ConfigError(
+            f"areal agent serve: dataset.type must be 'agent_sessions' (the sessions clients open are the data), "
+            f"got {cfg.dataset.type!r} ({args.config})"
+        )
+    from areal_kernel.trainer.common import run_training
+
+    return run_training(load_config(args.config, [*args.overrides, "workflow.agent.mode=online"]))
 
 
 def cmd_check(args: argparse.Namespace) -> int:

@@ -24,6 +24,7 @@ BENCHES = [
     "bench_prefix_sharing.py",
     "bench_train_engine.py",
     "bench_embedded_server.py",
+    "bench_proxy_overhead.py",
     "bench_weight_update.py",
     "bench_async_vs_sync.py",
     "bench_soak.py",

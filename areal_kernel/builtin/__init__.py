@@ -70,6 +70,12 @@ def areal_register_datasets(register: Any) -> None:
     )
     register("file", "areal_kernel.data.sources:file_source", description="local jsonl/json/parquet/csv via datasets")
     register("hub", "areal_kernel.data.sources:file_source", description="a dataset name on the HF hub")
+    register(
+        "agent_sessions",
+        "areal_kernel.agent.workflow:agent_sessions_source",
+        config_model="areal_kernel.agent.config:AgentSessionsConfig",
+        description="online agent training: the sessions clients open are the data (areal agent serve)",
+    )
 
 
 @hookimpl
@@ -115,6 +121,12 @@ def areal_register_workflows(register: Any) -> None:
         config_model="areal_kernel.workflow.multi_turn_config:MultiTurnConfig",
         description="several turns per sample: feedback after a wrong answer, tool results after a call; "
         "discounted turn rewards, loss only on model tokens",
+    )
+    register(
+        "agent",
+        "areal_kernel.agent.workflow:AgentWorkflow",
+        config_model="areal_kernel.agent.config:AgentWorkflowConfig",
+        description="any agent written against an OpenAI endpoint, through the kernel's proxy (inline, subprocess, online)",
     )
 
 

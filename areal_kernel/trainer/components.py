@@ -198,6 +198,10 @@ class Rollout:
         # The supervisor first: servers stopped below must not be restarted.
         if self.supervisor is not None:
             self.supervisor.stop()
+        # A workflow may own services (the agent proxy); they go before the servers they call.
+        close = getattr(self.workflow, "close", None)
+        if close is not None:
+            close()
         if self.engine is not None:
             self.engine.destroy()
         if self.scheduler is not None:

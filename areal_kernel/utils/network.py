@@ -29,7 +29,8 @@ def port_is_free(port: int, host: str = "127.0.0.1", *, reuse_addr: bool = False
 
 # Only these names count as private; any other address (even 127.0.0.2 or
 # 0.0.0.0) is treated as reachable by others, so control routes bound there
-# need an admin token (embedded servers, the ``areal inf`` gateway).
+# need an admin token (embedded servers, the ``areal inf`` gateway, the agent
+# proxy).
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
 
 

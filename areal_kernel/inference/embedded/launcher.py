@@ -25,6 +25,7 @@ __all__ = [
     "SERVER_MODULE",
     "EmbeddedLauncher",
     "EmbeddedServerConfig",
+    "LOOPBACK_HOSTS",
     "is_loopback",
 ]
 
