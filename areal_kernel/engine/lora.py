@@ -71,6 +71,12 @@ def trainable_named_params(model: Any) -> list[tuple[str, Any]]:
     return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
 
 
+def peft_file_name(live_name: str) -> str:
+    """The name peft saves an adapter parameter under, from its live name
+    (``...q_proj.lora_A.default.weight`` -> ``...q_proj.lora_A.weight``)."""
+    return live_name.replace(".lora_A.default.", ".lora_A.").replace(".lora_B.default.", ".lora_B.")
+
+
 def adapter_weights(model: Any) -> list[tuple[str, Any]]:
     """``(peft file name, tensor)`` of the adapter of the peft ``model``, in
     module order; detached views of the live tensors, not copies."""
@@ -100,7 +106,9 @@ def adapter_config(model: Any, base_model_path: str | None = None) -> dict[str, 
     return cfg
 
 
-def _write_adapter_files(directory: str, named: list[tuple[str, Any]], config: dict[str, Any]) -> int:
+def write_adapter_files(directory: str, named: list[tuple[str, Any]], config: dict[str, Any]) -> int:
+    """The two files of a peft adapter directory into the existing ``directory``;
+    returns the bytes of the tensors."""
     from safetensors.torch import save_file
 
     tensors = {n: t.detach().to("cpu").contiguous() for n, t in named}
@@ -115,7 +123,7 @@ def write_adapter_dir(path: str, named: list[tuple[str, Any]], config: dict[str,
     ``adapter_model.safetensors``) at ``path``, atomically; returns the bytes
     of the tensors written."""
     with atomic_dir(path) as tmp:
-        return _write_adapter_files(tmp, named, config)
+        return write_adapter_files(tmp, named, config)
 
 
 def read_adapter_dir(path: str) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -138,29 +146,54 @@ def read_adapter_dir(path: str) -> tuple[dict[str, Any], dict[str, Any]]:
     return cfg, load_file(w_path)
 
 
+def merge_plan(model: Any) -> list[tuple[str, str, tuple[str, str, float] | None]]:
+    """How a merged export is built from the peft ``model``'s live state dict,
+    without computing anything: ``(HF name, live base name, (live A name,
+    live B name, scale) or None)`` per weight of the base model, tied aliases
+    dropped. A distributed engine gathers the live names of one entry at a
+    time and merges like ``merge_tensor``."""
+    from peft.tuners.lora import LoraLayer
+
+    from areal_kernel.engine.hf import weights_for_transfer
+
+    lora_of: dict[str, tuple[str, str, float]] = {}
+    for name, mod in model.named_modules():
+        if isinstance(mod, LoraLayer) and "default" in mod.lora_A:
+            lora_of[f"{name}.base_layer.weight"] = (
+                f"{name}.lora_A.default.weight",
+                f"{name}.lora_B.default.weight",
+                float(mod.scaling["default"]),
+            )
+    plan = []
+    for live, _ in weights_for_transfer(model):
+        if ".lora_A." in live or ".lora_B." in live:
+            continue
+        hf = live.removeprefix(PEFT_PREFIX).replace(".base_layer.", ".")
+        plan.append((hf, live, lora_of.get(live)))
+    return plan
+
+
+def merge_tensor(base: Any, a: Any | None, b: Any | None, scale: float) -> Any:
+    """``base + scale * b @ a`` in ``base``'s dtype (``base`` when there is no adapter)."""
+    if a is None or b is None:
+        return base
+    return base + (b.float() @ a.float() * scale).to(base.dtype)
+
+
 def merged_weights(model: Any) -> list[tuple[str, Any]]:
     """The base model's weights with the adapter merged in (``W + scale * B @ A``
     for every adapted layer), under the base model's HF names, tied aliases
     dropped; the live model is left untouched (nothing is merged in place)."""
     import torch
-    from peft.tuners.lora import LoraLayer
 
-    from areal_kernel.engine.hf import weights_for_transfer
-
-    base = model.get_base_model()
-    deltas: dict[str, Any] = {}
-    for name, mod in base.named_modules():
-        if isinstance(mod, LoraLayer) and "default" in mod.lora_A:
-            deltas[f"{name}.weight"] = mod.get_delta_weight("default")
+    sd = model.state_dict()
     out: list[tuple[str, Any]] = []
     with torch.no_grad():
-        for name, t in weights_for_transfer(base):
-            if ".lora_A." in name or ".lora_B." in name or ".lora_dropout." in name:
-                continue
-            plain = name.replace(".base_layer.", ".")
-            if plain in deltas:
-                t = t + deltas[plain].to(t.dtype)
-            out.append((plain, t))
+        for hf, live, lora in merge_plan(model):
+            t = sd[live].detach()
+            if lora is not None:
+                t = merge_tensor(t, sd[lora[0]], sd[lora[1]], lora[2])
+            out.append((hf, t))
     return out
 
 
@@ -180,13 +213,19 @@ def save_adapter_hf_dir(path: str, named: list[tuple[str, Any]], config: dict[st
     ``PeftModel.from_pretrained(base, path)`` and the serving engines load).
     The base model's ``config.json`` is left out: with it the directory would
     look like a full model without weights."""
+    with atomic_dir(path) as tmp:
+        write_adapter_files(tmp, named, config)
+        copy_tokenizer_files(source_dir, tmp)
+
+
+def copy_tokenizer_files(source_dir: str | None, directory: str) -> None:
+    """The source model's tokenizer and chat template files into an adapter directory."""
     import shutil
 
-    with atomic_dir(path) as tmp:
-        _write_adapter_files(tmp, named, config)
-        if source_dir and os.path.isdir(source_dir):
-            for name in os.listdir(source_dir):
-                src = os.path.join(source_dir, name)
-                if name.startswith("tokenizer") or name in ("special_tokens_map.json", "chat_template.jinja"):
-                    if os.path.isfile(src):
-                        shutil.copy2(src, os.path.join(tmp, name))
+    if not source_dir or not os.path.isdir(source_dir):
+        return
+    for name in os.listdir(source_dir):
+        src = os.path.join(source_dir, name)
+        if name.startswith("tokenizer") or name in ("special_tokens_map.json", "chat_template.jinja"):
+            if os.path.isfile(src):
+                shutil.copy2(src, os.path.join(directory, name))
