@@ -40,6 +40,10 @@ class GenerationConfig:
     # else is batched with it and even across an interruption: that is what
     # lets a resumed run regenerate exactly what the killed run would have.
     seed: int | None = None
+    # The LoRA adapter to generate with (a name the servers serve beside the
+    # base weights); None: the client's default adapter (the one the run
+    # trains, if any), else the base model.
+    adapter: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -50,6 +54,7 @@ class GenerationConfig:
             "greedy": self.greedy,
             "stop_token_ids": list(self.stop_token_ids),
             "seed": self.seed,
+            "adapter": self.adapter,
         }
 
 

@@ -208,7 +208,9 @@ def save_merged_hf_dir(path: str, model: Any, source_dir: str | None) -> None:
         finish_hf_dir(tmp, model.get_base_model(), files, source_dir)
 
 
-def save_adapter_hf_dir(path: str, named: list[tuple[str, Any]], config: dict[str, Any], source_dir: str | None) -> None:
+def save_adapter_hf_dir(
+    path: str, named: list[tuple[str, Any]], config: dict[str, Any], source_dir: str | None
+) -> None:
     """A peft adapter directory plus the source model's tokenizer files (what
     ``PeftModel.from_pretrained(base, path)`` and the serving engines load).
     The base model's ``config.json`` is left out: with it the directory would

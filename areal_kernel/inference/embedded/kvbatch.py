@@ -33,6 +33,7 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     finished: bool = False
+    adapter: str | None = None  # the LoRA adapter it generates with (None: base weights)
 
     def finish(self, reason: str, version: int) -> None:
         if self.finished:

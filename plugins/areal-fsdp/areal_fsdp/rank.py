@@ -369,6 +369,7 @@ class FSDPRankEngine:
 
         named = self._gather_group(self._named_sharded(), [m["name"] for m in self.transfer_meta])
         if self.rank == 0:
+            assert self.adapter_config is not None, "write_adapter: this engine trains no adapter"
             write_adapter_files(tmp_dir, named, self.adapter_config)
         return {"tensors": len(named)}
 

@@ -18,7 +18,11 @@ from areal_kernel.engine.torch_engine import TorchTrainEngine
 
 pytestmark = pytest.mark.slow
 
-CFG = {"lr": 1e-2, "max_tokens_per_mb": 20, "lora": {"rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj", "down_proj"]}}
+CFG = {
+    "lr": 1e-2,
+    "max_tokens_per_mb": 20,
+    "lora": {"rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj", "down_proj"]},
+}
 LOSS = make_ppo_loss_fn(eps_clip=0.2, behav_imp_weight_cap=5.0)
 # Two ranks sum the same numbers in another order: float noise, far below
 # what a lost micro-batch or a wrong reduction changes (> 1e-3 here).
@@ -108,7 +112,9 @@ def test_fsdp_lora_checkpoint_holds_the_adapter_and_resumes(lora_pair, tmp_path)
     keys = list(FileSystemReader(os.path.join(ckpt, "dcp")).read_metadata().state_dict_metadata)
     model_keys = [k for k in keys if k.startswith("model.")]
     # The adapter and its moments, not the frozen base.
-    assert len(model_keys) == 12 and all(".lora_" in k for k in model_keys), [k for k in model_keys if ".lora_" not in k]
+    assert len(model_keys) == 12 and all(".lora_" in k for k in model_keys), [
+        k for k in model_keys if ".lora_" not in k
+    ]
     assert any(k.startswith("optim.state.") and k.endswith(".exp_avg") for k in keys)
 
     def two_steps():
