@@ -36,6 +36,17 @@ from areal_kernel.api.io import TrajectoryBatch
 from areal_kernel.engine.hf import finish_hf_dir, hf_files, load_causal_lm, weights_for_transfer, write_hf_weights
 from areal_kernel.engine.lr_schedule import scheduled_lr
 from areal_kernel.engine.microbatch import MicroBatchHooks, MicroBatchRunner
+from areal_kernel.engine.lora import (
+    adapter_config,
+    adapter_weights,
+    apply_lora,
+    copy_tokenizer_files,
+    merge_plan,
+    merge_tensor,
+    peft_file_name,
+    trainable_named_params,
+    write_adapter_files,
+)
 from areal_kernel.engine.state import load_rng_state, make_optimizer, save_rng_state, set_lr, torch_dtype
 from areal_kernel.errors import ArealError, ConfigError
 from areal_kernel.platforms import current_platform
@@ -155,21 +166,19 @@ class FSDPRankEngine:
         # shard after fully_shard; the full copy is transient.
         model = load_causal_lm(model_path, torch_dtype(cfg.param_dtype), cfg.attn_implementation)
         if cfg.lora is not None:
-            from areal_kernel.engine import lora as L
-
-            model = L.apply_lora(model, cfg.lora, section="actor.fsdp.lora")
+            model = apply_lora(model, cfg.lora, section="actor.fsdp.lora")
         model.to(self.device)
         # What exports and broadcasts send, in order (tied aliases dropped), from
         # the unsharded model: the same list the single-process engine sends
         # (with LoRA: the adapter's tensors under peft's file names).
         if cfg.lora is not None:
-            self.live_names = {L.peft_file_name(n): n for n, _ in L.trainable_named_params(model)}
-            named = L.adapter_weights(model)
+            self.live_names = {peft_file_name(n): n for n, _ in trainable_named_params(model)}
+            named = adapter_weights(model)
             if {n for n, _ in named} != set(self.live_names):
                 raise ArealError("fsdp rank: peft's adapter names do not map onto the model's LoRA parameters")
             self.transfer_meta = tensor_meta(named)
-            self.merge_plan = L.merge_plan(model)
-            self.adapter_config = L.adapter_config(model, os.path.abspath(model_path))
+            self.merge_plan = merge_plan(model)
+            self.adapter_config = adapter_config(model, os.path.abspath(model_path))
         else:
             named = weights_for_transfer(model)
             self.live_names = {n: n for n, _ in named}
@@ -329,7 +338,6 @@ class FSDPRankEngine:
         adapter, rank 0 writes it), or with ``lora.export: merged`` the base
         model with the adapter merged in, one file of at most ``shard_bytes``
         at a time (each weight gathered with its adapter and merged on rank 0)."""
-        from areal_kernel.engine import lora as L
         from areal_kernel.weights.broadcast import tensor_meta
 
         assert self.config.lora is not None
@@ -337,7 +345,7 @@ class FSDPRankEngine:
         if export != "merged":
             self.write_adapter(tmp_dir)
             if self.rank == 0:
-                L.copy_tokenizer_files(self.model_path, tmp_dir)
+                copy_tokenizer_files(self.model_path, tmp_dir)
             self.barrier()
             return {"files": 1}
         by_hf = {hf: (live, lora) for hf, live, lora in self.merge_plan}
@@ -352,7 +360,7 @@ class FSDPRankEngine:
                 if self.rank == 0:
                     t = parts[0][1]
                     if lora is not None:
-                        t = L.merge_tensor(t, parts[1][1], parts[2][1], lora[2])
+                        t = merge_tensor(t, parts[1][1], parts[2][1], lora[2])
                     named.append((hf, t))
             if self.rank == 0:
                 files[fname] = write_hf_weights(tmp_dir, fname, named)
@@ -365,8 +373,6 @@ class FSDPRankEngine:
     def write_adapter(self, tmp_dir: str) -> dict[str, Any]:
         """The adapter as a peft directory's files in ``tmp_dir`` (rank 0
         writes; every rank helps gather). What a disk weight update ships."""
-        from areal_kernel.engine.lora import write_adapter_files
-
         named = self._gather_group(self._named_sharded(), [m["name"] for m in self.transfer_meta])
         if self.rank == 0:
             assert self.adapter_config is not None, "write_adapter: this engine trains no adapter"
