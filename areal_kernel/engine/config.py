@@ -22,7 +22,9 @@ class LoraConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     rank: int = Field(8, ge=1, le=1024, description="rank r of each low-rank update B @ A")
-    alpha: int = Field(16, ge=1, description="the update is scaled by alpha / rank (an integer, as peft and the servers read it)")
+    alpha: int = Field(
+        16, ge=1, description="the update is scaled by alpha / rank (an integer, as peft and the servers read it)"
+    )
     dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapter's input while training")
     target_modules: list[str] = Field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],

@@ -78,6 +78,13 @@ class SGLangBackend(InferenceBackend):
     def __init__(self, config: Any, launch_prefix: list[str] | None = None) -> None:
         super().__init__(config)
         self.server_config: SGLangServerConfig = config.rollout.plugin_config or SGLangServerConfig()
+        trained = getattr(config.actor.plugin_config, "lora", None)
+        if trained is not None and self.server_config.lora is None:
+            from areal_sglang.config import SGLangLoraSettings
+
+            # The actor trains an adapter: serve adapters of its rank on its modules.
+            lora = SGLangLoraSettings(max_rank=trained.rank, target_modules=list(trained.target_modules))
+            self.server_config = self.server_config.model_copy(update={"lora": lora})
         self.launch_prefix = launch_prefix
         self.tp_size = 1
 
