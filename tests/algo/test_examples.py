@@ -17,6 +17,7 @@ RL_EXAMPLES = {
     "reinforce_pp_arithmetic.yaml": ("reinforce_pp", "ppo"),
     "gspo_arithmetic.yaml": ("grpo", "ppo"),
     "ppo_arithmetic.yaml": ("gae", "ppo"),
+    "grpo_lora.yaml": ("grpo", "ppo"),
 }
 
 
@@ -41,6 +42,9 @@ def test_example_knobs_are_the_documented_ones():
     assert ex("dr_grpo_arithmetic.yaml").loss_agg == "seq-mean-token-sum"
     assert ex("reinforce_pp_arithmetic.yaml").kl_in == "reward"
     assert ex("ppo_arithmetic.yaml").prox_interpolate and ex("ppo_arithmetic.yaml").ppo_n_minibatches == 2
+    lora = load_config(os.path.join(REPO, "examples", "grpo_lora.yaml")).actor.plugin_config.lora
+    assert (lora.rank, lora.alpha, lora.name, lora.export) == (16, 32, "policy", "adapter")
+    assert len(lora.target_modules) == 7
 
 
 @pytest.fixture(scope="module")
