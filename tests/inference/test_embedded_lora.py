@@ -16,8 +16,6 @@ from areal_kernel.api.engine import WeightUpdateMeta
 from areal_kernel.api.io import GenerationConfig, ModelRequest, Trajectory, TrajectoryBatch
 from areal_kernel.engine.torch_engine import TorchTrainEngine
 
-from conftest import ADMIN_TOKEN
-
 VOCAB = 384
 PROMPT = [5, 17, 101, 33, 250, 7]
 TOL = 1e-4  # the embedded server's fp32 logprob tolerance (test_embedded_server.py)
@@ -117,7 +115,7 @@ def test_adapter_broadcast_update_interrupts_a_generation(servers, engines, tmp_
 
     srv = servers[1]
     eng = _engine(tiny_model_dir, {"name": "live", "rank": 4, "alpha": 8}, 1, 4)
-    client = RemoteInferenceEngine([srv.address], EmbeddedProtocol(), admin_token=ADMIN_TOKEN)
+    client = RemoteInferenceEngine([srv.address], EmbeddedProtocol(), admin_token=srv.token)
     client.default_adapter = "live"
     transport = BroadcastTransport(eng, client, str(tmp_path), bucket_bytes=1 << 20)
     transport.setup()
