@@ -26,6 +26,7 @@ BENCHES = [
     "bench_embedded_server.py",
     "bench_proxy_overhead.py",
     "bench_weight_update.py",
+    "bench_lora.py",
     "bench_async_vs_sync.py",
     "bench_soak.py",
     "bench_recovery.py",

@@ -25,6 +25,11 @@ class WeightUpdateMeta:
     ``kind``: ``"disk"`` (safetensors directory at ``path``) or
     ``"broadcast"`` (in-memory over a torch.distributed group whose rendezvous
     is ``master_addr:master_port``).
+
+    ``adapter``: set when the train engine trains a LoRA adapter
+    (``TrainEngine.adapter_spec``): only the adapter travels, ``path`` is then
+    a peft adapter directory, and servers serve it under this name beside the
+    unchanged base weights.
     """
 
     kind: str
@@ -35,6 +40,21 @@ class WeightUpdateMeta:
     group_name: str = "areal_weights"
     bucket_bytes: int = 256 << 20
     extra: dict[str, Any] = field(default_factory=dict)
+    adapter: str | None = None
+
+
+@dataclass(frozen=True)
+class AdapterSpec:
+    """The LoRA adapter a train engine trains (``TrainEngine.adapter_spec``).
+
+    ``name``: what the inference servers serve it under and what requests
+    name (``GenerationConfig.adapter``). ``config``: its peft
+    ``adapter_config.json`` (``r``, ``lora_alpha``, ``target_modules``, ...),
+    what a server needs beside the tensors to apply it.
+    """
+
+    name: str
+    config: dict[str, Any]
 
 
 @dataclass
@@ -235,6 +255,14 @@ class TrainEngine(abc.ABC):
             f"weight_update.mode: the train engine {type(self).__name__} cannot send weights by broadcast; "
             "use weight_update.mode: disk"
         )
+
+    def adapter_spec(self) -> AdapterSpec | None:
+        """The LoRA adapter this engine trains, or ``None`` when it trains every
+        weight (the default). With an adapter, ``named_weights_for_transfer``
+        returns the adapter's tensors only (peft's file names), ``send_weights``
+        with ``kind="disk"`` writes a peft adapter directory, and the kernel's
+        weight transports send adapter-only updates (``WeightUpdateMeta.adapter``)."""
+        return None
 
     @property
     def temperature(self) -> float | None:

@@ -46,6 +46,10 @@ class GenerationConfig:
     # string in ``matched_stop``. A tool-call parser's ``stop_strings`` go
     # here so that a turn ends as soon as a call is complete.
     stop: list[str] = field(default_factory=list)
+    # The LoRA adapter to generate with (a name the servers serve beside the
+    # base weights); None: the client's default adapter (the one the run
+    # trains, if any), else the base model.
+    adapter: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -57,6 +61,7 @@ class GenerationConfig:
             "stop_token_ids": list(self.stop_token_ids),
             "seed": self.seed,
             "stop": list(self.stop),
+            "adapter": self.adapter,
         }
 
 

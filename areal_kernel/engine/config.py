@@ -9,6 +9,41 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from areal_kernel.errors import ConfigError
 
 
+# Adapter names travel in URLs, JSON bodies and directory names of every backend.
+ADAPTER_NAME_PATTERN = r"^[A-Za-z][A-Za-z0-9_.-]{0,63}$"
+
+
+class LoraConfig(BaseModel):
+    """A LoRA adapter trained instead of the full model (``lora:`` of a train
+    engine's section). The base weights stay frozen; only the adapter's
+    matrices are in the optimizer, in recovery checkpoints and in weight
+    updates to the inference servers."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    rank: int = Field(8, ge=1, le=1024, description="rank r of each low-rank update B @ A")
+    alpha: int = Field(
+        16, ge=1, description="the update is scaled by alpha / rank (an integer, as peft and the servers read it)"
+    )
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapter's input while training")
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
+        min_length=1,
+        description="linear layers that get an adapter, by name or name suffix (e.g. q_proj, mlp.up_proj)",
+    )
+    export: Literal["adapter", "merged"] = Field(
+        "adapter",
+        description="save_hf writes a peft adapter directory ('adapter') or the base model with the adapter "
+        "merged into its weights ('merged', loads with from_pretrained alone)",
+    )
+    name: str = Field(
+        "policy",
+        pattern=ADAPTER_NAME_PATTERN,
+        description="the name the inference servers serve the adapter under (requests name it); two runs "
+        "sharing servers give their adapters different names",
+    )
+
+
 class TorchEngineConfig(BaseModel):
     """Optimizer, schedule, precision and micro-batching of the torch engine."""
 
@@ -39,6 +74,7 @@ class TorchEngineConfig(BaseModel):
     attn_implementation: Literal["sdpa", "eager"] = "sdpa"
     temperature: float = Field(1.0, gt=0, description="logprobs = log_softmax(logits / temperature)")
     seed: int = 1
+    lora: LoraConfig | None = Field(None, description="train a LoRA adapter instead of every weight")
 
     @classmethod
     def parse(cls, data: "TorchEngineConfig | dict[str, Any] | None") -> Self:

@@ -39,6 +39,12 @@ Weight transfer: ``send_weights`` with ``kind="disk"`` writes an HF dir at
 ``areal_kernel.weights.broadcast.send_buckets`` over the group in
 ``meta.extra["group"]`` or, if absent, the group made by
 ``init_weight_group(...)``.
+
+LoRA (``lora: {...}`` in the settings): the model is wrapped by ``peft``
+(``areal_kernel.engine.lora``) after loading; only the adapter's matrices are
+in the optimizer, in ``save_state`` checkpoints (with their optimizer
+moments) and in weight transfers (``adapter_spec`` tells the transports);
+``save_hf`` writes an adapter directory or the merged model (``lora.export``).
 """
 
 from __future__ import annotations
@@ -47,7 +53,7 @@ import os
 import time
 from typing import Any, Callable
 
-from areal_kernel.api.engine import TrainEngine, WeightUpdateMeta
+from areal_kernel.api.engine import AdapterSpec, TrainEngine, WeightUpdateMeta
 from areal_kernel.api.io import TrajectoryBatch
 from areal_kernel.engine.config import TorchEngineConfig
 from areal_kernel.engine.hf import load_causal_lm, save_hf_dir, weights_for_transfer
@@ -120,6 +126,10 @@ class TorchTrainEngine(TrainEngine):
         cfg = self.config
         current_platform().manual_seed(cfg.seed)
         model = self.load_model(model_path, torch_dtype(cfg.param_dtype))
+        if cfg.lora is not None:
+            from areal_kernel.engine.lora import apply_lora
+
+            model = apply_lora(model, cfg.lora, section=f"{self.settings_path}.lora")
         model.to(self.device)
         if cfg.gradient_checkpointing:
             # Non-reentrant checkpointing gives the same gradients and works
@@ -130,9 +140,12 @@ class TorchTrainEngine(TrainEngine):
         self.runner = self.make_runner(model)
         self.model_path = os.path.abspath(model_path)
         self.total_train_steps = int(total_train_steps)
-        self.optimizer = make_optimizer(model.parameters(), cfg)
+        self.optimizer = make_optimizer([p for p in model.parameters() if p.requires_grad], cfg)
         self._step = 0
         self._set_lr()
+
+    # Where the settings live in a config, for error messages.
+    settings_path = "actor.torch"
 
     def load_model(self, model_path: str, dtype: Any) -> Any:
         """The HF model to train (on the host); subclasses with another head override it."""
@@ -210,12 +223,36 @@ class TorchTrainEngine(TrainEngine):
         return out
 
     # ---------------------------------------------------------------- weights
+    def adapter_spec(self) -> AdapterSpec | None:
+        lora = self.config.lora
+        if lora is None:
+            return None
+        from areal_kernel.engine.lora import adapter_config
+
+        self._require_init()
+        return AdapterSpec(lora.name, adapter_config(self.model, self.model_path))
+
     def named_weights_for_transfer(self) -> list[tuple[str, Any]]:
         """(HF name, tensor) pairs of the model's state dict with tied aliases
-        dropped (``areal_kernel.engine.hf.weights_for_transfer``). Tensors are
-        detached views of the live weights, not copies."""
+        dropped (``areal_kernel.engine.hf.weights_for_transfer``); with LoRA,
+        the adapter's tensors under peft's file names. Tensors are detached
+        views of the live weights, not copies."""
         self._require_init()
+        if self.config.lora is not None:
+            from areal_kernel.engine.lora import adapter_weights
+
+            return adapter_weights(self.model)
         return weights_for_transfer(self.model)
+
+    def _trained_tensors(self) -> list[tuple[str, Any]]:
+        """What a recovery checkpoint stores: every weight, or with LoRA the
+        adapter's parameters under their live names (the frozen base is the
+        model directory's)."""
+        if self.config.lora is not None:
+            from areal_kernel.engine.lora import trainable_named_params
+
+            return [(n, p.detach()) for n, p in trainable_named_params(self.model)]
+        return self.named_weights_for_transfer()
 
     def weight_transfer_meta(self) -> list[dict[str, Any]]:
         """``[{"name", "dtype", "shape"}]`` of ``named_weights_for_transfer()``
@@ -229,7 +266,27 @@ class TorchTrainEngine(TrainEngine):
         files copied from the source dir), atomically
         (``areal_kernel.engine.hf.save_hf_dir``)."""
         self._require_init()
-        save_hf_dir(path, self.model, self.model_path)
+        lora = self.config.lora
+        if lora is None:
+            save_hf_dir(path, self.model, self.model_path)
+            return
+        from areal_kernel.engine import lora as L
+
+        if lora.export == "merged":
+            L.save_merged_hf_dir(path, self.model, self.model_path)
+        else:
+            spec = self.adapter_spec()
+            assert spec is not None
+            L.save_adapter_hf_dir(path, self.named_weights_for_transfer(), spec.config, self.model_path)
+
+    def write_adapter(self, path: str) -> None:
+        """The adapter alone as a peft directory at ``path`` (what a disk weight update ships)."""
+        from areal_kernel.engine.lora import write_adapter_dir
+
+        spec = self.adapter_spec()
+        if spec is None:
+            raise ConfigError("write_adapter: this engine trains no LoRA adapter (set lora: in its settings)")
+        write_adapter_dir(path, self.named_weights_for_transfer(), spec.config)
 
     def init_weight_group(
         self,
@@ -255,7 +312,10 @@ class TorchTrainEngine(TrainEngine):
         if meta.kind == "disk":
             if not meta.path:
                 raise ConfigError("WeightUpdateMeta.path is required for kind='disk'")
-            self.save_hf(meta.path)
+            if self.config.lora is not None:
+                self.write_adapter(meta.path)
+            else:
+                self.save_hf(meta.path)
         elif meta.kind == "broadcast":
             group = meta.extra.get("group", self._weight_group)
             if group is None:
@@ -273,13 +333,14 @@ class TorchTrainEngine(TrainEngine):
     # ------------------------------------------------------------- checkpoint
     def save_state(self, path: str) -> None:
         """Model, optimizer, lr-schedule step, version and RNG states, for exact
-        recovery. Tensors in safetensors, the rest in JSON; written atomically."""
+        recovery. Tensors in safetensors, the rest in JSON; written atomically.
+        With LoRA the weights are the adapter's only (the base is frozen)."""
         from safetensors.torch import save_file
 
         self._require_init()
         with atomic_dir(path) as tmp:
             save_file(
-                {n: t.contiguous() for n, t in self.named_weights_for_transfer()},
+                {n: t.contiguous() for n, t in self._trained_tensors()},
                 os.path.join(tmp, "model.safetensors"),
             )
             opt = save_optimizer_state(self.optimizer, os.path.join(tmp, "optimizer.safetensors"))
@@ -307,7 +368,7 @@ class TorchTrainEngine(TrainEngine):
 
         dev = self.device
         weights = load_file(os.path.join(path, "model.safetensors"), device=str(dev))
-        expected = {n for n, _ in self.named_weights_for_transfer()}
+        expected = {n for n, _ in self._trained_tensors()}
         if set(weights) != expected:
             raise DataError(
                 f"{path}/model.safetensors: tensor names differ from the model "

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import itertools
 import json
 import threading
@@ -145,6 +146,12 @@ class RemoteInferenceEngine(InferenceEngine):
         # directory the transport is about to delete.
         self._weights_lock = threading.Lock()
         self._last_disk: tuple[str, int] | None = None
+        # LoRA adapters the servers serve: name -> (peft directory, version)
+        # of its last disk load (None after an in-memory one); replayed on a restarted server.
+        self._adapters: dict[str, tuple[str, int] | None] = {}
+        # The adapter requests use when their gconfig names none (the trainer
+        # sets it to the adapter it trains).
+        self.default_adapter: str | None = None
         self._weight_group = False  # joined a broadcast group: a fresh process cannot join it later
         self._fatal: BaseException | None = None
         # Set by a supervisor: a server that cannot be reached is being
@@ -178,12 +185,45 @@ class RemoteInferenceEngine(InferenceEngine):
             path = meta.path
             if not path:
                 raise ServerError("disk weight update needs a path (WeightUpdateMeta.path)")
+            if meta.adapter is not None:
+                self.load_adapter(meta.adapter, path, meta.version)
+                return
             with self._weights_lock:
                 self._last_disk = (path, meta.version)
                 self.control_all(lambda a: self.protocol.update_weights_from_disk(path, meta.version))
                 self._version = meta.version
             return
         raise ServerError(f"update_weights: use the broadcast helpers for kind {meta.kind!r}")
+
+    def load_adapter(self, name: str, path: str, version: int) -> None:
+        """Every server serves the peft adapter directory ``path`` under
+        ``name`` (replacing what it served under that name) as ``version``."""
+        with self._weights_lock:
+            replace = name in self._adapters
+            self._adapters[name] = (path, version)
+            self.control_all(lambda a: self.protocol.load_adapter(name, path, version, replace))
+            if name == self.default_adapter or self.default_adapter is None:
+                self._version = version
+
+    def unload_adapter(self, name: str) -> None:
+        with self._weights_lock:
+            self._adapters.pop(name, None)
+            self.control_all(lambda a: self.protocol.unload_adapter(name))
+
+    def update_adapter_from_distributed_async(
+        self,
+        name: str,
+        config: dict[str, Any],
+        tensors: list[dict[str, Any]],
+        version: int,
+        bucket_bytes: int,
+        group_name: str,
+    ) -> list[concurrent.futures.Future]:
+        """Start an in-memory adapter update on every server (``protocol.adapter_broadcast``)."""
+        self._adapters[name] = None
+        return self.control_async(
+            self.protocol.update_adapter_from_distributed(name, config, tensors, version, bucket_bytes, group_name)
+        )
 
     @property
     def weight_group_world_size(self) -> int:
@@ -315,11 +355,18 @@ class RemoteInferenceEngine(InferenceEngine):
                     "(weight_update.mode) and a new process cannot join the existing weight group; "
                     "use weight_update.mode: disk to run with rollout.restart_servers"
                 )
-            if self._last_disk is None:
-                return 0
-            path, version = self._last_disk
-            self.control(address, self.protocol.update_weights_from_disk(path, version))
-            self.stats["resyncs"] += 1
+            version = 0
+            if self._last_disk is not None:
+                path, version = self._last_disk
+                self.control(address, self.protocol.update_weights_from_disk(path, version))
+            for name, last in self._adapters.items():
+                if last is None:
+                    raise CannotResync(f"inference server {address} was restarted; adapter {name!r} came in memory")
+                self.control(address, self.protocol.load_adapter(name, last[0], last[1], False))
+                if name == self.default_adapter:
+                    version = last[1]
+            if self._last_disk is not None or self._adapters:
+                self.stats["resyncs"] += 1
             return version
 
     def fail(self, error: BaseException) -> None:
@@ -427,6 +474,9 @@ class RemoteInferenceEngine(InferenceEngine):
         stop = StopReason.LENGTH
         matched_stop: str | None = None
         self.stats["requests"] += 1
+        gconfig = req.gconfig
+        if gconfig.adapter is None and self.default_adapter is not None:
+            gconfig = dataclasses.replace(gconfig, adapter=self.default_adapter)
         while True:
             await self._wait_running()
             remaining = req.gconfig.max_new_tokens - len(out_ids)
@@ -435,7 +485,7 @@ class RemoteInferenceEngine(InferenceEngine):
                 break
             server = await self._wait_for_server(server, deadline)
             srv = server
-            call = self.protocol.generate(req.rid, list(req.input_ids) + out_ids, req.gconfig, remaining)
+            call = self.protocol.generate(req.rid, list(req.input_ids) + out_ids, gconfig, remaining)
             srv.inflight += 1
             try:
                 data = await self._post(srv, call)

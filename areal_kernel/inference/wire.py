@@ -99,6 +99,11 @@ class ServerProtocol:
     # Ranks one server contributes to an in-memory weight group (e.g. its
     # tensor-parallel workers); server i gets ranks 1 + i*n .. (i+1)*n.
     ranks_per_server: int = 1
+    # Whether ``update_adapter_from_distributed`` is implemented (the server
+    # takes a LoRA adapter's tensors from the weight group). Without it the
+    # kernel's transports ship adapters as peft directories
+    # (``load_adapter``), which every LoRA-capable backend loads.
+    adapter_broadcast: bool = False
 
     def generate(self, rid: str, input_ids: list[int], gconfig: GenerationConfig, max_new_tokens: int) -> HttpCall:
         raise NotImplementedError
@@ -127,4 +132,28 @@ class ServerProtocol:
         raise NotImplementedError
 
     def set_version(self, version: int) -> ControlOp:
+        raise NotImplementedError
+
+    # -- LoRA adapters (backends that serve adapters beside the base weights) --
+    # ``generate`` reads the adapter a request names from ``gconfig.adapter``.
+    def load_adapter(self, name: str, path: str, version: int, replace: bool) -> ControlOp:
+        """Serve the peft adapter directory ``path`` under ``name`` as weight
+        ``version`` (``replace``: the server already serves ``name``; its
+        running requests of that adapter are interrupted like a weight update)."""
+        raise NotImplementedError
+
+    def unload_adapter(self, name: str) -> ControlOp:
+        raise NotImplementedError
+
+    def update_adapter_from_distributed(
+        self,
+        name: str,
+        config: dict[str, Any],
+        tensors: list[dict[str, Any]],
+        version: int,
+        bucket_bytes: int,
+        group_name: str,
+    ) -> ControlOp:
+        """Like ``update_weights_from_distributed`` for the adapter ``name``
+        (``config``: its peft ``adapter_config.json``); only with ``adapter_broadcast``."""
         raise NotImplementedError

@@ -189,6 +189,15 @@ class RLTrainer(Trainer):
         )
         self.transport.setup()
         log.info("weight transport ready", transport=transport_name)
+        adapter = self.train_engine.adapter_spec()
+        if adapter is not None:
+            # Requests name the adapter this run trains; the servers serve it
+            # beside the base weights from the first update on.
+            self.rollout.engine.default_adapter = adapter.name
+            if planned is None:
+                # Version 0 of the adapter (peft starts it as a no-op): the servers must know its name.
+                self.transport.update(self.version)
+            log.info("training a LoRA adapter", adapter=adapter.name, rank=adapter.config.get("r"))
         self.stream = RecordStream(
             self.train_records, cfg.trainer.total_train_epochs, cfg.seed, cfg.dataset.shuffle, tag=True
         )

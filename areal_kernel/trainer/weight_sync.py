@@ -3,6 +3,13 @@
 Both keep generation interruptible: servers are paused only for the moment
 the weights change (running requests return their partial output and resume
 afterwards on the new version).
+
+When the train engine trains a LoRA adapter (``TrainEngine.adapter_spec``),
+both send the adapter alone (``WeightUpdateMeta.adapter``): ``disk`` writes a
+peft adapter directory the servers load under the adapter's name; ``broadcast``
+sends the adapter's tensors over the weight group to servers that take them
+in memory (``ServerProtocol.adapter_broadcast``) and otherwise ships the
+(small) adapter directory like ``disk``.
 """
 
 from __future__ import annotations
@@ -12,7 +19,7 @@ import shutil
 import time
 from typing import Any
 
-from areal_kernel.api.engine import TrainEngine, WeightUpdateMeta
+from areal_kernel.api.engine import AdapterSpec, TrainEngine, WeightUpdateMeta
 
 
 def _dir_bytes(path: str) -> int:
@@ -34,14 +41,17 @@ class DiskTransport:
         os.makedirs(self.root, exist_ok=True)
 
     def update(self, version: int) -> dict[str, float]:
-        path = os.path.join(self.root, f"v{version}")
+        spec = self.train.adapter_spec()
+        adapter = spec.name if spec is not None else None
+        # A per-adapter directory: runs sharing servers may share a run dir's parent, never a path.
+        path = os.path.join(self.root, f"{adapter}-v{version}" if adapter else f"v{version}")
         t0 = time.monotonic()
         # Saving happens while servers keep generating with the old weights.
-        self.train.send_weights(WeightUpdateMeta(kind="disk", version=version, path=path))
+        self.train.send_weights(WeightUpdateMeta(kind="disk", version=version, path=path, adapter=adapter))
         t1 = time.monotonic()
         self.infer.pause()
         try:
-            self.infer.update_weights(WeightUpdateMeta(kind="disk", version=version, path=path))
+            self.infer.update_weights(WeightUpdateMeta(kind="disk", version=version, path=path, adapter=adapter))
         finally:
             self.infer.resume()
         t2 = time.monotonic()
@@ -75,6 +85,8 @@ class BroadcastTransport:
         self.infer = infer_engine
         self.bucket_bytes = bucket_bytes
         self._meta: list[dict] | None = None
+        # Adapters for servers that load them only from a directory.
+        self._adapter_disk = DiskTransport(train_engine, infer_engine, run_dir)
 
     def setup(self) -> None:
         from areal_kernel.platforms import current_platform
@@ -94,6 +106,12 @@ class BroadcastTransport:
     def update(self, version: int) -> dict[str, float]:
         from areal_kernel.weights.broadcast import tensor_meta
 
+        spec = self.train.adapter_spec()
+        if spec is not None:
+            if not getattr(getattr(self.infer, "protocol", None), "adapter_broadcast", False):
+                self._adapter_disk.setup()
+                return self._adapter_disk.update(version)
+            return self._update_adapter(spec, version)
         named = self.train.named_weights_for_transfer()
         meta = tensor_meta(named)
         nbytes = sum(t.numel() * t.element_size() for _, t in named)
@@ -103,6 +121,30 @@ class BroadcastTransport:
         try:
             futures = self.infer.update_from_distributed_async(meta, version, self.bucket_bytes, self.group_name)
             self.train.send_weights(WeightUpdateMeta(kind="broadcast", version=version, bucket_bytes=self.bucket_bytes))
+            for f in futures:
+                f.result()
+            self.infer.set_version(version)
+        finally:
+            self.infer.resume()
+        dt = time.monotonic() - t0
+        return {"weights/broadcast_s": dt, "weights/pause_s": dt, "weights/mb": nbytes / 2**20}
+
+    def _update_adapter(self, spec: AdapterSpec, version: int) -> dict[str, float]:
+        from areal_kernel.weights.broadcast import tensor_meta
+
+        named = self.train.named_weights_for_transfer()
+        meta = tensor_meta(named)
+        nbytes = sum(t.numel() * t.element_size() for _, t in named)
+        del named
+        t0 = time.monotonic()
+        self.infer.pause()
+        try:
+            futures = self.infer.update_adapter_from_distributed_async(
+                spec.name, spec.config, meta, version, self.bucket_bytes, self.group_name
+            )
+            self.train.send_weights(
+                WeightUpdateMeta(kind="broadcast", version=version, bucket_bytes=self.bucket_bytes, adapter=spec.name)
+            )
             for f in futures:
                 f.result()
             self.infer.set_version(version)

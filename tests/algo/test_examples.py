@@ -18,6 +18,7 @@ RL_EXAMPLES = {
     "gspo_arithmetic.yaml": ("grpo", "ppo"),
     "ppo_arithmetic.yaml": ("gae", "ppo"),
     "grpo_multi_turn.yaml": ("grpo", "ppo"),
+    "grpo_lora.yaml": ("grpo", "ppo"),
 }
 
 
@@ -44,6 +45,9 @@ def test_example_knobs_are_the_documented_ones():
     assert ex("ppo_arithmetic.yaml").prox_interpolate and ex("ppo_arithmetic.yaml").ppo_n_minibatches == 2
     mt = load_config(os.path.join(REPO, "examples", "grpo_multi_turn.yaml")).workflow
     assert mt.type == "multi_turn" and (mt.plugin_config.max_turns, mt.plugin_config.turn_discount) == (2, 0.5)
+    lora = load_config(os.path.join(REPO, "examples", "grpo_lora.yaml")).actor.plugin_config.lora
+    assert (lora.rank, lora.alpha, lora.name, lora.export) == (16, 32, "policy", "adapter")
+    assert len(lora.target_modules) == 7
 
 
 @pytest.fixture(scope="module")

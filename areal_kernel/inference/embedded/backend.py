@@ -21,6 +21,7 @@ _FINISH = {"stop": StopReason.STOP, "length": StopReason.LENGTH, "abort": StopRe
 
 class EmbeddedProtocol(ServerProtocol):
     health_path = "/health"
+    adapter_broadcast = True
 
     def generate(self, rid: str, input_ids: list[int], gconfig: GenerationConfig, max_new_tokens: int) -> HttpCall:
         return HttpCall(
@@ -39,6 +40,7 @@ class EmbeddedProtocol(ServerProtocol):
                     "seed": gconfig.seed,
                     "stop": list(gconfig.stop),
                 },
+                "adapter": gconfig.adapter,
             },
         )
 
@@ -98,6 +100,28 @@ class EmbeddedProtocol(ServerProtocol):
 
     def set_version(self, version: int) -> HttpCall:
         return HttpCall("POST", "/set_version", {"version": version})
+
+    def load_adapter(self, name: str, path: str, version: int, replace: bool) -> HttpCall:
+        # The server replaces an adapter of the same name itself.
+        return HttpCall("POST", "/load_adapter", {"name": name, "path": path, "version": version})
+
+    def unload_adapter(self, name: str) -> HttpCall:
+        return HttpCall("POST", "/unload_adapter", {"name": name})
+
+    def update_adapter_from_distributed(
+        self,
+        name: str,
+        config: dict[str, Any],
+        tensors: list[dict[str, Any]],
+        version: int,
+        bucket_bytes: int,
+        group_name: str,
+    ) -> HttpCall:
+        return HttpCall(
+            "POST",
+            "/update_adapter_from_distributed",
+            {"name": name, "version": version, "config": config, "tensors": tensors, "bucket_bytes": bucket_bytes},
+        )
 
 
 class EmbeddedBackend(InferenceBackend):

@@ -26,6 +26,7 @@ from typing import Any, Callable
 import torch
 
 from areal_kernel.inference.embedded.kvbatch import Request, RunningBatch, _layers, _set_kv, new_cache, stop_matrix
+from areal_kernel.inference.embedded.lora import AdapterSet
 from areal_kernel.inference.embedded.protocol import GenerateBody, RequestError
 from areal_kernel.inference.embedded.sampling import RowParams, row_uniforms, sample
 from areal_kernel.inference.embedded.stopstr import StopStrings
@@ -66,6 +67,8 @@ class GenerationEngine:
         self.generator.manual_seed(seed)
 
         self.version = 0
+        # LoRA adapters served beside the base weights (each with its own version).
+        self.lora = AdapterSet(model)
         self.paused = False
         # Tokens sampled since start (reported by /info): lets a caller wait for
         # "the server has generated" instead of guessing with a sleep.
@@ -111,13 +114,17 @@ class GenerationEngine:
                 "so it cannot match stop strings; use stop_token_ids"
             )
         fut: Future = Future()
-        req = Request(body.rid, body.input_ids, body.params, fut=fut)
+        req = Request(body.rid, body.input_ids, body.params, fut=fut, adapter=body.adapter)
         if body.params.stop and self.decode is not None:
             req.stop_strings = StopStrings(body.params.stop, self.decode)
 
         def add() -> None:
             if req.rid in self._active:
                 fut.set_exception(RequestError(f"rid {req.rid!r} is already queued or running; rids must be unique"))
+                return
+            if req.adapter is not None and req.adapter not in self.lora:
+                served = sorted(self.lora.adapters) or "none"
+                fut.set_exception(RequestError(f"adapter {req.adapter!r} is not loaded (served: {served})"))
                 return
             self._active[req.rid] = req
             self.waiting.append(req)
@@ -178,6 +185,31 @@ class GenerationEngine:
         def do() -> dict:
             self.version = version
             return {"version": version}
+
+        return self.call(do)
+
+    def load_adapter(self, name: str, load: Callable[[], Any], version: int) -> Future:
+        """Run ``load`` (it puts the adapter into ``self.lora``) between steps.
+        Running rows of this adapter are aborted first (their KV cache came
+        from its old weights); rows of other adapters and of the base go on."""
+
+        def do() -> dict:
+            n = self._abort_rows(lambda r: r.adapter == name)
+            load()
+            return {"adapter": name, "version": version, "aborted": n}
+
+        return self.call(do)
+
+    def unload_adapter(self, name: str) -> Future:
+        """Stop serving ``name``: its running rows end with 'abort', its queued requests fail."""
+
+        def do() -> dict:
+            n = self._abort_rows(lambda r: r.adapter == name)
+            for r in [r for r in self.waiting if r.adapter == name]:
+                self.waiting.remove(r)
+                self._active.pop(r.rid, None)
+                r.fail(RequestError(f"adapter {name!r} was unloaded"))
+            return {"adapter": name, "unloaded": self.lora.unload(name), "aborted": n}
 
         return self.call(do)
 
@@ -260,7 +292,18 @@ class GenerationEngine:
 
     def _finish(self, req: Request, reason: str, matched_stop: str | None = None) -> None:
         self._active.pop(req.rid, None)
-        req.finish(reason, self.version, matched_stop)
+        # An adapter's tokens carry the adapter's version (each adapter is its own policy).
+        version = self.lora.versions.get(req.adapter, self.version) if req.adapter is not None else self.version
+        req.finish(reason, version, matched_stop)
+
+    def _abort_rows(self, which: Callable[[Request], bool]) -> int:
+        b = self.batch
+        if b is None:
+            return 0
+        hit = [r for r in b.reqs if which(r)]
+        for r in hit:
+            self._drop(r)
+        return len(hit)
 
     def _abort_running(self) -> int:
         b = self.batch
@@ -322,9 +365,11 @@ class GenerationEngine:
         # Samples of one prompt (a GRPO group) arrive together with identical
         # input ids: prefill each distinct prompt once and copy its cache rows.
         # The copies then sample independently.
-        first_of: dict[tuple[int, ...], int] = {}
-        src = [first_of.setdefault(tuple(r.input_ids), len(first_of)) for r in reqs]
-        uniq_ids = [list(k) for k in first_of]
+        # Same prompt under two adapters: two caches.
+        first_of: dict[tuple[str | None, tuple[int, ...]], int] = {}
+        src = [first_of.setdefault((r.adapter, tuple(r.input_ids)), len(first_of)) for r in reqs]
+        uniq_ids = [list(k[1]) for k in first_of]
+        self.lora.rows = [k[0] for k in first_of]
         lens = [len(x) for x in uniq_ids]
         width = max(lens)
         rows = [[self.pad_id] * (width - n) + x for x, n in zip(uniq_ids, lens)]
@@ -361,6 +406,7 @@ class GenerationEngine:
     def _decode(self, b: RunningBatch) -> None:
         if b.mask is not None:
             b.mask = torch.cat([b.mask, b.mask.new_ones(b.size, 1)], dim=1)
+        self.lora.rows = [r.adapter for r in b.reqs]
         logits = self._forward(b.last.unsqueeze(1), b.mask, b.pos.unsqueeze(1), b.cache)
         b.pos = b.pos + 1
         self.batch = self._consume(b, logits)

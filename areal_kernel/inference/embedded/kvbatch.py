@@ -36,6 +36,7 @@ class Request:
     finished: bool = False
     # Set by the engine when the request has stop strings.
     stop_strings: StopStrings | None = None
+    adapter: str | None = None  # the LoRA adapter it generates with (None: base weights)
 
     def finish(self, reason: str, version: int, matched_stop: str | None = None) -> None:
         if self.finished:

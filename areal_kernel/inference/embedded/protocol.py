@@ -33,6 +33,7 @@ class GenerateBody:
     rid: str
     input_ids: list[int]
     params: SamplingParams
+    adapter: str | None = None
 
 
 def _is_int(x: Any) -> bool:
@@ -124,7 +125,12 @@ def parse_generate(body: Any, vocab_size: int, max_positions: int) -> GenerateBo
         raise RequestError(
             f"input_ids has {len(ids)} tokens; the model's context is {max_positions} (prompt must be shorter)"
         )
-    return GenerateBody(rid=rid, input_ids=list(ids), params=parse_sampling(body.get("sampling_params")))
+    adapter = body.get("adapter")
+    if adapter is not None and (not isinstance(adapter, str) or not adapter):
+        raise RequestError(f"adapter must be a non-empty string (a loaded adapter's name) or null, got {adapter!r}")
+    return GenerateBody(
+        rid=rid, input_ids=list(ids), params=parse_sampling(body.get("sampling_params")), adapter=adapter
+    )
 
 
 def get_int(body: Any, name: str, what: str, minimum: int | None = None) -> int:

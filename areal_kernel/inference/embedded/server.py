@@ -14,6 +14,13 @@ field, 401 for a missing/wrong admin token, 503 while loading, 500 otherwise):
 - ``POST /init_weights_group {"master_addr", "master_port", "world_size", "rank", "group_name", "backend"}``
 - ``POST /update_weights_from_distributed {"version", "tensors": [{"name", "dtype", "shape"}], "bucket_bytes"}``
 - ``POST /set_version {"version"}``
+- LoRA adapters served beside the base weights (``areal_kernel.inference.embedded.lora``):
+  ``POST /load_adapter {"name", "path", "version"}`` (a peft adapter directory;
+  replaces what is served under ``name``), ``POST /unload_adapter {"name"}``,
+  ``POST /update_adapter_from_distributed {"name", "version", "config",
+  "tensors", "bucket_bytes"}`` (``config``: the adapter_config.json data);
+  ``/generate`` takes ``"adapter": name`` and answers with that adapter's
+  version. An adapter update aborts only the running rows of that adapter.
 
 Semantics worth knowing: requests arriving while paused are queued; a weight
 update aborts whatever is in the running batch (also rows frozen by
@@ -53,6 +60,9 @@ CONTROL_ROUTES = frozenset(
         "/init_weights_group",
         "/update_weights_from_distributed",
         "/set_version",
+        "/load_adapter",
+        "/unload_adapter",
+        "/update_adapter_from_distributed",
     }
 )
 
@@ -232,6 +242,7 @@ def build_app(state: ServerState) -> Any:
                 "tokens_generated": e.tokens_generated,
                 "dtype": state.args.dtype,
                 "max_batch_size": state.args.max_batch_size,
+                "adapters": dict(e.lora.versions),
             }
         )
 
@@ -328,6 +339,60 @@ def build_app(state: ServerState) -> Any:
         res = await wait(state.engine.update_weights(do_load, version))
         return web.json_response({"ok": True, **res})
 
+    async def load_adapter(request: web.Request) -> web.Response:
+        from areal_kernel.engine.lora import read_adapter_dir
+        from areal_kernel.errors import DataError
+
+        data = await body(request)
+        what = "/load_adapter"
+        name = P.get_str(data, "name", what)
+        path = P.get_str(data, "path", what)
+        version = P.get_int(data, "version", what, minimum=0)
+        try:
+            config, tensors = await asyncio.get_running_loop().run_in_executor(None, read_adapter_dir, path)
+        except DataError as e:
+            raise P.RequestError(f"{what}: field 'path': {e}") from None
+        lora = state.engine.lora
+        # Checked before anything changes: a bad adapter leaves the served one in place.
+        lora.check(config, [{"name": k, "shape": list(t.shape)} for k, t in tensors.items()])
+        res = await wait(
+            state.engine.load_adapter(name, lambda: lora.load(name, config, tensors.items(), version), version)
+        )
+        return web.json_response({"ok": True, **res})
+
+    async def unload_adapter(request: web.Request) -> web.Response:
+        name = P.get_str(await body(request), "name", "/unload_adapter")
+        return web.json_response({"ok": True, **(await wait(state.engine.unload_adapter(name)))})
+
+    async def update_adapter_from_dist(request: web.Request) -> web.Response:
+        from areal_kernel.weights.broadcast import parse_dtype, recv_buckets
+
+        data = await body(request)
+        what = "/update_adapter_from_distributed"
+        name = P.get_str(data, "name", what)
+        version = P.get_int(data, "version", what, minimum=0)
+        bucket = P.get_int(data, "bucket_bytes", what, minimum=1)
+        config = data.get("config")
+        if not isinstance(config, dict):
+            raise P.RequestError(f"{what}: field 'config' must be the adapter's adapter_config.json object")
+        meta = P.parse_tensor_meta(data, what)
+        for i, m in enumerate(meta):
+            try:
+                parse_dtype(m["dtype"])
+            except ArealError as e:
+                raise P.RequestError(f"{what}: tensors[{i}].dtype: {e}") from None
+        lora = state.engine.lora
+        lora.check(config, meta)
+        group = state.group
+        if group is None:
+            raise P.RequestError(f"{what}: no weight group; call /init_weights_group first")
+
+        def do_load() -> None:
+            lora.load(name, config, recv_buckets(group, meta, bucket), version)
+
+        res = await wait(state.engine.load_adapter(name, do_load, version))
+        return web.json_response({"ok": True, **res})
+
     app = web.Application(middlewares=[guard], client_max_size=64 << 20)
     app.router.add_get("/health", health)
     app.router.add_get("/info", info)
@@ -339,6 +404,9 @@ def build_app(state: ServerState) -> Any:
     app.router.add_post("/update_weights_from_disk", update_from_disk)
     app.router.add_post("/init_weights_group", init_group)
     app.router.add_post("/update_weights_from_distributed", update_from_dist)
+    app.router.add_post("/load_adapter", load_adapter)
+    app.router.add_post("/unload_adapter", unload_adapter)
+    app.router.add_post("/update_adapter_from_distributed", update_adapter_from_dist)
     return app
 
 

@@ -38,7 +38,7 @@ import time
 from collections import deque
 from typing import Any, Callable, cast
 
-from areal_kernel.api.engine import TrainEngine, TrainEngineContext, WeightUpdateMeta
+from areal_kernel.api.engine import AdapterSpec, TrainEngine, TrainEngineContext, WeightUpdateMeta
 from areal_kernel.api.io import TrajectoryBatch
 from areal_kernel.config.allocation import Allocation, parse_allocation
 from areal_kernel.engine.lr_schedule import scheduled_lr
@@ -107,6 +107,7 @@ class FSDPTrainEngine(TrainEngine):
         self.total_train_steps = 0
         self._step = 0
         self._transfer_meta: list[dict[str, Any]] = []
+        self._adapter_config: dict[str, Any] | None = None
         # The run's scheduler is used, never stopped (the run owns it); one made
         # here is this engine's own and is stopped with the ranks.
         self._scheduler: Any = scheduler
@@ -320,6 +321,7 @@ class FSDPTrainEngine(TrainEngine):
             self._stop_ranks()
             raise
         self._transfer_meta = out[0]["transfer_meta"]
+        self._adapter_config = out[0].get("adapter_config")
         self.model_path = os.path.abspath(model_path)
         self.total_train_steps = int(total_train_steps)
         self._step = 0
@@ -433,6 +435,14 @@ class FSDPTrainEngine(TrainEngine):
         return out
 
     # --------------------------------------------------------------- weights
+    def adapter_spec(self) -> AdapterSpec | None:
+        """The LoRA adapter the ranks train (``actor.fsdp.lora``), or ``None``."""
+        lora = self.config.lora
+        if lora is None:
+            return None
+        self._require_init()
+        return AdapterSpec(lora.name, dict(self._adapter_config or {}))
+
     def named_weights_for_transfer(self) -> list[tuple[str, Any]]:
         """``(HF name, tensor)`` in send order, as the single-process engine
         lists them, but as *meta* tensors (shape and dtype, no data): the
@@ -470,7 +480,9 @@ class FSDPTrainEngine(TrainEngine):
         if shard_bytes <= 0:
             raise ConfigError(f"max_shard_bytes must be > 0, got {max_shard_bytes}")
         with atomic_dir(path) as tmp:
-            self._call("export_hf", {"tmp_dir": tmp, "shard_bytes": shard_bytes})
+            # The controller's settings decide the LoRA export form (adapter or merged).
+            lora_export = self.config.lora.export if self.config.lora is not None else None
+            self._call("export_hf", {"tmp_dir": tmp, "shard_bytes": shard_bytes, "lora_export": lora_export})
 
     def init_weight_group(
         self,
@@ -495,7 +507,12 @@ class FSDPTrainEngine(TrainEngine):
         if meta.kind == "disk":
             if not meta.path:
                 raise ConfigError("WeightUpdateMeta.path is required for kind='disk'")
-            self.save_hf(meta.path)
+            if self.config.lora is not None:
+                # The adapter alone: what the servers load beside their base weights.
+                with atomic_dir(meta.path) as tmp:
+                    self._call("write_adapter", {"tmp_dir": tmp})
+            else:
+                self.save_hf(meta.path)
         elif meta.kind == "broadcast":
             if "group" in meta.extra:
                 raise ConfigError(

@@ -36,6 +36,17 @@ from areal_kernel.api.io import TrajectoryBatch
 from areal_kernel.engine.hf import finish_hf_dir, hf_files, load_causal_lm, weights_for_transfer, write_hf_weights
 from areal_kernel.engine.lr_schedule import scheduled_lr
 from areal_kernel.engine.microbatch import MicroBatchHooks, MicroBatchRunner
+from areal_kernel.engine.lora import (
+    adapter_config,
+    adapter_weights,
+    apply_lora,
+    copy_tokenizer_files,
+    merge_plan,
+    merge_tensor,
+    peft_file_name,
+    trainable_named_params,
+    write_adapter_files,
+)
 from areal_kernel.engine.state import load_rng_state, make_optimizer, save_rng_state, set_lr, torch_dtype
 from areal_kernel.errors import ArealError, ConfigError
 from areal_kernel.platforms import current_platform
@@ -116,6 +127,12 @@ class FSDPRankEngine:
         self.step = 0
         self.weight_group: Any = None
         self.transfer_meta: list[dict[str, Any]] = []
+        # Transfer name -> name in the live (sharded) state dict; they differ
+        # only for LoRA adapters (peft's file names vs its module names).
+        self.live_names: dict[str, str] = {}
+        # LoRA with export: merged: how each exported weight is built (areal_kernel.engine.lora.merge_plan).
+        self.merge_plan: list[tuple[str, str, Any]] = []
+        self.adapter_config: dict[str, Any] | None = None
 
     @property
     def device(self) -> Any:
@@ -147,10 +164,25 @@ class FSDPRankEngine:
         # Every rank reads the (memory-mapped) safetensors and keeps only its
         # shard after fully_shard; the full copy is transient.
         model = load_causal_lm(model_path, torch_dtype(cfg.param_dtype), cfg.attn_implementation)
+        if cfg.lora is not None:
+            model = apply_lora(model, cfg.lora, section="actor.fsdp.lora")
         model.to(self.device)
         # What exports and broadcasts send, in order (tied aliases dropped), from
-        # the unsharded model: the same list the single-process engine sends.
-        self.transfer_meta = tensor_meta(weights_for_transfer(model))
+        # the unsharded model: the same list the single-process engine sends
+        # (with LoRA: the adapter's tensors under peft's file names).
+        if cfg.lora is not None:
+            self.live_names = {peft_file_name(n): n for n, _ in trainable_named_params(model)}
+            named = adapter_weights(model)
+            if {n for n, _ in named} != set(self.live_names):
+                raise ArealError("fsdp rank: peft's adapter names do not map onto the model's LoRA parameters")
+            self.transfer_meta = tensor_meta(named)
+            self.merge_plan = merge_plan(model)
+            self.adapter_config = adapter_config(model, os.path.abspath(model_path))
+        else:
+            named = weights_for_transfer(model)
+            self.live_names = {n: n for n, _ in named}
+            self.transfer_meta = tensor_meta(named)
+        del named
         if cfg.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
@@ -200,10 +232,15 @@ class FSDPRankEngine:
         self.runner = MicroBatchRunner(model, cfg, self.device, hooks=RankSync(), split_head=False)
         self.model_path = os.path.abspath(model_path)
         self.total_train_steps = int(total_train_steps)
-        self.optimizer = make_optimizer(model.parameters(), cfg)
+        # With LoRA only the adapter trains: frozen base weights get no optimizer state.
+        self.optimizer = make_optimizer([p for p in model.parameters() if p.requires_grad], cfg)
         self.step = 0
         self.set_lr()
-        return {"transfer_meta": self.transfer_meta, "wrapped_blocks": wrapped}
+        return {
+            "transfer_meta": self.transfer_meta,
+            "wrapped_blocks": wrapped,
+            "adapter_config": self.adapter_config,
+        }
 
     def set_lr(self) -> float:
         return set_lr(self.optimizer, scheduled_lr(self.config, self.step, self.total_train_steps))
@@ -269,17 +306,19 @@ class FSDPRankEngine:
         """All-gather ``names`` (collective); only rank 0 keeps the results."""
         out = []
         for name in names:
-            full = _full(sd[name]).detach()
+            full = _full(sd[self.live_names.get(name, name)]).detach()
             if self.rank == 0:
                 out.append((name, full.to("cpu")))  # no copy when it is a host tensor already
             del full
         return out
 
-    def export_hf(self, tmp_dir: str, shard_bytes: int) -> dict[str, Any]:
+    def export_hf(self, tmp_dir: str, shard_bytes: int, lora_export: str | None = None) -> dict[str, Any]:
         """Write an HF directory into ``tmp_dir`` with the kernel's HF writer
         (``areal_kernel.engine.hf``): every rank helps gather one file's
         weights at a time (at most ``shard_bytes``), rank 0 writes it, so its
         memory stays bounded by one file."""
+        if self.config.lora is not None:
+            return self._export_lora(tmp_dir, shard_bytes, lora_export or self.config.lora.export)
         sd = self._named_sharded()
         files: dict[str, dict[str, Any]] = {}
         plan = hf_files(self.transfer_meta, shard_bytes)
@@ -292,6 +331,52 @@ class FSDPRankEngine:
             finish_hf_dir(tmp_dir, self.model, files, self.model_path)
         self.barrier()
         return {"files": len(plan)}
+
+    def _export_lora(self, tmp_dir: str, shard_bytes: int, export: str) -> dict[str, Any]:
+        """LoRA exports: the adapter directory (every rank helps gather the
+        adapter, rank 0 writes it), or with ``lora.export: merged`` the base
+        model with the adapter merged in, one file of at most ``shard_bytes``
+        at a time (each weight gathered with its adapter and merged on rank 0)."""
+        from areal_kernel.weights.broadcast import tensor_meta
+
+        assert self.config.lora is not None
+        sd = self._named_sharded()
+        if export != "merged":
+            self.write_adapter(tmp_dir)
+            if self.rank == 0:
+                copy_tokenizer_files(self.model_path, tmp_dir)
+            self.barrier()
+            return {"files": 1}
+        by_hf = {hf: (live, lora) for hf, live, lora in self.merge_plan}
+        meta = tensor_meta((hf, sd[live]) for hf, live, _ in self.merge_plan)
+        files: dict[str, dict[str, Any]] = {}
+        plan = hf_files(meta, shard_bytes)
+        for fname, names in plan:
+            named = []
+            for hf in names:
+                live, lora = by_hf[hf]
+                parts = self._gather_group(sd, [live] + ([lora[0], lora[1]] if lora else []))
+                if self.rank == 0:
+                    t = parts[0][1]
+                    if lora is not None:
+                        t = merge_tensor(t, parts[1][1], parts[2][1], lora[2])
+                    named.append((hf, t))
+            if self.rank == 0:
+                files[fname] = write_hf_weights(tmp_dir, fname, named)
+            del named
+        if self.rank == 0:
+            finish_hf_dir(tmp_dir, self.model.get_base_model(), files, self.model_path)
+        self.barrier()
+        return {"files": len(plan)}
+
+    def write_adapter(self, tmp_dir: str) -> dict[str, Any]:
+        """The adapter as a peft directory's files in ``tmp_dir`` (rank 0
+        writes; every rank helps gather). What a disk weight update ships."""
+        named = self._gather_group(self._named_sharded(), [m["name"] for m in self.transfer_meta])
+        if self.rank == 0:
+            assert self.adapter_config is not None, "write_adapter: this engine trains no adapter"
+            write_adapter_files(tmp_dir, named, self.adapter_config)
+        return {"tensors": len(named)}
 
     def init_weight_group(
         self,
@@ -344,7 +429,8 @@ class FSDPRankEngine:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        msd, osd = get_state_dict(self.model, self.optimizer)
+        msd, osd = get_state_dict(self.model, self.optimizer, options=self._state_dict_options())
+        msd = self._trained_only(msd)
         dcp.save({"model": msd, "optim": osd}, checkpoint_id=os.path.join(tmp_dir, "dcp"))
         save_rng_state(os.path.join(tmp_dir, f"rng-rank{self.rank}.safetensors"))
         self.barrier()
@@ -353,16 +439,35 @@ class FSDPRankEngine:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-        msd, osd = get_state_dict(self.model, self.optimizer)
-        state: dict[str, Any] = {"model": msd, "optim": osd}
+        opts = self._state_dict_options()
+        msd, osd = get_state_dict(self.model, self.optimizer, options=opts)
+        state: dict[str, Any] = {"model": self._trained_only(msd), "optim": osd}
         dcp.load(state, checkpoint_id=os.path.join(path, "dcp"))
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(
+            self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=opts
+        )
         rng_path = os.path.join(path, f"rng-rank{self.rank}.safetensors")
         if os.path.isfile(rng_path):  # absent when resuming with more ranks than were saved
             load_rng_state(rng_path)
         self.step = int(step)
         self.set_lr()
         self.barrier()
+
+    def _state_dict_options(self) -> Any:
+        """With LoRA a checkpoint holds the adapter and its optimizer state
+        only: the frozen base is the model directory's."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        lora = self.config.lora is not None
+        return StateDictOptions(ignore_frozen_params=lora, strict=not lora)
+
+    def _trained_only(self, msd: dict[str, Any]) -> dict[str, Any]:
+        """With LoRA, the adapter's entries of a model state dict: a tied LM head
+        slips through ``ignore_frozen_params`` as an alias of the frozen embedding."""
+        if self.config.lora is None:
+            return msd
+        trained = set(self.live_names.values())
+        return {k: v for k, v in msd.items() if k in trained}
 
     def get_step(self) -> int:
         return self.step

@@ -83,6 +83,13 @@ class SGLangBackend(InferenceBackend):
         # The platform's variant of SGLang (e.g. --device npu and the ascend
         # attention backend) fills the fields the user left unset.
         self.server_config: SGLangServerConfig = current_platform().apply_server_defaults("sglang", section)
+        trained = getattr(config.actor.plugin_config, "lora", None)
+        if trained is not None and self.server_config.lora is None:
+            from areal_sglang.config import SGLangLoraSettings
+
+            # The actor trains an adapter: serve adapters of its rank on its modules.
+            lora = SGLangLoraSettings(max_rank=trained.rank, target_modules=list(trained.target_modules))
+            self.server_config = self.server_config.model_copy(update={"lora": lora})
         self.launch_prefix = launch_prefix
         self.tp_size = 1
 

@@ -29,8 +29,27 @@ MANAGED_FLAGS = frozenset(
         "--log-level",
         "--base-gpu-id",
         "--device",
+        "--enable-lora",
+        "--max-lora-rank",
+        "--lora-target-modules",
+        "--max-loras-per-batch",
     }
 )
+
+
+class SGLangLoraSettings(BaseModel):
+    """LoRA serving (``rollout.sglang.lora``); adapters are loaded at run time
+    through ``/load_lora_adapter`` and replaced by unload + load."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_rank: int = Field(16, ge=1, description="largest adapter rank served (--max-lora-rank)")
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
+        min_length=1,
+        description="modules any adapter may target (--lora-target-modules); SGLang sizes its buffers from them",
+    )
+    max_loras_per_batch: int = Field(2, ge=1, description="adapters in one batch, the base included")
 
 
 class SGLangServerConfig(BaseModel):
@@ -76,6 +95,9 @@ class SGLangServerConfig(BaseModel):
     )
     extra_args: list[str] = Field(default_factory=list, description="Appended verbatim to the launch command.")
     extra_env: dict[str, str] = Field(default_factory=dict)
+    lora: SGLangLoraSettings | None = Field(
+        None, description="Serve LoRA adapters (set from the actor's adapter when it trains one and this is unset)."
+    )
     python: str | None = Field(None, description="Interpreter that has sglang installed; default: this one.")
     host: str = "127.0.0.1"
     startup_timeout_s: float = Field(900.0, gt=0, description="Model load + CUDA graph capture can take minutes.")

@@ -59,6 +59,10 @@ def build_command(
         cmd.append("--skip-server-warmup")
     if cfg.api_key:
         cmd += ["--api-key", cfg.api_key]
+    if cfg.lora is not None:
+        cmd += ["--enable-lora", "--max-lora-rank", str(cfg.lora.max_rank)]
+        cmd += ["--lora-target-modules", *cfg.lora.target_modules]
+        cmd += ["--max-loras-per-batch", str(cfg.lora.max_loras_per_batch)]
     return cmd + list(cfg.extra_args)
 
 

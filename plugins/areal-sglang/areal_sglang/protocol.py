@@ -67,17 +67,17 @@ class SGLangProtocol(ServerProtocol):
 
     # -- generation ----------------------------------------------------------
     def generate(self, rid: str, input_ids: list[int], gconfig: GenerationConfig, max_new_tokens: int) -> HttpCall:
-        return HttpCall(
-            "POST",
-            "/generate",
-            {
-                "rid": rid,
-                "input_ids": [int(t) for t in input_ids],
-                "sampling_params": sampling_params(gconfig, max_new_tokens),
-                "return_logprob": True,
-                "stream": False,
-            },
-        )
+        body: dict[str, Any] = {
+            "rid": rid,
+            "input_ids": [int(t) for t in input_ids],
+            "sampling_params": sampling_params(gconfig, max_new_tokens),
+            "return_logprob": True,
+            "stream": False,
+        }
+        if gconfig.adapter is not None:
+            # SGLang selects a loaded adapter by its name in lora_path.
+            body["lora_path"] = gconfig.adapter
+        return HttpCall("POST", "/generate", body)
 
     def parse_generate(self, data: Any) -> GenerateChunk:
         try:
@@ -209,6 +209,22 @@ class SGLangProtocol(ServerProtocol):
         return HttpCall(
             "POST", "/update_weight_version", {"new_version": _version_str(version), "abort_all_requests": False}
         )
+
+    # -- LoRA adapters ------------------------------------------------------------
+    def load_adapter(self, name: str, path: str, version: int, replace: bool) -> list[HttpCall]:
+        """SGLang loads an adapter under a new name only: a replacement is
+        unload + load (the new load gets a fresh adapter id, so cached prefixes
+        of the old one are not reused), then the version is labelled."""
+        calls = [self.unload_adapter(name)] if replace else []
+        calls.append(
+            HttpCall(
+                "POST", "/load_lora_adapter", {"lora_name": name, "lora_path": path}, timeout_s=WEIGHT_CALL_TIMEOUT_S
+            )
+        )
+        return calls + [self.set_version(version)]
+
+    def unload_adapter(self, name: str) -> HttpCall:
+        return HttpCall("POST", "/unload_lora_adapter", {"lora_name": name})
 
     # -- SGLang-only control calls ----------------------------------------------
     def flush_cache(self) -> HttpCall:

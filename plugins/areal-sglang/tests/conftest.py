@@ -108,8 +108,9 @@ def sglang_oracle(oracle_url: str):
         url = oracle_url
 
         @staticmethod
-        def argv(argv: list[str]) -> dict:
-            return post_json(oracle_url + "/check_argv", {"argv": argv})
+        def argv(argv: list[str], fields: tuple[str, ...] = ()) -> dict:
+            # ``fields``: parsed values to report beyond the oracle's usual set.
+            return post_json(oracle_url + "/check_argv", {"argv": argv, "fields": list(fields)})
 
         @staticmethod
         def request(route: str, body: Any) -> dict:

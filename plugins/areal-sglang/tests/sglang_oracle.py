@@ -5,7 +5,7 @@ its CUDA dependencies (see ``ORACLE_SITE`` in conftest.py). It imports the
 real ``sglang.srt.server_args`` and ``sglang.srt.managers.io_struct`` and
 answers these questions:
 
-- ``POST /check_argv {"argv": [...]}``: does SGLang's own server-argument
+- ``POST /check_argv {"argv": [...], "fields": [...]}``: does SGLang's own server-argument
   parser (``prepare_server_args``: ``ServerArgs.add_cli_args`` + argparse +
   ``ServerArgs.from_cli_args``) accept this launch command, and which values
   did it parse?
@@ -138,6 +138,8 @@ def import_sglang() -> dict[str, Any]:
         "/abort_request": io.AbortReq,
         "/release_memory_occupation": io.ReleaseMemoryOccupationReqInput,
         "/resume_memory_occupation": io.ResumeMemoryOccupationReqInput,
+        "/load_lora_adapter": io.LoadLoRAAdapterReqInput,
+        "/unload_lora_adapter": io.UnloadLoRAAdapterReqInput,
     }
     return {
         "version": getattr(sglang, "__version__", "?"),
@@ -202,7 +204,7 @@ FIELDS = (
 )
 
 
-def check_argv(sg: dict[str, Any], argv: list[str]) -> dict[str, Any]:
+def check_argv(sg: dict[str, Any], argv: list[str], extra_fields: tuple[str, ...] = ()) -> dict[str, Any]:
     import contextlib
     import io as _io
 
@@ -215,7 +217,14 @@ def check_argv(sg: dict[str, Any], argv: list[str]) -> dict[str, Any]:
         return {"ok": False, "error": f"SGLang's argument parser exited with {e.code}: {' '.join(lines)[-800:]}"}
     except Exception as e:
         return {"ok": False, "error": f"{type(e).__name__}: {e}"}
-    return {"ok": True, "error": None, "fields": {k: getattr(args, k, None) for k in FIELDS}}
+    fields = {k: getattr(args, k, None) for k in FIELDS}
+    fields.update({k: _plain(getattr(args, k, None)) for k in extra_fields})
+    return {"ok": True, "error": None, "fields": fields}
+
+
+def _plain(v: Any) -> Any:
+    """Sets (SGLang keeps some list flags as sets) as sorted lists, for JSON."""
+    return sorted(v) if isinstance(v, (set, frozenset)) else v
 
 
 class WeightReceiver:
@@ -311,7 +320,7 @@ def main() -> None:
             try:
                 req = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
                 if self.path == "/check_argv":
-                    self._send(200, check_argv(sg, req["argv"]))
+                    self._send(200, check_argv(sg, req["argv"], tuple(req.get("fields", ()))))
                 elif self.path == "/check_request":
                     self._send(200, check_request(sg, req["route"], req.get("body")))
                 elif self.path.startswith("/sglang_weights/"):

@@ -63,6 +63,22 @@ def test_full_launch_command_is_parsed_by_sglang_as_intended(sglang_oracle):
     }
 
 
+def test_lora_launch_flags_are_parsed_by_sglang(sglang_oracle):
+    from areal_sglang.config import SGLangLoraSettings
+
+    lora = SGLangLoraSettings(max_rank=8, target_modules=["q_proj", "v_proj", "down_proj"], max_loras_per_batch=3)
+    fields = ("enable_lora", "max_lora_rank", "lora_target_modules", "max_loras_per_batch")
+    res = sglang_oracle.argv(_argv(SGLangServerConfig(lora=lora)), fields)
+    assert res["ok"], res["error"]
+    got = {k: res["fields"][k] for k in fields}
+    assert got == {
+        "enable_lora": True,
+        "max_lora_rank": 8,
+        "lora_target_modules": ["q_proj", "v_proj", "down_proj"],
+        "max_loras_per_batch": 3,
+    }
+
+
 def test_default_launch_command_is_parsed(sglang_oracle):
     res = sglang_oracle.argv(_argv(SGLangServerConfig(), dtype="float32"))
     assert res["ok"], res["error"]
@@ -118,6 +134,9 @@ def _calls():
         p.generate("rid-2", [5], g(max_new_tokens=8, temperature=0.7, top_p=0.9, top_k=20, stop_token_ids=[2, 7]), 3),
         p.generate("rid-3", [5, 6], g(top_k=0), 1),  # top_k 0 (kernel: disabled) must become SGLang's -1
         p.generate("rid-4", [5, 6], g(stop=["</tool_call>", "\n\n"]), 4),  # stop strings (multi-turn tool calls)
+        p.generate("rid-5", [5, 6], g(adapter="task-a"), 4),  # a request naming its LoRA adapter
+        *p.load_adapter("task-a", "/runs/x/weights/task-a-v3", 3, replace=True),  # unload, load, version
+        p.unload_adapter("task-a"),
         p.pause(),
         SGLangProtocol("retract").pause(),
         SGLangProtocol("in_place").pause(),
@@ -170,6 +189,8 @@ def test_request_bodies_are_accepted_by_sglang_request_classes(sglang_oracle, ca
         ("/init_weights_update_group", {"master_addr": "h", "master_port": 1, "rank": 1, "world_size": 2}, "no field"),
         ("/generate", {"input_ids": [1], "sampling_params": {"top_k": 0}}, "top_k"),
         ("/generate", {"input_ids": [1], "sampling_params": {"greedy": True}}, "greedy"),
+        ("/load_lora_adapter", {"name": "a", "path": "/x"}, "no field"),
+        ("/unload_lora_adapter", {}, "lora_name"),
     ],
 )
 def test_sglang_rejects_bodies_it_does_not_accept(sglang_oracle, route, body, needle):

@@ -37,6 +37,18 @@ class VLLMBackend(InferenceBackend):
                 f"pipeline/context dims (p, c) must be 1"
             )
         self.server_config = section.model_copy(update={"dtype": dtype, "tensor_parallel_size": alloc.t})
+        trained = getattr(config.actor.plugin_config, "lora", None)
+        if trained is not None:
+            from areal_vllm.config import VLLMLoraSettings
+
+            # The actor trains an adapter: the servers must serve adapters of its rank.
+            lora = self.server_config.lora or VLLMLoraSettings(max_rank=trained.rank, max_loras=1)
+            if lora.max_rank < trained.rank:
+                raise ConfigError(
+                    f"rollout.vllm.lora.max_rank={lora.max_rank} is below the trained adapter's rank "
+                    f"(actor lora.rank={trained.rank})"
+                )
+            self.server_config = self.server_config.model_copy(update={"lora": lora})
 
     def make_launcher(self, run_dir: str) -> Any:
         from areal_vllm.launcher import VLLMLauncher

@@ -36,7 +36,20 @@ MANAGED_FLAGS = (
     "--enable-prefix-caching",
     "--no-enable-prefix-caching",
     "--logprobs-mode",
+    "--enable-lora",
+    "--max-lora-rank",
+    "--max-loras",
 )
+
+
+class VLLMLoraSettings(BaseModel):
+    """LoRA serving (``rollout.vllm.lora``): adapters are loaded and replaced at
+    run time through vLLM's ``/v1/load_lora_adapter`` route."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_rank: int = Field(16, ge=1, description="largest adapter rank served (--max-lora-rank)")
+    max_loras: int = Field(2, ge=1, description="adapters in one batch (--max-loras): runs sharing the servers")
 
 
 class VLLMServerConfig(BaseModel):
@@ -88,6 +101,10 @@ class VLLMServerConfig(BaseModel):
         description="Passed through to the vLLM server command line (flags the launcher sets are rejected).",
     )
     extra_env: dict[str, str] = Field(default_factory=dict, description="Added to the server environment.")
+    lora: VLLMLoraSettings | None = Field(
+        None,
+        description="Serve LoRA adapters (set automatically, with the adapter's rank, when the actor trains one).",
+    )
 
     @field_validator("extra_args")
     @classmethod

@@ -86,6 +86,8 @@ class VLLMLauncher(SubprocessLauncher):
             cmd += ["--max-num-seqs", str(c.max_num_seqs)]
         if c.enable_prefix_caching is not None:
             cmd.append("--enable-prefix-caching" if c.enable_prefix_caching else "--no-enable-prefix-caching")
+        if c.lora is not None:
+            cmd += ["--enable-lora", "--max-lora-rank", str(c.lora.max_rank), "--max-loras", str(c.lora.max_loras)]
         return cmd + list(c.extra_args)
 
     @staticmethod
@@ -103,6 +105,9 @@ class VLLMLauncher(SubprocessLauncher):
         # The RL routes (/pause, /resume, weight transfer, /collective_rpc,
         # /update_weight_version) are only mounted in dev mode.
         env["VLLM_SERVER_DEV_MODE"] = "1"
+        if c.lora is not None:
+            # /v1/load_lora_adapter and /v1/unload_lora_adapter exist only with this.
+            env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
         env["VLLM_NO_USAGE_STATS"] = "1"
         env["DO_NOT_TRACK"] = "1"
         if c.offline:

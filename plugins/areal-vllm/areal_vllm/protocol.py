@@ -25,7 +25,7 @@ from typing import Any
 from areal_kernel.api.io import GenerationConfig, StopReason
 from areal_kernel.errors import ServerError
 from areal_kernel.inference.client import RemoteInferenceEngine
-from areal_kernel.inference.wire import ControlOp, GenerateChunk, HttpCall, ServerProtocol
+from areal_kernel.inference.wire import ControlOp, GenerateChunk, HttpCall, ServerProtocol, text_reply
 
 PAUSE_MODES = ("abort", "keep", "wait")
 _FINISH = {"stop": StopReason.STOP, "length": StopReason.LENGTH, "abort": StopReason.ABORT}
@@ -80,16 +80,16 @@ class VLLMProtocol(ServerProtocol):
         return sp
 
     def generate(self, rid: str, input_ids: list[int], gconfig: GenerationConfig, max_new_tokens: int) -> HttpCall:
-        return HttpCall(
-            "POST",
-            "/inference/v1/generate",
-            {
-                "request_id": rid,
-                "token_ids": list(input_ids),
-                "sampling_params": self.sampling_params(gconfig, max_new_tokens),
-                "output_mode": "tokens",
-            },
-        )
+        body: dict[str, Any] = {
+            "request_id": rid,
+            "token_ids": list(input_ids),
+            "sampling_params": self.sampling_params(gconfig, max_new_tokens),
+            "output_mode": "tokens",
+        }
+        if gconfig.adapter is not None:
+            # vLLM selects a loaded LoRA adapter by its name in "model".
+            body["model"] = gconfig.adapter
+        return HttpCall("POST", "/inference/v1/generate", body)
 
     def parse_generate(self, data: Any) -> GenerateChunk:
         try:
@@ -157,6 +157,26 @@ class VLLMProtocol(ServerProtocol):
             HttpCall("POST", "/reset_prefix_cache", {}),
             self.set_version(version),
         ]
+
+    def load_adapter(self, name: str, path: str, version: int, replace: bool) -> ControlOp:
+        """vLLM's runtime LoRA route (the server runs with
+        ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``); a replacement loads in place
+        under the same adapter id from a new directory, then the prefix cache
+        (computed with the old adapter) is dropped and the version labelled."""
+        return [
+            HttpCall(
+                "POST",
+                "/v1/load_lora_adapter",
+                {"lora_name": name, "lora_path": path, "load_inplace": replace},
+                timeout_s=_LOAD_TIMEOUT_S,
+                parse=text_reply,
+            ),
+            HttpCall("POST", "/reset_prefix_cache", {}),
+            self.set_version(version),
+        ]
+
+    def unload_adapter(self, name: str) -> HttpCall:
+        return HttpCall("POST", "/v1/unload_lora_adapter", {"lora_name": name}, parse=text_reply)
 
     def init_weight_group(
         self, master_addr: str, master_port: int, world_size: int, rank: int, group_name: str, backend: str

@@ -9,7 +9,12 @@
   kernel's torch train engine (gloo, vLLM's weight-transfer routes) change the
   outputs to exactly the disk-loaded ones and restore them;
 - a generation interrupted by a weight update holds tokens of two versions,
-  each token's logprob being that of the weights that produced it.
+  each token's logprob being that of the weights that produced it;
+- LoRA (the server runs with LoRA enabled): adapter-only updates through the
+  kernel's disk transport load and replace adapters at run time, two adapters
+  are served at once, logprobs equal the train engine's recompute with the
+  same adapter, and an adapter update interrupts a generation like a weight
+  update.
 
 Every test leaves the server serving the original weights.
 """
@@ -37,12 +42,13 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def vllm_server(smollm2_fp32, tmp_path_factory):
-    from areal_vllm.config import VLLMServerConfig
+    from areal_vllm.config import VLLMLoraSettings, VLLMServerConfig
     from areal_vllm.launcher import VLLMLauncher
 
-    launcher = VLLMLauncher(
-        VLLMServerConfig(dtype="float32", max_model_len=1024), run_dir=str(tmp_path_factory.mktemp("vllm-run"))
-    )
+    # LoRA on: the LoRA tests share this server (a second one costs ~4 GB and
+    # 30-60 s); requests naming no adapter run on the base weights.
+    cfg = VLLMServerConfig(dtype="float32", max_model_len=1024, lora=VLLMLoraSettings(max_rank=8, max_loras=2))
+    launcher = VLLMLauncher(cfg, run_dir=str(tmp_path_factory.mktemp("vllm-run")))
     try:
         (info,) = launcher.launch(smollm2_fp32, n_servers=1, devices_per_server=0)
         yield info
@@ -406,3 +412,88 @@ def test_connections_vllm_closed_while_idle_are_resent_not_failed_over(vllm_serv
     assert [r.output_ids for r in first] == [r.output_ids for r in second]
     assert default.stats["failovers"] == 0 and default.stats["stale_connection_retries"] == 0
     default.destroy()
+
+
+# -- LoRA -----------------------------------------------------------------------------
+
+
+def _lora_engine(model_dir: str, name: str, seed: int) -> Any:
+    """A torch engine training a rank-8 adapter; its B matrices are set to seeded
+    noise (what training would do, without the cost) so the adapter matters."""
+    from areal_kernel.engine.torch_engine import TorchTrainEngine
+
+    eng = TorchTrainEngine({"param_dtype": "float32", "lr": 1e-6, "lora": {"name": name, "rank": 8, "alpha": 16}})
+    eng.initialize(model_dir, total_train_steps=1)
+    _perturb_adapter(eng, seed)
+    return eng
+
+
+def _perturb_adapter(eng: Any, seed: int) -> None:
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for n, p in eng.model.named_parameters():
+            if ".lora_B." in n:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+
+
+def test_lora_adapters_updated_at_run_time_match_the_recompute(inference_engine, vllm_server, smollm2_fp32, tmp_path):
+    """Adapter-only updates through the kernel's disk transport: two adapters
+    served at once, each request's logprobs equal the train engine's recompute
+    with its adapter; a generation interrupted by an adapter update holds
+    tokens of both adapter versions, each scored by the version that made it."""
+    import torch
+
+    from areal_kernel.trainer.weight_sync import DiskTransport
+
+    prompt = _chat_prompt(smollm2_fp32, "What is 3 + 4?")
+    a = _lora_engine(smollm2_fp32, "task-a", seed=1)
+    b = _lora_engine(smollm2_fp32, "task-b", seed=2)
+    ta = DiskTransport(a, inference_engine, str(tmp_path / "a"))
+    tb = DiskTransport(b, inference_engine, str(tmp_path / "b"))
+    ta.setup()
+    tb.setup()
+    try:
+        upd = ta.update(1)
+        tb.update(1)
+        full_mb = sum(os.path.getsize(os.path.join(smollm2_fp32, f)) for f in os.listdir(smollm2_fp32)
+                      if f.endswith(".safetensors")) / 2**20  # fmt: skip
+        assert upd["weights/mb"] < full_mb / 10  # the adapter alone travelled
+        base, ra, rb = (
+            _generate(inference_engine, [prompt], max_new_tokens=24, greedy=True, adapter=name)[0]
+            for name in (None, "task-a", "task-b")
+        )
+        assert ra.output_ids != base.output_ids and rb.output_ids != base.output_ids
+        assert max(abs(x - y) for x, y in zip(ra.output_logprobs, _recompute(a, prompt, ra.output_ids))) < 1e-3
+        assert max(abs(x - y) for x, y in zip(rb.output_logprobs, _recompute(b, prompt, rb.output_ids))) < 1e-3
+
+        # An adapter update in the middle of a generation (the client's default adapter).
+        inference_engine.default_adapter = "task-a"
+        v1 = {n: p.detach().clone() for n, p in a.model.named_parameters() if p.requires_grad}
+        box: dict[str, Any] = {}
+        t = _start_and_wait_for_tokens(
+            vllm_server.address,
+            lambda: box.update(r=_generate(inference_engine, [prompt], max_new_tokens=300, greedy=True)[0]),
+        )
+        _perturb_adapter(a, seed=3)
+        ta.update(2)
+        t.join(180)
+        r = box["r"]
+        assert r.n_interruptions >= 1
+        k = r.output_versions.index(2)
+        assert 0 < k < r.output_len and r.output_versions == [1] * k + [2] * (r.output_len - k)
+        lp2 = _recompute(a, prompt, r.output_ids)
+        with torch.no_grad():
+            for n, p in a.model.named_parameters():
+                if n in v1:
+                    p.copy_(v1[n])
+        lp1 = _recompute(a, prompt, r.output_ids)
+        assert max(abs(x - y) for x, y in zip(r.output_logprobs[:k], lp1[:k])) < 1e-3
+        assert max(abs(x - y) for x, y in zip(r.output_logprobs[k:], lp2[k:])) < 1e-3
+    finally:
+        inference_engine.default_adapter = None
+        for name in ("task-a", "task-b"):
+            inference_engine.unload_adapter(name)
+        a.destroy()
+        b.destroy()

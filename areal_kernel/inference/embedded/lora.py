@@ -1,0 +1,158 @@
+"""LoRA adapters served by the embedded server beside unchanged base weights.
+
+Why not merge the adapter into the weights: several adapters are served at
+once (requests name theirs, so two runs can train against one server), and
+the train engine computes an adapted layer unmerged, as peft does:
+``base(x) + (x @ A.T) @ B.T * scale``. Computing the same expression here
+keeps the server's logprobs equal to the engine's recompute up to float
+rounding of the same operations; a merged ``W + scale * B @ A`` would round
+differently and could not serve a second adapter.
+
+Mechanism: a forward hook on each adapted ``nn.Linear`` adds the update of
+the adapter each batch row uses (``rows``, set by the engine before every
+forward). Hooks leave parameter names and the base tensors untouched, so
+full-weight updates keep working, and a model with no adapter loaded runs
+without hooks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import torch
+
+from areal_kernel.errors import ArealError
+
+_PREFIX = "base_model.model."
+_SUPPORTED_KEYS = (".lora_A.weight", ".lora_B.weight")
+
+
+@dataclass
+class _Update:
+    a: torch.Tensor  # [r, in]
+    b: torch.Tensor  # [out, r]
+    scale: float
+
+
+def adapter_scale(config: dict[str, Any]) -> float:
+    """``lora_alpha / r`` (``/ sqrt(r)`` with ``use_rslora``), as peft scales."""
+    r = config.get("r")
+    alpha = config.get("lora_alpha", r)
+    if not isinstance(r, int) or r < 1 or not isinstance(alpha, (int, float)):
+        raise ArealError(f"adapter config: 'r' must be an integer >= 1 and 'lora_alpha' a number, got {r!r}, {alpha!r}")
+    for key in ("rank_pattern", "alpha_pattern"):
+        if config.get(key):
+            raise ArealError(f"adapter config: per-module {key} is not supported by the embedded server")
+    if config.get("use_dora"):
+        raise ArealError("adapter config: DoRA adapters (use_dora) are not supported by the embedded server")
+    return float(alpha) / (r**0.5 if config.get("use_rslora") else r)
+
+
+class AdapterSet:
+    """The adapters one model serves; used only on the engine thread."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.adapters: dict[str, dict[str, _Update]] = {}
+        self.versions: dict[str, int] = {}
+        self._hooks: dict[str, Any] = {}
+        # The adapter name (or None: base) of each row of the next forward.
+        self.rows: list[str | None] = []
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.adapters
+
+    def check(self, config: dict[str, Any], meta: Iterable[dict[str, Any]]) -> None:
+        """Validate an adapter (its config and tensor names/shapes) before anything changes."""
+        adapter_scale(config)
+        r = int(config["r"])
+        for m in meta:
+            name, shape = m["name"], list(m.get("shape", []))
+            module, kind = self._split(name)
+            lin = self._linear(module, name)
+            want = [r, lin.in_features] if kind == "A" else [lin.out_features, r]
+            if shape != want:
+                raise ArealError(f"adapter tensor {name!r}: shape {shape} does not match {want} (r={r})")
+
+    def load(self, name: str, config: dict[str, Any], named: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Serve ``named`` (peft file names -> tensors) under ``name``, replacing
+        what was served under it. Call ``check`` first."""
+        scale = adapter_scale(config)
+        parts: dict[str, dict[str, torch.Tensor]] = {}
+        for tname, t in named:
+            module, kind = self._split(tname)
+            lin = self._linear(module, tname)
+            parts.setdefault(module, {})[kind] = t.to(device=lin.weight.device, dtype=lin.weight.dtype).clone()
+        updates = {}
+        for module, ab in parts.items():
+            if set(ab) != {"A", "B"}:
+                raise ArealError(f"adapter {name!r}: module {module!r} has lora_{next(iter(ab))} without its pair")
+            updates[module] = _Update(ab["A"], ab["B"], scale)
+        if not updates:
+            raise ArealError(f"adapter {name!r} holds no LoRA tensors")
+        self.adapters[name] = updates
+        self.versions[name] = version
+        self._sync_hooks()
+
+    def unload(self, name: str) -> bool:
+        found = self.adapters.pop(name, None) is not None
+        self.versions.pop(name, None)
+        self._sync_hooks()
+        return found
+
+    # -- internals --------------------------------------------------------------
+    def _split(self, name: str) -> tuple[str, str]:
+        if not name.startswith(_PREFIX) or not name.endswith(_SUPPORTED_KEYS):
+            raise ArealError(
+                f"adapter tensor {name!r}: expected peft names 'base_model.model.<module>.lora_A.weight' / "
+                "'.lora_B.weight' (other adapter kinds are not supported)"
+            )
+        body = name[len(_PREFIX) :]
+        return body.rsplit(".lora_", 1)[0], body[-len("A.weight")]
+
+    def _linear(self, module: str, tname: str) -> torch.nn.Linear:
+        try:
+            lin = self.model.get_submodule(module)
+        except AttributeError:
+            raise ArealError(f"adapter tensor {tname!r}: the model has no module {module!r}") from None
+        if not isinstance(lin, torch.nn.Linear):
+            raise ArealError(f"adapter tensor {tname!r}: {module!r} is not a linear layer")
+        return lin
+
+    def _sync_hooks(self) -> None:
+        wanted = {m for ups in self.adapters.values() for m in ups}
+        for m in list(self._hooks):
+            if m not in wanted:
+                self._hooks.pop(m).remove()
+        for m in wanted - set(self._hooks):
+            self._hooks[m] = self.model.get_submodule(m).register_forward_hook(self._hook(m))
+
+    def _hook(self, module: str) -> Any:
+        def add_update(_mod: torch.nn.Module, inputs: tuple[torch.Tensor, ...], out: torch.Tensor) -> torch.Tensor:
+            x = inputs[0]
+            rows = self.rows
+            names = set(rows)
+            if len(names) == 1:
+                up = self._update(rows[0], module)
+                if up is None:
+                    return out
+                # The expression peft's unmerged layer computes.
+                return out + torch.nn.functional.linear(torch.nn.functional.linear(x, up.a), up.b) * up.scale
+            out = out.clone()
+            for name in names:
+                up = self._update(name, module)
+                if up is None:
+                    continue
+                idx = torch.tensor([i for i, n in enumerate(rows) if n == name], device=x.device)
+                xs = x.index_select(0, idx)
+                delta = torch.nn.functional.linear(torch.nn.functional.linear(xs, up.a), up.b) * up.scale
+                out.index_copy_(0, idx, out.index_select(0, idx) + delta)
+            return out
+
+        return add_update
+
+    def _update(self, name: str | None, module: str) -> _Update | None:
+        if name is None:
+            return None
+        return self.adapters[name].get(module)

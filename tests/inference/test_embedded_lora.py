@@ -1,0 +1,152 @@
+"""LoRA adapters on the real embedded server: several adapters served at once
+beside the base weights (requests name theirs), logprobs equal to the torch
+engine's recompute with the same adapter, adapter-only updates from disk and
+over the weight group, and a generation interrupted by an adapter update."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from areal_kernel.api.engine import WeightUpdateMeta
+from areal_kernel.api.io import GenerationConfig, ModelRequest, Trajectory, TrajectoryBatch
+from areal_kernel.engine.torch_engine import TorchTrainEngine
+
+VOCAB = 384
+PROMPT = [5, 17, 101, 33, 250, 7]
+TOL = 1e-4  # the embedded server's fp32 logprob tolerance (test_embedded_server.py)
+
+
+def _loss(logprobs, entropy, data):
+    mask = data["loss_mask"]
+    return -(logprobs * mask * (data["rewards"] * 2 - 1)).sum() / data["batch_loss_tokens"], {}
+
+
+def _batch(seed: int) -> TrajectoryBatch:
+    rng = random.Random(seed)
+    trajs = []
+    for k in range(4):
+        ids = [rng.randrange(VOCAB) for _ in range(12)]
+        trajs.append(Trajectory(ids, [0] * 4 + [1] * 8, [0.0] * 12, [-1] * 4 + [0] * 8, float(k % 2)))
+    return TrajectoryBatch(trajs)
+
+
+def _engine(model_dir: str, lora: dict | None, steps: int, seed: int) -> TorchTrainEngine:
+    e = TorchTrainEngine({"lr": 5e-2, "lora": lora, "seed": seed})
+    e.initialize(model_dir, 10)
+    for s in range(steps):
+        e.train_batch(_batch(seed * 100 + s), _loss)
+    return e
+
+
+def _recompute(engine: TorchTrainEngine, prompt: list[int], out: dict) -> list[float]:
+    ids = prompt + out["output_ids"]
+    n = len(out["output_ids"])
+    t = Trajectory(ids, [0] * len(prompt) + [1] * n, [0.0] * len(ids), [-1] * len(ids), 0.0)
+    return engine.compute_logprobs(TrajectoryBatch([t]))[0][len(prompt) :]
+
+
+def _max_diff(a: list[float], b: list[float]) -> float:
+    assert len(a) == len(b)
+    return max(abs(x - y) for x, y in zip(a, b))
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_model_dir):
+    base = _engine(tiny_model_dir, None, 0, 1)
+    a = _engine(tiny_model_dir, {"name": "task-a", "rank": 4, "alpha": 8}, 2, 2)
+    b = _engine(tiny_model_dir, {"name": "task-b", "rank": 2, "alpha": 4, "target_modules": ["up_proj", "o_proj"]}, 2, 3)
+    return base, a, b
+
+
+def test_two_adapters_and_the_base_in_one_batch(servers, engines, tmp_path):
+    base, a, b = engines
+    srv = servers[0]
+    for eng, version in ((a, 1), (b, 3)):
+        spec = eng.adapter_spec()
+        path = str(tmp_path / spec.name)
+        eng.send_weights(WeightUpdateMeta(kind="disk", version=version, path=path, adapter=spec.name))
+        assert srv.ok("/load_adapter", {"name": spec.name, "path": path, "version": version})["version"] == version
+    try:
+        assert srv.info()["adapters"] == {"task-a": 1, "task-b": 3}
+        # Sent together: the server batches rows of both adapters and of the base.
+        barrier = threading.Barrier(3)
+
+        def gen(adapter):
+            barrier.wait()
+            return srv.ok(
+                "/generate",
+                {"rid": f"mix-{adapter}", "input_ids": PROMPT, "adapter": adapter,
+                 "sampling_params": {"max_new_tokens": 16, "greedy": True}},
+            )  # fmt: skip
+
+        with ThreadPoolExecutor(3) as ex:
+            outs = dict(zip(["task-a", "task-b", None], ex.map(gen, ["task-a", "task-b", None])))
+        base_version = srv.info()["weight_version"]
+        for adapter, eng, version in (("task-a", a, 1), ("task-b", b, 3), (None, base, base_version)):
+            out = outs[adapter]
+            assert out["weight_version"] == version
+            assert _max_diff(out["output_logprobs"], _recompute(eng, PROMPT, out)) < TOL, adapter
+        # Each adapter changes what the model says.
+        assert outs["task-a"]["output_ids"] != outs[None]["output_ids"]
+        assert outs["task-b"]["output_ids"] != outs[None]["output_ids"]
+
+        status, err = srv.call("/generate", {"rid": "x", "input_ids": PROMPT, "adapter": "nope"})
+        assert status == 400 and "'nope' is not loaded" in err["error"]
+        status, err = srv.call("/load_adapter", {"name": "bad", "path": str(tmp_path), "version": 1})
+        assert status == 400 and "adapter_config.json" in err["error"]
+    finally:
+        for name in ("task-a", "task-b"):
+            srv.ok("/unload_adapter", {"name": name})
+    assert srv.info()["adapters"] == {}
+
+
+def test_adapter_broadcast_update_interrupts_a_generation(servers, engines, tmp_path, tiny_model_dir):
+    """The kernel's broadcast transport sends the adapter alone; a generation
+    running across the update holds tokens of both adapter versions, and the
+    new version's tokens score like the engine's recompute."""
+    from areal_kernel.inference.client import RemoteInferenceEngine
+    from areal_kernel.inference.embedded.backend import EmbeddedProtocol
+    from areal_kernel.trainer.weight_sync import BroadcastTransport
+
+    srv = servers[1]
+    eng = _engine(tiny_model_dir, {"name": "live", "rank": 4, "alpha": 8}, 1, 4)
+    client = RemoteInferenceEngine([srv.address], EmbeddedProtocol(), admin_token=srv.token)
+    client.default_adapter = "live"
+    transport = BroadcastTransport(eng, client, str(tmp_path), bucket_bytes=1 << 20)
+    transport.setup()
+    try:
+        stats = transport.update(1)
+        full_mb = sum(t.numel() * 4 for t in base_weights(engines[0])) / 2**20
+        assert 0 < stats["weights/mb"] < full_mb / 4  # only the adapter travelled
+        assert srv.info()["adapters"] == {"live": 1}
+        start = srv.info()["tokens_generated"]
+        req = ModelRequest(PROMPT, GenerationConfig(max_new_tokens=400, greedy=True))
+
+        async def run():
+            return await client.agenerate(req)
+
+        with ThreadPoolExecutor(1) as ex:
+            fut = ex.submit(asyncio.run, run())
+            srv.wait_for(lambda i: i["tokens_generated"] > start + 5, "tokens of version 1")
+            eng.train_batch(_batch(999), _loss)
+            transport.update(2)
+            resp = fut.result(timeout=300)
+        assert set(resp.output_versions) == {1, 2} and resp.n_interruptions >= 1
+        assert resp.output_versions == sorted(resp.output_versions)
+        k = resp.output_versions.index(2)
+        ids = PROMPT + resp.output_ids
+        t = Trajectory(ids, [0] * len(PROMPT) + [1] * len(resp.output_ids), [0.0] * len(ids), [-1] * len(ids), 0.0)
+        recomputed = eng.compute_logprobs(TrajectoryBatch([t]))[0][len(PROMPT) :]
+        assert _max_diff(resp.output_logprobs[k:], recomputed[k:]) < TOL
+    finally:
+        srv.ok("/unload_adapter", {"name": "live"})
+        client.destroy()
+
+
+def base_weights(engine: TorchTrainEngine):
+    return [t for _, t in engine.named_weights_for_transfer()]
