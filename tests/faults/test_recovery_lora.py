@@ -8,6 +8,7 @@ rewards all 0, an entropy bonus so every update depends on the exact samples),
 with examples/grpo_lora.yaml's adapter."""
 
 import os
+import re
 
 import pytest
 
@@ -51,7 +52,11 @@ def test_killed_lora_run_resumes_to_the_same_adapter(tiny_model, tmp_path):
 
     resumed = run_train(_args(tiny_model, run_dir))
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
-    assert "resuming from" in resumed.stdout and "step 2" in resumed.stdout
+    # The kill comes once step 3 has trained; an adapter checkpoint is so small
+    # that step 3's may complete before the kill lands, so the run resumes from
+    # step 2 or 3 -- either way the work after it was lost and must be redone.
+    m = re.search(r"resuming from \S+ \(step (\d+)\)", resumed.stdout)
+    assert m and int(m.group(1)) in (2, 3), resumed.stdout[-3000:]
     assert [s["uids"] for s in read_samples(run_dir)] == [s["uids"] for s in read_samples(ref_dir)]
 
     final = [os.path.join(d, "checkpoints", "final") for d in (ref_dir, run_dir)]
