@@ -1,33 +1,15 @@
 """One real embedded server on the tiny chat model (SmolLM2's tokenizer and
 template, random weights) shared by the agent tests, and a proxy in front of
 it whose engine records every request and response."""
+
 from __future__ import annotations
 
-import json
 import os
-import urllib.error
-import urllib.request
-from typing import Any
 
 import pytest
+from agent_helpers import Recorder, http
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-
-
-class Recorder:
-    """The real inference client, with every (request, response) kept."""
-
-    def __init__(self, engine: Any) -> None:
-        self.engine = engine
-        self.calls: list[tuple[Any, Any]] = []
-
-    async def agenerate(self, req: Any) -> Any:
-        resp = await self.engine.agenerate(req)
-        self.calls.append((req, resp))
-        return resp
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.engine, name)
 
 
 @pytest.fixture(scope="session")
@@ -36,7 +18,9 @@ def tiny_server(areal_tiny_chat_model_dir, tmp_path_factory):
     from areal_kernel.inference.embedded.backend import EmbeddedProtocol
     from areal_kernel.inference.embedded.launcher import EmbeddedLauncher, EmbeddedServerConfig
 
-    launcher = EmbeddedLauncher(EmbeddedServerConfig(dtype="float32"), run_dir=str(tmp_path_factory.mktemp("agent-srv")))
+    launcher = EmbeddedLauncher(
+        EmbeddedServerConfig(dtype="float32"), run_dir=str(tmp_path_factory.mktemp("agent-srv"))
+    )
     infos = launcher.launch(areal_tiny_chat_model_dir, n_servers=1, devices_per_server=0)
     engine = RemoteInferenceEngine([i.address for i in infos], EmbeddedProtocol())
     yield engine
@@ -65,22 +49,6 @@ def proxy(tokenizer, recorder):
     p.start()
     yield p
     p.stop()
-
-
-def http(method: str, url: str, body: Any = None, key: str | None = None, raw: bytes | None = None) -> tuple[int, Any]:
-    """One JSON request; (status, parsed body)."""
-    headers = {"Content-Type": "application/json"}
-    if key:
-        headers["Authorization"] = f"Bearer {key}"
-    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
-    if method == "POST" and data is None:
-        data = b""
-    req = urllib.request.Request(url, data=data, headers=headers, method=method)
-    try:
-        with urllib.request.urlopen(req, timeout=120) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read() or b"null")
 
 
 @pytest.fixture

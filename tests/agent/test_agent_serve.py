@@ -12,7 +12,7 @@ import sys
 import time
 
 import pytest
-from conftest import http
+from agent_helpers import http
 
 openai = pytest.importorskip("openai")
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

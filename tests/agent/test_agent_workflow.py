@@ -7,7 +7,7 @@ import asyncio
 import os
 
 import pytest
-from conftest import Recorder
+from agent_helpers import Recorder
 
 from areal_kernel.testing import WorkflowContract
 

@@ -5,7 +5,7 @@ what the inference engine generated."""
 from __future__ import annotations
 
 import pytest
-from conftest import http
+from agent_helpers import http
 
 openai = pytest.importorskip("openai")
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import Recorder, http
+from agent_helpers import Recorder, http
 
 openai = pytest.importorskip("openai")
 
