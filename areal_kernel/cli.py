@@ -38,7 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
     p.set_defaults(func=cmd_train)
 
-    p = sub.add_parser("agent", help="agentic RL through the OpenAI-compatible proxy")
+    p = sub.add_parser(
+        "agent", help="agentic RL through the OpenAI-compatible proxy: serve (training side), run|ps|status|logs|stop"
+    )
     agent_sub = p.add_subparsers(dest="agent_command", metavar="AGENT_COMMAND")
     q = agent_sub.add_parser(
         "serve",
@@ -49,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_config_args(q)
     q.set_defaults(func=cmd_agent_serve)
+    from areal_kernel.services.agent.cli import add_commands as add_agent_commands
+
+    add_agent_commands(agent_sub)
     p.set_defaults(func=lambda a, agent_parser=p: (agent_parser.print_help(), EXIT_USER_ERROR)[1])
 
     p = sub.add_parser("check", help="dry run: a few samples through data, workflow, engine and reward")

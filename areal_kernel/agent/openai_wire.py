@@ -1,10 +1,14 @@
 """The OpenAI chat-completions wire format, as far as the proxy speaks it:
-request validation, response and stream-chunk bodies, error bodies."""
+request validation, response and stream-chunk bodies, error bodies.
+
+The shapes both OpenAI-compatible servers of the kernel answer in (this
+proxy and the ``areal inf`` gateway, ``services.inf.openai_api``) live here
+once: ``error_body``, ``sse``, ``usage``, ``token_logprobs``."""
 
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Callable
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -74,14 +78,19 @@ def check_supported(req: ChatRequest) -> None:
             refuse(f"messages.{i}.role", "every message needs a string 'role'")
 
 
-def error_body(message: str, code: str, param: str | None = None, status: int = 400) -> dict[str, Any]:
-    kind = "invalid_request_error" if status < 500 else "server_error"
-    if status in (401, 403):
-        kind = "authentication_error" if status == 401 else "permission_error"
+def error_body(
+    message: str, code: str | None, param: str | None = None, status: int = 400, kind: str | None = None
+) -> dict[str, Any]:
+    """``{"error": {"message", "type", "param", "code"}}``; ``type`` follows the status unless ``kind`` is given."""
+    if kind is None:
+        kind = "invalid_request_error" if status < 500 else "server_error"
+        if status in (401, 403):
+            kind = "authentication_error" if status == 401 else "permission_error"
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 def sse(data: Any) -> bytes:
+    """One server-sent event: a JSON body, or a literal string such as ``[DONE]``."""
     return f"data: {json.dumps(data) if not isinstance(data, str) else data}\n\n".encode()
 
 
@@ -93,4 +102,21 @@ def tool_call_json(call: Any, index: int | None = None) -> dict[str, Any]:
     }
     if index is not None:
         out["index"] = index
+    return out
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def token_logprobs(decode: Callable[[list[int]], str], ids: list[int], logprobs: list[float]) -> list[dict[str, Any]]:
+    """The ``logprobs.content`` entries of the sampled tokens (no alternatives: ``top_logprobs`` is empty)."""
+    out = []
+    for t, lp in zip(ids, logprobs):
+        s = decode([t])
+        out.append({"token": s, "logprob": lp, "bytes": list(s.encode()), "top_logprobs": []})
     return out

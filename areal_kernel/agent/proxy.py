@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import hmac
 import queue
 import threading
@@ -40,7 +41,15 @@ from typing import Any
 
 from areal_kernel.agent.chat import ChatTokenizer, message_key
 from areal_kernel.agent.config import ProxyConfig
-from areal_kernel.agent.openai_wire import ChatRequest, error_body, parse_chat_request, sse, tool_call_json
+from areal_kernel.agent.openai_wire import (
+    ChatRequest,
+    error_body,
+    parse_chat_request,
+    sse,
+    token_logprobs,
+    tool_call_json,
+    usage,
+)
 from areal_kernel.agent.sessions import Completion, ExportFormat, Session, SessionError, SessionStore, export_json
 from areal_kernel.api.io import GenerationConfig, ModelRequest, ModelResponse, StopReason, Trajectory
 from areal_kernel.errors import ArealError, ServerError
@@ -446,7 +455,10 @@ class AgentProxy:
         engine = session.engine
         if engine is None:
             raise SessionError(503, "this session has no inference engine", "no_engine")
-        self._engines.setdefault(id(engine), engine)
+        # A per-session wrapper (``inner``: the engine it wraps) must not pile up here: the
+        # engines kept are those whose connections on this loop are closed at stop.
+        inner = getattr(engine, "inner", engine)
+        self._engines.setdefault(id(inner), inner)
         prompt, parent = self._prompt(session, req)
         turn = session.n_requests
         session.n_requests += 1
@@ -500,11 +512,8 @@ class AgentProxy:
         return c
 
     def _logprobs(self, c: Completion) -> dict[str, Any]:
-        out = []
-        for t, lp in zip(c.output_ids, c.output_logprobs):
-            s = self.chat.decode([t], skip_special_tokens=False)
-            out.append({"token": s, "logprob": lp, "bytes": list(s.encode()), "top_logprobs": []})
-        return {"content": out}
+        decode = functools.partial(self.chat.decode, skip_special_tokens=False)
+        return {"content": token_logprobs(decode, c.output_ids, c.output_logprobs)}
 
     async def _stream(
         self, request: Any, req: ChatRequest, rid: str, prompt: list[int], completions: list[Completion]
@@ -562,5 +571,4 @@ class AgentProxy:
 
 
 def _usage(prompt: list[int], completions: list[Completion]) -> dict[str, int]:
-    gen = sum(len(c.output_ids) for c in completions)
-    return {"prompt_tokens": len(prompt), "completion_tokens": gen, "total_tokens": len(prompt) + gen}
+    return usage(len(prompt), sum(len(c.output_ids) for c in completions))

@@ -8,7 +8,10 @@
   on a fresh connection: that is not a server failure (no failover, no
   health probe, no wait); ``stats["stale_connection_retries"]`` counts them.
 - Scheduling: least-loaded or round-robin over healthy servers; a request's
-  continuation prefers the server that produced its prefix (affinity).
+  continuation prefers the server that produced its prefix (affinity). A
+  caller pins a request to a server (while it is up) with
+  ``ModelRequest.metadata["server"] = <address>`` (e.g. a conversation's
+  turns on the replica that holds its prefix in cache).
 - Failover: a server that refuses or drops a connection is marked down; the
   request continues elsewhere with the tokens it already has (nothing is
   generated twice, nothing lost); a down server is probed again later, so a
@@ -469,6 +472,9 @@ class RemoteInferenceEngine(InferenceEngine):
         out_lp: list[float] = []
         out_v: list[int] = []
         server: ServerEndpoint | None = None
+        wanted = req.metadata.get("server") if req.metadata else None
+        if wanted:
+            server = next((s for s in self.servers if s.address == wanted), None)
         failures = 0
         interruptions = 0
         stop = StopReason.LENGTH

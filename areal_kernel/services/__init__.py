@@ -2,4 +2,6 @@
 
 - ``areal_kernel.services.inf``: ``areal inf``, a local gateway serving
   registered models through OpenAI-compatible routes (docs/services.md).
+- ``areal_kernel.services.agent``: ``areal agent run``, N workers of an agent
+  class behind the agent proxy, feeding a session log or a training run.
 """

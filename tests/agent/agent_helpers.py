@@ -1,5 +1,7 @@
-"""Helpers of the agent tests, importable by name (several test directories
-have a conftest.py, so ``from conftest import`` is ambiguous)."""
+"""Helpers the agent tests import (a module of its own: every test directory
+has a ``conftest`` module, so helpers imported by that name would collide
+when the whole suite runs in one process)."""
+
 from __future__ import annotations
 
 import json

@@ -1,15 +1,15 @@
 """One real embedded server on the tiny chat model (SmolLM2's tokenizer and
 template, random weights) shared by the agent tests, and a proxy in front of
 it whose engine records every request and response."""
+
 from __future__ import annotations
 
 import os
 
 import pytest
+from agent_helpers import Recorder, http
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-
-from agent_helpers import Recorder, http  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -18,7 +18,9 @@ def tiny_server(areal_tiny_chat_model_dir, tmp_path_factory):
     from areal_kernel.inference.embedded.backend import EmbeddedProtocol
     from areal_kernel.inference.embedded.launcher import EmbeddedLauncher, EmbeddedServerConfig
 
-    launcher = EmbeddedLauncher(EmbeddedServerConfig(dtype="float32"), run_dir=str(tmp_path_factory.mktemp("agent-srv")))
+    launcher = EmbeddedLauncher(
+        EmbeddedServerConfig(dtype="float32"), run_dir=str(tmp_path_factory.mktemp("agent-srv"))
+    )
     infos = launcher.launch(areal_tiny_chat_model_dir, n_servers=1, devices_per_server=0)
     engine = RemoteInferenceEngine([i.address for i in infos], EmbeddedProtocol())
     yield engine

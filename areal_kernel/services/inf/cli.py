@@ -146,7 +146,9 @@ def _running_state(home: Path) -> dict[str, Any]:
     return state
 
 
-def _call(state: dict[str, Any], method: str, path: str, body: Any = None, timeout: float = 30.0) -> Any:
+def _call(
+    state: dict[str, Any], method: str, path: str, body: Any = None, timeout: float = 30.0, what: str = "the gateway"
+) -> Any:
     url = f"http://{_connect_host(state['host'])}:{state['port']}{path}"
     headers = {"Content-Type": "application/json"}
     if state.get("admin_token"):
@@ -164,7 +166,7 @@ def _call(state: dict[str, Any], method: str, path: str, body: Any = None, timeo
             msg = raw.decode(errors="replace")[:500] or f"HTTP {e.code}"
         raise ArealError(msg) from None
     except (urllib.error.URLError, OSError) as e:
-        raise ArealError(f"the gateway (pid {state['pid']}) at {url} does not answer: {e}") from None
+        raise ArealError(f"{what} (pid {state['pid']}) at {url} does not answer: {e}") from None
 
 
 # -- commands --------------------------------------------------------------------------------
@@ -460,13 +462,19 @@ def cmd_logs(args: argparse.Namespace) -> int:
     path = _log_path(inf_home(), args.model, args.replica)
     if not path.exists():
         raise ArealError(f"{path}: no log yet")
+    return follow_file(path, args.lines, args.follow)
+
+
+def follow_file(path: Path, lines: int, follow: bool) -> int:
+    """Print the last ``lines`` lines of ``path``; with ``follow``, then what
+    is appended until Ctrl-C (a truncated file is read again from its start)."""
     from collections import deque
 
     with open(path, "rb") as f:
-        for line in deque(f, maxlen=max(0, args.lines)):
+        for line in deque(f, maxlen=max(0, lines)):
             sys.stdout.write(line.decode(errors="replace"))
         sys.stdout.flush()
-        if not args.follow:
+        if not follow:
             return 0
         try:
             while True:

@@ -41,6 +41,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from areal_kernel.agent.openai_wire import sse, token_logprobs
 from areal_kernel.errors import ArealError, ConfigError, ServerError
 from areal_kernel.logging import get_logger
 from areal_kernel.services.inf import openai_api as oa
@@ -491,7 +492,7 @@ class Gateway:
             text, stopped = oa.cut_at_stop(svc.tokenizer.decode(r.output_ids, skip_special_tokens=True), s.stop)
             finish = "stop" if stopped or r.stop_reason.value == "stop" else "length"
             n_out += len(r.output_ids)
-            lps = oa.token_logprobs(svc.tokenizer, r.output_ids, r.output_logprobs) if s.logprobs else None
+            lps = token_logprobs(svc.tokenizer.decode, r.output_ids, r.output_logprobs) if s.logprobs else None
             if chat:
                 choices.append(
                     {
@@ -537,7 +538,7 @@ class Gateway:
 
         async def send(choices: list[dict[str, Any]], **extra: Any) -> None:
             data = {"id": cid, "object": obj, "created": created, "model": svc.name, "choices": choices, **extra}
-            await resp.write(f"data: {json.dumps(data)}\n\n".encode())
+            await resp.write(sse(data))
 
         def choice(i: int, text: str | None, finish: str | None, role: bool = False) -> dict[str, Any]:
             if not chat:
@@ -553,7 +554,7 @@ class Gateway:
             await self._stream_choices(resp, send, choice, svc, s, ids, chat)
         except ConnectionResetError:
             return resp  # the caller went away; nothing more to send
-        await resp.write(b"data: [DONE]\n\n")
+        await resp.write(sse("[DONE]"))
         await resp.write_eof()
         return resp
 
@@ -589,7 +590,7 @@ class Gateway:
                 await send([], usage=oa.usage(len(ids), n_out))
         except oa.OpenAIError as e:
             # Headers are sent: the error travels as an event, as OpenAI's API does.
-            await resp.write(f"data: {json.dumps(e.body())}\n\n".encode())
+            await resp.write(sse(e.body()))
 
     # -- the HTTP app -------------------------------------------------------------------------
     def app(self) -> Any:

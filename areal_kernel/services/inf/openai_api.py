@@ -16,6 +16,9 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from areal_kernel.agent.openai_wire import error_body, usage
+
+__all__ = ["OpenAIError", "Sampling", "parse_sampling", "usage"]  # usage: the proxy's, shared
 MAX_N = 16
 
 
@@ -33,7 +36,7 @@ class OpenAIError(Exception):
         self.type = type_ or ("invalid_request_error" if status < 500 else "server_error")
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        return error_body(self.message, self.code, self.param, self.status, kind=self.type)
 
 
 @dataclass
@@ -199,25 +202,9 @@ class TextStream:
         return out, stopped
 
 
-def token_logprobs(tokenizer: Any, ids: list[int], logprobs: list[float]) -> list[dict[str, Any]]:
-    out = []
-    for t, lp in zip(ids, logprobs):
-        s = tokenizer.decode([t])
-        out.append({"token": s, "logprob": lp, "bytes": list(s.encode()), "top_logprobs": []})
-    return out
-
-
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
 def now() -> int:
     return int(time.time())
-
-
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-    }

@@ -205,8 +205,9 @@ def process_alive(pid: int, start_time: int | None) -> bool:
     return start_time is None or process_start_time(pid) == start_time
 
 
-def read_state(home: Path) -> dict[str, Any] | None:
-    path = home / STATE_NAME
+def read_state(home: Path, name: str = STATE_NAME) -> dict[str, Any] | None:
+    """The state file ``name`` under ``home`` (``areal agent`` keeps its own there)."""
+    path = home / name
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
@@ -218,13 +219,13 @@ def read_state(home: Path) -> dict[str, Any] | None:
     return data
 
 
-def write_state(home: Path, state: dict[str, Any]) -> None:
-    write_atomic(home / STATE_NAME, json.dumps(state, indent=2) + "\n", mode=0o600)
+def write_state(home: Path, state: dict[str, Any], name: str = STATE_NAME) -> None:
+    write_atomic(home / name, json.dumps(state, indent=2) + "\n", mode=0o600)
 
 
-def remove_state(home: Path, pid: int | None = None) -> None:
+def remove_state(home: Path, pid: int | None = None, name: str = STATE_NAME) -> None:
     """Remove the state file (only if it still names ``pid``, when given)."""
-    path = home / STATE_NAME
+    path = home / name
     try:
         if pid is not None:
             current = json.loads(path.read_text(encoding="utf-8"))
