@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -20,21 +19,19 @@ from typing import Any
 from pydantic import ValidationError
 
 from areal_kernel.errors import ArealError, ConfigError
-from areal_kernel.services.agent.spec import (
-    ADMIN_TOKEN_ENV,
-    LOG_NAME,
-    RECORDS_NAME,
-    SESSION_LOG,
-    SPEC_NAME,
-    STATE_NAME,
-    AgentRunSpec,
-    agent_home,
+from areal_kernel.services.agent.spec import AGENT, LOG_NAME, RECORDS_NAME, SESSION_LOG, SPEC_NAME, AgentRunSpec
+from areal_kernel.services.detached import (
+    add_follow_options,
+    add_stop_command,
+    follow_file,
+    locked,
+    parse_settings,
+    print_processes,
+    table,
+    write_atomic,
 )
-from areal_kernel.services.inf.cli import _call, _locked, _parse_settings, _table, follow_file
-from areal_kernel.services.inf.state import gateway_alive, kill_leftovers, read_state, remove_state, write_atomic
 
 SERVICE_MODULE = "areal_kernel.services.agent.service"
-WHAT = "the agent service"
 
 
 def add_commands(cmds: Any) -> None:
@@ -84,36 +81,13 @@ def add_commands(cmds: Any) -> None:
 
     p = cmds.add_parser("logs", help="the service's log, or a worker's")
     p.add_argument("--worker", type=int, default=None, help="worker index (none: the service's log)")
-    p.add_argument("-n", "--lines", type=int, default=40, help="lines to show first (default 40)")
-    p.add_argument("-f", "--follow", action="store_true", help="keep printing what is appended (Ctrl-C ends)")
+    add_follow_options(p)
     p.set_defaults(func=cmd_logs)
-
-    p = cmds.add_parser("stop", help="stop the service, its workers and model replicas")
-    p.add_argument("--timeout", type=float, default=120.0, help="seconds before what is left is killed")
-    p.set_defaults(func=cmd_stop)
-
-
-def _running_state(home: Path) -> dict[str, Any]:
-    state = read_state(home, STATE_NAME)
-    if state is None:
-        raise ArealError(f"the agent service is not running (no {home / STATE_NAME}); start it with `areal agent run`")
-    if not gateway_alive(state):
-        raise ArealError(
-            f"the agent service is not running: {home / STATE_NAME} names pid {state['pid']}, which is gone (a stale "
-            "state file); `areal agent run` replaces it, `areal agent stop` cleans up"
-        )
-    return state
+    add_stop_command(cmds, "stop the service, its workers and model replicas", cmd_stop)
 
 
 def _status(home: Path) -> dict[str, Any]:
-    return _call(_running_state(home), "GET", "/admin/status", what=WHAT)
-
-
-def _remove_stale(home: Path, state: dict[str, Any]) -> str:
-    killed = kill_leftovers(state)
-    remove_state(home, name=STATE_NAME)
-    left = f"; stopped {len(killed)} leftover process group(s)" if killed else ""
-    return f"areal agent: removed a stale state file ({home / STATE_NAME}: service pid {state['pid']} is gone){left}"
+    return AGENT.call(AGENT.running_state(home), "GET", "/admin/status")
 
 
 def _spec(args: argparse.Namespace, home: Path) -> AgentRunSpec:
@@ -149,7 +123,7 @@ def _spec(args: argparse.Namespace, home: Path) -> AgentRunSpec:
     raw = {
         "agent": agent, "agent_kwargs": kwargs, "workers": args.workers, "model_name": args.model_name,
         "backend": args.backend or (None if args.proxy else "embedded"), "model_path": model_path,
-        "dtype": args.dtype, "args": _parse_settings(args.settings), "max_restarts": args.max_restarts,
+        "dtype": args.dtype, "args": parse_settings(args.settings), "max_restarts": args.max_restarts,
         "max_new_tokens": args.max_new_tokens, "proxy_url": args.proxy,
         "proxy_token": args.proxy_token or os.environ.get("AREAL_AGENT_PROXY_TOKEN"),
         "records": records, "dataset": dataset, "epochs": args.epochs, "session_timeout_s": args.session_timeout,
@@ -175,77 +149,25 @@ def _spec(args: argparse.Namespace, home: Path) -> AgentRunSpec:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from areal_kernel.utils.network import port_is_free
-
-    home = agent_home()
-    with _locked(home):
-        state = read_state(home, STATE_NAME)
-        if state is not None:
-            if gateway_alive(state):
-                raise ArealError(
-                    f"the agent service already runs (pid {state['pid']}, {state.get('url')}); `areal agent stop` "
-                    "stops it"
-                )
-            print(_remove_stale(home, state), file=sys.stderr)
+    home = AGENT.home()
+    with locked(home):
+        AGENT.check_not_running(home)
         spec = _spec(args, home)
-        if spec.port and not port_is_free(spec.port, spec.host, reuse_addr=True):
-            raise ArealError(
-                f"--port {spec.port}: {spec.host}:{spec.port} is already in use by another process; choose another "
-                "port (areal agent run --port N)"
-            )
+        AGENT.check_port(spec.host, spec.port)
         write_atomic(home / SPEC_NAME, spec.model_dump_json(indent=2) + "\n", mode=0o600)
-        env = dict(os.environ)
-        env.setdefault("OMP_NUM_THREADS", "1")
-        token = args.admin_token or os.environ.get(ADMIN_TOKEN_ENV)
-        if token:
-            env[ADMIN_TOKEN_ENV] = token
-        pkg_root = str(Path(__file__).resolve().parents[3])
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH", "")) if p)
-        log_path = home / LOG_NAME
-        offset = log_path.stat().st_size if log_path.exists() else 0
-        with open(log_path, "ab") as logf:
-            logf.write(
-                f"\n=== areal agent run: {spec.agent} x{spec.workers} ({time.strftime('%Y-%m-%d %H:%M:%S')})\n".encode()
-            )
-            logf.flush()
-            proc = subprocess.Popen(
-                [sys.executable, "-m", SERVICE_MODULE, "--home", str(home)], stdout=logf, stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL, env=env, cwd=str(home), start_new_session=True,
-            )  # fmt: skip
-        deadline = time.monotonic() + args.timeout
-        while True:
-            rc = proc.poll()
-            if rc is not None:
-                raise ArealError(_failure(log_path, offset, rc))
-            state = read_state(home, STATE_NAME)
-            if state is not None and state.get("pid") == proc.pid:
-                try:
-                    st = _call(state, "GET", "/admin/status", timeout=5.0, what=WHAT)
-                    if st["service"]["state"] == "running":
-                        break
-                except ArealError:
-                    pass
-            if time.monotonic() > deadline:
-                kill_leftovers(state if state is not None and state.get("pid") == proc.pid else {"pid": proc.pid})
-                raise ArealError(f"the agent service did not start within {args.timeout:g} s; see {log_path}")
-            time.sleep(0.2)
+
+        def running(state: dict[str, Any]) -> dict[str, Any] | None:
+            st = AGENT.call(state, "GET", "/admin/status", timeout=5.0)
+            return st if st["service"]["state"] == "running" else None
+
+        proc, _, st = AGENT.start(
+            home, [SERVICE_MODULE, "--home", str(home)], f"{spec.agent} x{spec.workers}", args.admin_token, running,
+            args.timeout,
+        )  # fmt: skip
     svc = st["service"]
     print(f"areal agent: {spec.workers} worker(s) of {spec.agent} running (service pid {proc.pid}, {svc['url']}); "
           f"proxy {svc['proxy']}; sessions -> {home / SESSION_LOG}")  # fmt: skip
     return 0
-
-
-def _failure(log_path: Path, offset: int, rc: int) -> str:
-    try:
-        with open(log_path, errors="replace") as f:
-            f.seek(offset)
-            lines = f.read().splitlines()
-    except OSError:
-        lines = []
-    for line in reversed(lines):
-        if line.startswith("error: "):
-            return line[len("error: ") :]
-    return f"the agent service exited with code {rc} while starting; its log: {log_path}\n" + "\n".join(lines[-20:])
 
 
 def _processes(st: dict[str, Any]) -> list[dict[str, Any]]:
@@ -261,13 +183,8 @@ def _processes(st: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def cmd_ps(args: argparse.Namespace) -> int:
-    rows = _processes(_status(agent_home()))
-    if args.json:
-        print(json.dumps({"processes": rows}, indent=2))
-    else:
-        keys = ["kind", "index", "pid", "state", "restarts", "log"]
-        print(_table([[r[k] for k in keys] for r in rows], [k.upper() for k in keys]))
-    return 0
+    keys = ["kind", "index", "pid", "state", "restarts", "log"]
+    return print_processes(_processes(_status(AGENT.home())), keys, args.json)
 
 
 def _render(st: dict[str, Any]) -> str:
@@ -281,7 +198,7 @@ def _render(st: dict[str, Any]) -> str:
         f"{st['tokens_per_s']:.1f} tokens/s; records {st['records']['total']} ({st['records']['queued']} queued, "
         f"epoch {st['records']['epoch']})",
         "",
-        _table(
+        table(
             [
                 [w["index"], w["pid"], w["state"], w["restarts"], w["sessions"], w["session"] or "-"]
                 for w in st["workers"]
@@ -295,7 +212,7 @@ def _render(st: dict[str, Any]) -> str:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    home = agent_home()
+    home = AGENT.home()
     try:
         while True:
             st = _status(home)
@@ -310,7 +227,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_logs(args: argparse.Namespace) -> int:
-    home = agent_home()
+    home = AGENT.home()
     path = home / LOG_NAME
     if args.worker is not None:
         path = home / "workers" / f"worker-{args.worker}.log"
@@ -320,33 +237,14 @@ def cmd_logs(args: argparse.Namespace) -> int:
             )
             raise ArealError(f"--worker {args.worker}: no log of that worker in {home / 'workers'}; "
                              f"known: {', '.join(known) or 'none'}")  # fmt: skip
-    if not path.exists():
-        raise ArealError(f"{path}: no log yet")
     return follow_file(path, args.lines, args.follow)
 
 
 def cmd_stop(args: argparse.Namespace) -> int:
-    home = agent_home()
-    with _locked(home):
-        state = read_state(home, STATE_NAME)
-        if state is None:
-            print("areal agent: the agent service is not running", file=sys.stderr)
-            return 0
-        if not gateway_alive(state):
-            print(_remove_stale(home, state))
-            return 0
-        try:
-            _call(state, "POST", "/admin/shutdown", timeout=10.0, what=WHAT)
-        except ArealError as e:
-            print(f"areal agent: the service did not take the shutdown request ({e}); killing it", file=sys.stderr)
-        deadline = time.monotonic() + args.timeout
-        while gateway_alive(state) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        latest = read_state(home, STATE_NAME) or state
-        forced = kill_leftovers(latest) + kill_leftovers(state)
-        remove_state(home, name=STATE_NAME)
-    reps = state.get("replicas") or {}
-    extra = f"; killed {len(set(forced))} process group(s) left after {args.timeout:g} s" if forced else ""
-    print(f"areal agent: stopped the service (pid {state['pid']}), {len(reps.get('workers', []))} worker(s) and "
-          f"{len(reps.get('model', []))} model replica(s){extra}")  # fmt: skip
+    stopped = AGENT.stop(AGENT.home(), args.timeout)
+    if stopped is not None:
+        state, extra = stopped
+        reps = state.get("replicas") or {}
+        print(f"areal agent: stopped the service (pid {state['pid']}), {len(reps.get('workers', []))} worker(s) and "
+              f"{len(reps.get('model', []))} model replica(s){extra}")  # fmt: skip
     return 0

@@ -49,7 +49,7 @@ from typing import Any
 from areal_kernel.errors import ArealError, ConfigError, DataError
 from areal_kernel.logging import get_logger
 from areal_kernel.services.agent.spec import (
-    ADMIN_TOKEN_ENV,
+    AGENT,
     LOG_NAME,
     SESSION_LOG,
     SPEC_NAME,
@@ -57,8 +57,15 @@ from areal_kernel.services.agent.spec import (
     WORKER_TOKEN_ENV,
     AgentRunSpec,
 )
-from areal_kernel.services.inf.state import process_start_time, remove_state, write_state
-from areal_kernel.utils.network import bearer_matches, is_loopback
+from areal_kernel.services.detached import (
+    connect_host,
+    control_app,
+    kill_groups,
+    process_start_time,
+    spawn_logged,
+    start_error,
+)
+from areal_kernel.utils.network import bearer_matches
 
 log = get_logger("areal.agent.service")
 EXIT_BIND_FAILED = 3
@@ -208,16 +215,10 @@ class AgentService:
         env = dict(os.environ)
         env[WORKER_TOKEN_ENV] = self.worker_token
         env.setdefault("OMP_NUM_THREADS", "1")
-        host = "127.0.0.1" if self.spec.host in ("0.0.0.0", "", "::") else self.spec.host
-        cmd = [sys.executable, "-m", WORKER_MODULE, "--index", str(w.index), "--control", f"http://{host}:{self.port}"]
-        w.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(w.log_path, "ab") as logf:
-            logf.write(f"=== worker {w.index} starting ({time.strftime('%Y-%m-%d %H:%M:%S')})\n".encode())
-            logf.flush()
-            w.proc = subprocess.Popen(
-                cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, cwd=self.spec.cwd,
-                start_new_session=True,  # its own group: stopped (and killed) as one, never by name
-            )  # fmt: skip
+        control = f"http://{connect_host(self.spec.host)}:{self.port}"
+        cmd = [sys.executable, "-m", WORKER_MODULE, "--index", str(w.index), "--control", control]
+        header = f"=== worker {w.index} starting ({time.strftime('%Y-%m-%d %H:%M:%S')})\n"
+        w.proc = spawn_logged(cmd, w.log_path, header, env, self.spec.cwd)
         w.start_time = process_start_time(w.proc.pid)
 
     def write_state(self) -> None:
@@ -226,20 +227,10 @@ class AgentService:
         }
         if self.model is not None:
             replicas["model"] = [{"pid": r["pid"], "start_time": r["start_time"]} for r in self.model.replicas()]
-        state = {
-            "pid": os.getpid(),
-            "start_time": process_start_time(os.getpid()),
-            "host": self.spec.host,
-            "port": self.port,
-            "url": self.url,
-            "admin_token": self.token,
-            "started": self.started,
-            "log": str(self.home / LOG_NAME),
-            "replicas": replicas,
-        }
-        if state != self._snapshot:
-            write_state(self.home, state, STATE_NAME)
-            self._snapshot = state
+        self._snapshot = AGENT.publish_state(
+            self.home, self._snapshot, host=self.spec.host, port=self.port, token=self.token, started=self.started,
+            replicas=replicas,
+        )  # fmt: skip
 
     # -- work --------------------------------------------------------------------------------
     def next_record(self) -> dict[str, Any] | None:
@@ -377,26 +368,13 @@ class AgentService:
 
     def stop_workers(self) -> None:
         """SIGTERM each worker's process group, SIGKILL what is left after a grace period."""
-        from areal_kernel.services.inf.state import group_alive
-
-        live = [w.proc.pid for w in self.workers if w.proc is not None]
-        for sig, grace in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 10.0)):
-            for pid in live:
+        kill_groups([w.proc.pid for w in self.workers if w.proc is not None])
+        for w in self.workers:
+            if w.proc is not None:
                 try:
-                    os.killpg(pid, sig)
-                except (ProcessLookupError, PermissionError):
+                    w.proc.wait(timeout=1.0)  # reap it: its group is gone
+                except subprocess.TimeoutExpired:
                     pass
-            deadline = time.monotonic() + grace
-            for w in self.workers:
-                if w.proc is not None:
-                    try:
-                        w.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-                    except subprocess.TimeoutExpired:
-                        pass
-            while time.monotonic() < deadline and any(group_alive(pid) for pid in live):
-                time.sleep(0.05)
-            if not any(group_alive(pid) for pid in live):
-                return
 
     # -- status ---------------------------------------------------------------------------------
     def status(self) -> dict[str, Any]:
@@ -455,16 +433,6 @@ class AgentService:
                 log.exception("request failed", path=request.path)
                 return refuse(500, f"{type(e).__name__}: {e}", "internal_error")
 
-        async def health(_: web.Request) -> web.Response:
-            return web.json_response({"status": "ok", "state": self.state})
-
-        async def status(_: web.Request) -> web.Response:
-            return web.json_response(self.status())
-
-        async def shutdown(_: web.Request) -> web.Response:
-            self.stop_event.set()
-            return web.json_response({"ok": True})
-
         async def next_work(request: web.Request) -> web.Response:
             body = await request.json()
             index = int(body["worker"])
@@ -501,10 +469,7 @@ class AgentService:
         async def agent_spec(_: web.Request) -> web.Response:
             return web.json_response({"agent": self.spec.agent, "agent_kwargs": self.spec.agent_kwargs})
 
-        app = web.Application(middlewares=[guard], client_max_size=64 << 20)
-        app.router.add_get("/health", health)
-        app.router.add_get("/admin/status", status)
-        app.router.add_post("/admin/shutdown", shutdown)
+        app = control_app(guard, 64 << 20, lambda: {"status": "ok", "state": self.state}, self.status, self.stop_event)
         app.router.add_get("/work/agent", agent_spec)
         app.router.add_post("/work/next", next_work)
         app.router.add_post("/work/done", done)
@@ -512,26 +477,14 @@ class AgentService:
 
 
 async def serve(home: Path, spec: AgentRunSpec, token: str | None) -> int:
-    import errno
-
-    from aiohttp import web
-
     svc = AgentService(home, spec, token, secrets.token_urlsafe(24))
     try:
         svc.records = load_spec_records(spec)
     except ArealError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
+        start_error(str(e))
         return 2
-    runner = web.AppRunner(svc.app(), access_log=None)
-    await runner.setup()
-    try:
-        site = web.TCPSite(runner, spec.host, spec.port)
-        await site.start()
-    except OSError as e:
-        await runner.cleanup()
-        why = "is already in use by another process" if e.errno == errno.EADDRINUSE else f"cannot be bound ({e})"
-        print(f"error: --port {spec.port}: {spec.host}:{spec.port} {why}; choose another port "
-              "(areal agent run --port N)", file=sys.stderr, flush=True)  # fmt: skip
+    runner = await AGENT.listen(svc.app(), spec.host, spec.port, f"--port {spec.port}: ")
+    if runner is None:
         return EXIT_BIND_FAILED
     svc.port = int(runner.addresses[0][1])
     loop = asyncio.get_running_loop()
@@ -558,7 +511,7 @@ async def serve(home: Path, spec: AgentRunSpec, token: str | None) -> int:
         from areal_kernel.services.inf.gateway import one_line
 
         svc.state, svc.error = "failed", one_line(str(e))
-        print(f"error: {svc.error}", file=sys.stderr, flush=True)
+        start_error(svc.error)
         rc = 2
     finally:
         svc.state = "stopping"
@@ -572,7 +525,7 @@ async def serve(home: Path, spec: AgentRunSpec, token: str | None) -> int:
             if svc.model.client is not None:
                 await svc.model.client.aclose(current_loop_only=True)
             await svc.run_in_pool(svc.model.stop)
-        remove_state(home, os.getpid(), STATE_NAME)
+        AGENT.remove_state(home, os.getpid())
         await runner.cleanup()
         svc.pool.shutdown(wait=False, cancel_futures=True)
         svc._session_log.close()
@@ -591,15 +544,12 @@ def main(argv: list[str] | None = None) -> None:
             spec = AgentRunSpec.model_validate_json((home / SPEC_NAME).read_text(encoding="utf-8"))
         except (OSError, ValueError) as e:
             raise ConfigError(f"{home / SPEC_NAME}: cannot read the run's settings: {e}") from None
-        # The token travels through the environment, never argv (world-readable in ps).
-        token = os.environ.pop(ADMIN_TOKEN_ENV, None)
-        if not token and not is_loopback(spec.host):
-            token = secrets.token_urlsafe(32)
+        token = AGENT.admin_token(spec.host)
         from areal_kernel.plugins import get_plugin_manager
 
         get_plugin_manager().ensure_loaded()
     except ArealError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
+        start_error(str(e))
         sys.exit(2)
     sys.exit(asyncio.run(serve(home, spec, token)))
 

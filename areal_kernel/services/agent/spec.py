@@ -12,12 +12,11 @@ Files under ``$AREAL_HOME/agent`` (default ``~/.areal/agent``):
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from areal_kernel.services.detached import DetachedService
 from areal_kernel.utils.network import is_loopback
 
 SPEC_NAME = "run.json"
@@ -29,10 +28,18 @@ WORKER_TOKEN_ENV = "AREAL_AGENT_WORKER_TOKEN"
 ADMIN_TOKEN_ENV = "AREAL_AGENT_ADMIN_TOKEN"
 
 
-def agent_home() -> Path:
-    """``$AREAL_HOME/agent``, or ``~/.areal/agent``."""
-    base = os.environ.get("AREAL_HOME") or os.path.join(os.path.expanduser("~"), ".areal")
-    return Path(base).expanduser().absolute() / "agent"
+AGENT = DetachedService(
+    command="agent",
+    title="the agent service",
+    process="the agent service",
+    short="service",
+    pid_label="pid",
+    not_started="the agent service did not start",
+    exited="the agent service exited with code {rc} while starting; its log: {log}",
+    state_name=STATE_NAME,
+    log_name=LOG_NAME,
+    token_env=ADMIN_TOKEN_ENV,
+)
 
 
 class AgentRunSpec(BaseModel):

@@ -31,7 +31,6 @@ import asyncio
 import concurrent.futures
 import json
 import os
-import secrets
 import signal
 import sys
 import threading
@@ -44,22 +43,22 @@ from pydantic import ValidationError
 from areal_kernel.agent.openai_wire import sse, token_logprobs
 from areal_kernel.errors import ArealError, ConfigError, ServerError
 from areal_kernel.logging import get_logger
+from areal_kernel.services.detached import control_app, process_start_time, start_error
 from areal_kernel.services.inf import openai_api as oa
 from areal_kernel.services.inf.state import (
+    INF,
+    LOG_NAME,
+    STATE_NAME,
     GatewaySettings,
     ModelEntry,
     ServiceConfig,
     check_model_name,
     load_config,
-    process_start_time,
-    remove_state,
     save_config,
-    write_state,
 )
-from areal_kernel.utils.network import bearer_matches, is_loopback
+from areal_kernel.utils.network import bearer_matches
 
 log = get_logger("areal.inf.gateway")
-ADMIN_TOKEN_ENV = "AREAL_INF_ADMIN_TOKEN"
 EXIT_BIND_FAILED = 3
 
 
@@ -320,20 +319,10 @@ class Gateway:
             name: [{"pid": r["pid"], "start_time": r["start_time"]} for r in s.replicas()]
             for name, s in self.models.items()
         }
-        state = {
-            "pid": os.getpid(),
-            "start_time": process_start_time(os.getpid()),
-            "host": self.host,
-            "port": self.port,
-            "url": f"http://{self.host}:{self.port}",
-            "admin_token": self.token,
-            "started": self.started,
-            "log": str(self.home / "gateway.log"),
-            "replicas": replicas,
-        }
-        if state != self._state_snapshot:
-            write_state(self.home, state)
-            self._state_snapshot = state
+        self._state_snapshot = INF.publish_state(
+            self.home, self._state_snapshot, host=self.host, port=self.port, token=self.token, started=self.started,
+            replicas=replicas,
+        )  # fmt: skip
 
     def status(self) -> dict[str, Any]:
         return {
@@ -344,7 +333,7 @@ class Gateway:
                 "port": self.port,
                 "started": self.started,
                 "admin_token_required": self.token is not None,
-                "log": str(self.home / "gateway.log"),
+                "log": str(self.home / LOG_NAME),
                 "home": str(self.home),
             },
             "models": [s.status() for s in self.models.values()],
@@ -607,7 +596,7 @@ class Gateway:
                         oa.OpenAIError(
                             401,
                             f"{request.path} needs 'Authorization: Bearer <admin token>' (the gateway listens "
-                            f"beyond loopback; the token is in {self.home / 'gateway.json'})",
+                            f"beyond loopback; the token is in {self.home / STATE_NAME})",
                             code="unauthorized",
                         )
                     )
@@ -629,9 +618,6 @@ class Gateway:
             if not isinstance(data, dict):
                 raise oa.OpenAIError(400, f"{request.path}: the body must be a JSON object")
             return data
-
-        async def health(_: web.Request) -> web.Response:
-            return web.json_response({"status": "ok"})
 
         def model_card(s: ModelService) -> dict[str, Any]:
             return {"id": s.name, "object": "model", "created": s.created, "owned_by": "areal", "root": s.model_dir}
@@ -655,9 +641,6 @@ class Gateway:
                 svc, sampling, ids = out
                 return await self.stream(request, svc, sampling, ids, chat=is_chat)
             return web.json_response(out)
-
-        async def status(_: web.Request) -> web.Response:
-            return web.json_response(self.status())
 
         async def model_status(request: web.Request) -> web.Response:
             name = request.match_info["name"]
@@ -688,38 +671,21 @@ class Gateway:
             svc = await self.remove_model(request.match_info["name"])
             return web.json_response({"ok": True, "name": svc.name, "replicas_stopped": len(svc.devices)})
 
-        async def shutdown(_: web.Request) -> web.Response:
-            self.stop_event.set()
-            return web.json_response({"ok": True})
-
-        app = web.Application(middlewares=[guard], client_max_size=32 << 20)
-        app.router.add_get("/health", health)
+        app = control_app(guard, 32 << 20, lambda: {"status": "ok"}, self.status, self.stop_event)
         app.router.add_get("/v1/models", list_models)
         app.router.add_get("/v1/models/{name}", get_model)
         app.router.add_post("/v1/chat/completions", chat)
         app.router.add_post("/v1/completions", completion)
-        app.router.add_get("/admin/status", status)
         app.router.add_get("/admin/models/{name}", model_status)
         app.router.add_post("/admin/models", register)
         app.router.add_delete("/admin/models/{name}", deregister)
-        app.router.add_post("/admin/shutdown", shutdown)
         return app
 
 
 async def serve(home: Path, config: ServiceConfig, host: str, port: int, token: str | None) -> int:
-    import errno
-
-    from aiohttp import web
-
     gw = Gateway(home, config, host, port, token)
-    runner = web.AppRunner(gw.app(), access_log=None)
-    await runner.setup()
-    try:
-        await web.TCPSite(runner, host, port).start()
-    except OSError as e:
-        await runner.cleanup()
-        why = "is already in use by another process" if e.errno == errno.EADDRINUSE else f"cannot be bound ({e})"
-        print(f"error: {host}:{port} {why}; choose another port (areal inf run --port N)", file=sys.stderr, flush=True)
+    runner = await INF.listen(gw.app(), host, port)
+    if runner is None:
         return EXIT_BIND_FAILED
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -733,7 +699,7 @@ async def serve(home: Path, config: ServiceConfig, host: str, port: int, token: 
     try:
         await gw.shutdown()
     finally:
-        remove_state(home, os.getpid())
+        INF.remove_state(home, os.getpid())
         await runner.cleanup()
         gw.pool.shutdown(wait=False, cancel_futures=True)
     log.info("gateway stopped")
@@ -752,15 +718,12 @@ def main(argv: list[str] | None = None) -> None:
         config = load_config(home)
         host = args.host or config.gateway.host
         port = args.port or config.gateway.port
-        # The token travels through the environment, never argv (world-readable in ps).
-        token = os.environ.pop(ADMIN_TOKEN_ENV, None) or config.gateway.admin_token
-        if not token and not is_loopback(host):
-            token = secrets.token_urlsafe(32)
+        token = INF.admin_token(host, config.gateway.admin_token)
         from areal_kernel.plugins import get_plugin_manager
 
         get_plugin_manager().ensure_loaded()  # once, before worker threads look names up
     except ArealError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
+        start_error(str(e))
         sys.exit(2)
     sys.exit(asyncio.run(serve(home, config, host, port, token)))
 

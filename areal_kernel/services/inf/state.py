@@ -8,19 +8,16 @@
   removed when it stops. Readable by its owner only (it holds the token).
 - ``gateway.log``: the gateway's own log; replicas log under ``models/<name>/``.
 
-A state file whose pid is gone (or now belongs to another process: the
-start time differs) is *stale*: the gateway was killed without cleaning up.
+A state file whose pid is gone is *stale*: the gateway was killed without
+cleaning up. Starting, finding and stopping the gateway by its state file is
+``services.detached`` (shared with ``areal agent``), described by ``INF``.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
 import re
-import signal
-import tempfile
-import time
 from pathlib import Path
 from typing import Any, Literal
 
@@ -28,18 +25,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from areal_kernel.config.sections import format_validation_error
 from areal_kernel.errors import ConfigError
+from areal_kernel.services.detached import DetachedService, write_atomic
 
 CONFIG_NAME = "config.toml"
 STATE_NAME = "gateway.json"
 LOG_NAME = "gateway.log"
-LOCK_NAME = "lock"
 MODEL_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-
-
-def inf_home() -> Path:
-    """``$AREAL_HOME/inf``, or ``~/.areal/inf``."""
-    base = os.environ.get("AREAL_HOME") or os.path.join(os.path.expanduser("~"), ".areal")
-    return Path(base).expanduser().absolute() / "inf"
 
 
 class GatewaySettings(BaseModel):
@@ -163,119 +154,17 @@ def _toml_value(v: Any) -> str:
     raise ConfigError(f"cannot store {v!r} ({type(v).__name__}) in {CONFIG_NAME}; use numbers, strings, lists, maps")
 
 
-def write_atomic(path: Path, text: str, mode: int = 0o644) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        os.fchmod(fd, mode)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-
-
 # -- the running gateway ----------------------------------------------------------
 
-
-def process_start_time(pid: int) -> int | None:
-    """The kernel's start time of ``pid`` (clock ticks since boot), None when
-    it does not exist. With the pid it names one process even after pid reuse."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = stat[stat.rfind(")") + 2 :].split()
-    return int(fields[19])  # field 22 of proc(5), counted from field 3
-
-
-def process_alive(pid: int, start_time: int | None) -> bool:
-    """``pid`` runs and is the same process as when ``start_time`` was read
-    (a zombie counts as gone)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    if stat[stat.rfind(")") + 2 :].split()[0] == "Z":
-        return False
-    return start_time is None or process_start_time(pid) == start_time
-
-
-def read_state(home: Path, name: str = STATE_NAME) -> dict[str, Any] | None:
-    """The state file ``name`` under ``home`` (``areal agent`` keeps its own there)."""
-    path = home / name
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"{path}: unreadable state file ({e}); remove it if no gateway runs") from None
-    if not isinstance(data, dict) or not isinstance(data.get("pid"), int):
-        raise ConfigError(f"{path}: not a gateway state file (no pid); remove it if no gateway runs")
-    return data
-
-
-def write_state(home: Path, state: dict[str, Any], name: str = STATE_NAME) -> None:
-    write_atomic(home / name, json.dumps(state, indent=2) + "\n", mode=0o600)
-
-
-def remove_state(home: Path, pid: int | None = None, name: str = STATE_NAME) -> None:
-    """Remove the state file (only if it still names ``pid``, when given)."""
-    path = home / name
-    try:
-        if pid is not None:
-            current = json.loads(path.read_text(encoding="utf-8"))
-            if current.get("pid") != pid:
-                return
-        path.unlink()
-    except (OSError, ValueError):
-        pass
-
-
-def gateway_alive(state: dict[str, Any]) -> bool:
-    return process_alive(int(state["pid"]), state.get("start_time"))
-
-
-def kill_leftovers(state: dict[str, Any], grace_s: float = 5.0) -> list[int]:
-    """Kill the process groups a state file names that still run (the gateway
-    and every replica, each the leader of its own group), checked by start
-    time so a reused pid is never hit. Returns the pids that were signalled."""
-    groups: list[tuple[int, int | None]] = [(int(state["pid"]), state.get("start_time"))]
-    for replicas in (state.get("replicas") or {}).values():
-        for r in replicas:
-            if isinstance(r, dict) and isinstance(r.get("pid"), int):
-                groups.append((r["pid"], r.get("start_time")))
-    # A group whose leader died may still hold its children (vLLM's engine
-    # processes); its pid is then unused, so the group is still ours.
-    live = [
-        pid for pid, st in groups if process_alive(pid, st) or (process_start_time(pid) is None and group_alive(pid))
-    ]
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        for pid in live:
-            try:
-                os.killpg(pid, sig)
-            except (ProcessLookupError, PermissionError):
-                pass
-        deadline = time.monotonic() + (grace_s if sig == signal.SIGTERM else 10.0)
-        while time.monotonic() < deadline and any(group_alive(pid) for pid in live):
-            time.sleep(0.1)
-    return live
-
-
-def group_alive(pgid: int) -> bool:
-    """Whether any live (non-zombie) process is in process group ``pgid``."""
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{d}/stat").read_text()
-        except OSError:
-            continue
-        rest = stat[stat.rfind(")") + 2 :].split()
-        if rest[0] != "Z" and int(rest[2]) == pgid:
-            return True
-    return False
+INF = DetachedService(
+    command="inf",
+    title="the inference service",
+    process="the gateway",
+    short="gateway",
+    pid_label="gateway pid",
+    not_started="the gateway did not start listening",
+    exited="the gateway exited with code {rc} while starting; its log ({log}):",
+    state_name=STATE_NAME,
+    log_name=LOG_NAME,
+    token_env="AREAL_INF_ADMIN_TOKEN",
+)
