@@ -53,6 +53,7 @@ from areal_kernel.agent.sessions import Session
 from areal_kernel.api.io import GenerationConfig, Trajectory, TrajectoryGroup
 from areal_kernel.errors import ArealError, ConfigError, DataError
 from areal_kernel.logging import get_logger
+from areal_kernel.workflow.scoring import RewardScoring
 
 log = get_logger(__name__)
 
@@ -87,7 +88,7 @@ class AgentFailed(Exception):
     """One session's agent failed (raised, exited non-zero, timed out)."""
 
 
-class AgentWorkflow:
+class AgentWorkflow(RewardScoring):
     # The agent decides what it reads; the run's reward reads ``answer`` (checked when it is needed).
     required_fields: tuple[str, ...] = ()
 
@@ -113,9 +114,6 @@ class AgentWorkflow:
         if config.mode == "inline":
             assert config.agent is not None  # the config model checks it
             self.agent = load_agent_class(config.agent)(**config.agent_kwargs)
-        self.reward_calls = 0
-        self.reward_failures = 0
-        self.last_reward_error: str | None = None
         self.agent_failures = 0
         if config.mode == "online":
             url = self.proxy.start()
@@ -281,14 +279,7 @@ class AgentWorkflow:
                 f"record {record.get('id')!r} has no 'answer': the agent returned no reward and set none through "
                 "the reward API, so the run's reward would score the answer against it"
             )
-        result = await self.pool.ascore(self.reward_target, completion, str(record["answer"]))
-        self.reward_calls += 1
-        if not result.ok:
-            self.reward_failures += 1
-            self.last_reward_error = result.error
-            if self.reward_failures <= 3 or self.reward_failures % 100 == 0:
-                log.warning("reward call failed; scored 0", error=result.error, failures=self.reward_failures)
-        return float(result.score) if result.ok else 0.0
+        return await self.score(completion, record["answer"])
 
 
 def _with_reward(traj: Trajectory, reward: float) -> Trajectory:

@@ -19,7 +19,7 @@ import shutil
 import time
 from typing import Any
 
-from areal_kernel.api.engine import AdapterSpec, TrainEngine, WeightUpdateMeta
+from areal_kernel.api.engine import TrainEngine, WeightUpdateMeta
 
 
 def _dir_bytes(path: str) -> int:
@@ -107,11 +107,10 @@ class BroadcastTransport:
         from areal_kernel.weights.broadcast import tensor_meta
 
         spec = self.train.adapter_spec()
-        if spec is not None:
-            if not getattr(getattr(self.infer, "protocol", None), "adapter_broadcast", False):
-                self._adapter_disk.setup()
-                return self._adapter_disk.update(version)
-            return self._update_adapter(spec, version)
+        if spec is not None and not getattr(getattr(self.infer, "protocol", None), "adapter_broadcast", False):
+            self._adapter_disk.setup()
+            return self._adapter_disk.update(version)
+        # The engine's transfer set is the adapter alone when it trains one.
         named = self.train.named_weights_for_transfer()
         meta = tensor_meta(named)
         nbytes = sum(t.numel() * t.element_size() for _, t in named)
@@ -119,31 +118,19 @@ class BroadcastTransport:
         t0 = time.monotonic()
         self.infer.pause()
         try:
-            futures = self.infer.update_from_distributed_async(meta, version, self.bucket_bytes, self.group_name)
-            self.train.send_weights(WeightUpdateMeta(kind="broadcast", version=version, bucket_bytes=self.bucket_bytes))
-            for f in futures:
-                f.result()
-            self.infer.set_version(version)
-        finally:
-            self.infer.resume()
-        dt = time.monotonic() - t0
-        return {"weights/broadcast_s": dt, "weights/pause_s": dt, "weights/mb": nbytes / 2**20}
-
-    def _update_adapter(self, spec: AdapterSpec, version: int) -> dict[str, float]:
-        from areal_kernel.weights.broadcast import tensor_meta
-
-        named = self.train.named_weights_for_transfer()
-        meta = tensor_meta(named)
-        nbytes = sum(t.numel() * t.element_size() for _, t in named)
-        del named
-        t0 = time.monotonic()
-        self.infer.pause()
-        try:
-            futures = self.infer.update_adapter_from_distributed_async(
-                spec.name, spec.config, meta, version, self.bucket_bytes, self.group_name
-            )
+            if spec is None:
+                futures = self.infer.update_from_distributed_async(meta, version, self.bucket_bytes, self.group_name)
+            else:
+                futures = self.infer.update_adapter_from_distributed_async(
+                    spec.name, spec.config, meta, version, self.bucket_bytes, self.group_name
+                )
             self.train.send_weights(
-                WeightUpdateMeta(kind="broadcast", version=version, bucket_bytes=self.bucket_bytes, adapter=spec.name)
+                WeightUpdateMeta(
+                    kind="broadcast",
+                    version=version,
+                    bucket_bytes=self.bucket_bytes,
+                    adapter=None if spec is None else spec.name,
+                )
             )
             for f in futures:
                 f.result()

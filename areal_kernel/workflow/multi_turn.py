@@ -33,6 +33,7 @@ from areal_kernel.tools.runtime import ToolBox, build_tool_parser, turn_stop_rea
 from areal_kernel.tools.types import ParsedOutput, ToolCallParser
 from areal_kernel.workflow.multi_turn_config import WHERE, MultiTurnConfig
 from areal_kernel.workflow.rlvr import sample_gconfig
+from areal_kernel.workflow.scoring import RewardScoring
 
 log = get_logger(__name__)
 
@@ -65,7 +66,7 @@ def reward_success_threshold(reward_target: str) -> float:
     return DEFAULT_SUCCESS_THRESHOLD
 
 
-class MultiTurnWorkflow:
+class MultiTurnWorkflow(RewardScoring):
     required_fields = ("prompt", "answer")
 
     def __init__(
@@ -96,9 +97,6 @@ class MultiTurnWorkflow:
             cfg.success_threshold if cfg.success_threshold is not None else reward_success_threshold(reward_target)
         )
         self.assistant_closing = self._assistant_closing()
-        self.reward_failures = 0
-        self.reward_calls = 0
-        self.last_reward_error: str | None = None
 
     # -- the chat template ---------------------------------------------------------
     def _render(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
@@ -171,21 +169,6 @@ class MultiTurnWorkflow:
         return str(self.tok.decode(ids, skip_special_tokens=True))
 
     # -- rewards and tools -----------------------------------------------------------
-    async def _score(self, completion: str, answer: str) -> float:
-        result = await self.pool.ascore(self.reward_target, completion, str(answer))
-        self.reward_calls += 1
-        if not result.ok:
-            self.reward_failures += 1
-            self.last_reward_error = result.error
-            if self.reward_failures <= 3 or self.reward_failures % 100 == 0:
-                log.warning(
-                    "reward call failed; scored 0",
-                    reward=self.reward_target,
-                    error=result.error,
-                    failures=self.reward_failures,
-                )
-        return float(result.score) if result.ok else 0.0
-
     def _parse(self, text: str) -> ParsedOutput | None:
         return self.parser.parse(text) if self.parser is not None else None
 
@@ -242,7 +225,7 @@ class MultiTurnWorkflow:
             if parsed is not None and (parsed.tool_calls or parsed.errors) and not last:
                 messages = await self._tool_messages(parsed, turn)
             else:
-                turn.reward = await self._score(text, record["answer"])
+                turn.reward = await self.score(text, record["answer"])
                 reward = turn.reward * cfg.turn_discount**k
                 if turn.reward >= self.threshold or last:
                     break
@@ -311,4 +294,4 @@ class MultiTurnWorkflow:
             if len(ids) + resp.output_len + len(env) + 1 >= self.config.max_total_tokens:
                 break
             ids = ids + list(resp.output_ids) + env
-        return await self._score(text, record["answer"]), text
+        return await self.score(text, record["answer"]), text

@@ -15,11 +15,12 @@ from areal_kernel.api.io import GenerationConfig, ModelRequest, Trajectory, Traj
 from areal_kernel.errors import DataError
 from areal_kernel.logging import get_logger
 from areal_kernel.workflow.rlvr_config import RLVRConfig
+from areal_kernel.workflow.scoring import RewardScoring
 
 log = get_logger(__name__)
 
 
-class RLVRWorkflow:
+class RLVRWorkflow(RewardScoring):
     required_fields = ("prompt", "answer")
 
     def __init__(
@@ -39,9 +40,6 @@ class RLVRWorkflow:
         eos = getattr(tokenizer, "eos_token_id", None)
         if eos is not None and eos not in self.gconfig.stop_token_ids:
             self.gconfig.stop_token_ids = [*self.gconfig.stop_token_ids, eos]
-        self.reward_failures = 0
-        self.reward_calls = 0
-        self.last_reward_error: str | None = None
 
     def encode_prompt(self, record: dict[str, Any]) -> list[int]:
         try:
@@ -64,22 +62,6 @@ class RLVRWorkflow:
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=True)
 
-    async def _score(self, completion: str, answer: str) -> float:
-        result = await self.pool.ascore(self.reward_target, completion, str(answer))
-        self.reward_calls += 1
-        if not result.ok:
-            self.reward_failures += 1
-            self.last_reward_error = result.error
-            # The first few, then every hundredth: causes without flooding the log.
-            if self.reward_failures <= 3 or self.reward_failures % 100 == 0:
-                log.warning(
-                    "reward call failed; scored 0",
-                    reward=self.reward_target,
-                    error=result.error,
-                    failures=self.reward_failures,
-                )
-        return float(result.score) if result.ok else 0.0
-
     async def arun_episode(self, engine: Any, record: dict[str, Any]) -> TrajectoryGroup:
         input_ids = self.encode_prompt(record)
         n = max(1, self.gconfig.n_samples)
@@ -93,7 +75,7 @@ class RLVRWorkflow:
         ]
         resps = await asyncio.gather(*(engine.agenerate(r) for r in reqs))
         texts = [self.decode(r.output_ids) for r in resps]
-        rewards = await asyncio.gather(*(self._score(t, record["answer"]) for t in texts))
+        rewards = await asyncio.gather(*(self.score(t, record["answer"]) for t in texts))
         gid = str(record.get("id"))
         trajs = [
             Trajectory.from_response(r, reward, group_id=gid, sample_id=f"{gid}#{i}", metadata={"completion": t})
@@ -111,7 +93,7 @@ class RLVRWorkflow:
         )
         resp = await engine.agenerate(ModelRequest(input_ids=self.encode_prompt(record), gconfig=gconfig))
         text = self.decode(resp.output_ids)
-        return await self._score(text, record["answer"]), text
+        return await self.score(text, record["answer"]), text
 
 
 def sample_gconfig(gconfig: GenerationConfig, record: dict[str, Any], index: int) -> GenerationConfig:
