@@ -267,6 +267,16 @@ def print_processes(rows: list[dict[str, Any]], keys: list[str], as_json: bool) 
     return 0
 
 
+def interruptible() -> None:
+    """Let Ctrl-C (SIGINT) end a command that runs until interrupted
+    (``logs -f``, ``status --watch``). A process started in the background
+    by a non-interactive shell inherits SIGINT ignored, and Python then keeps
+    ignoring it: such a watcher could only be killed."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def follow_file(path: Path, lines: int, follow: bool) -> int:
     """Print the last ``lines`` lines of ``path``; with ``follow``, then what
     is appended until Ctrl-C (a truncated file is read again from its start)."""
@@ -281,6 +291,7 @@ def follow_file(path: Path, lines: int, follow: bool) -> int:
         sys.stdout.flush()
         if not follow:
             return 0
+        interruptible()
         try:
             while True:
                 chunk = f.read()

@@ -24,6 +24,7 @@ from areal_kernel.services.detached import (
     add_follow_options,
     add_stop_command,
     follow_file,
+    interruptible,
     locked,
     parse_settings,
     print_processes,
@@ -213,6 +214,8 @@ def _render(st: dict[str, Any]) -> str:
 
 def cmd_status(args: argparse.Namespace) -> int:
     home = AGENT.home()
+    if args.watch:
+        interruptible()
     try:
         while True:
             st = _status(home)
