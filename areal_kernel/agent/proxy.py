@@ -55,6 +55,7 @@ from areal_kernel.api.io import GenerationConfig, ModelRequest, ModelResponse, S
 from areal_kernel.errors import ArealError, ServerError
 from areal_kernel.logging import get_logger
 from areal_kernel.tools import build_tool_parser
+from areal_kernel.workflow.rlvr import stop_at_eos
 
 log = get_logger(__name__)
 
@@ -108,12 +109,7 @@ class AgentProxy:
         require_slots: bool = False,
     ) -> None:
         self.config = config or ProxyConfig()
-        self.gconfig = gconfig or GenerationConfig()
-        eos = getattr(tokenizer, "eos_token_id", None)
-        if eos is not None and eos not in self.gconfig.stop_token_ids:
-            self.gconfig = GenerationConfig(
-                **{**self.gconfig.__dict__, "stop_token_ids": [*self.gconfig.stop_token_ids, eos]}
-            )
+        self.gconfig = stop_at_eos(gconfig or GenerationConfig(), tokenizer)
         self.chat: Any = _Locked(ChatTokenizer(tokenizer))
         self.parser = (
             build_tool_parser(self.config.tool_parser, where="proxy.tool_parser") if self.config.tool_parser else None

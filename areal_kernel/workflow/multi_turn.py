@@ -32,7 +32,7 @@ from areal_kernel.logging import get_logger
 from areal_kernel.tools.runtime import ToolBox, build_tool_parser, turn_stop_reason
 from areal_kernel.tools.types import ParsedOutput, ToolCallParser
 from areal_kernel.workflow.multi_turn_config import WHERE, MultiTurnConfig
-from areal_kernel.workflow.rlvr import sample_gconfig
+from areal_kernel.workflow.rlvr import sample_gconfig, stop_at_eos
 from areal_kernel.workflow.scoring import RewardScoring
 
 log = get_logger(__name__)
@@ -79,13 +79,10 @@ class MultiTurnWorkflow(RewardScoring):
         config: MultiTurnConfig | None = None,
     ) -> None:
         self.tok = tokenizer
-        self.gconfig = gconfig
+        self.gconfig = stop_at_eos(gconfig, tokenizer)
         self.reward_target = reward_target
         self.pool = reward_pool
         self.config = cfg = config or MultiTurnConfig()
-        eos = getattr(tokenizer, "eos_token_id", None)
-        if eos is not None and eos not in self.gconfig.stop_token_ids:
-            self.gconfig.stop_token_ids = [*self.gconfig.stop_token_ids, eos]
         self.parser: ToolCallParser | None = None
         self.toolbox: ToolBox | None = None
         if cfg.tools:

@@ -33,13 +33,10 @@ class RLVRWorkflow(RewardScoring):
         config: RLVRConfig | None = None,
     ) -> None:
         self.tok = tokenizer
-        self.gconfig = gconfig
+        self.gconfig = stop_at_eos(gconfig, tokenizer)
         self.reward_target = reward_target
         self.pool = reward_pool
         self.config = config or RLVRConfig()
-        eos = getattr(tokenizer, "eos_token_id", None)
-        if eos is not None and eos not in self.gconfig.stop_token_ids:
-            self.gconfig.stop_token_ids = [*self.gconfig.stop_token_ids, eos]
 
     def encode_prompt(self, record: dict[str, Any]) -> list[int]:
         try:
@@ -94,6 +91,16 @@ class RLVRWorkflow(RewardScoring):
         resp = await engine.agenerate(ModelRequest(input_ids=self.encode_prompt(record), gconfig=gconfig))
         text = self.decode(resp.output_ids)
         return await self.score(text, record["answer"]), text
+
+
+def stop_at_eos(gconfig: GenerationConfig, tokenizer: Any) -> GenerationConfig:
+    """``gconfig`` with the tokenizer's end-of-sequence id among its stop
+    tokens. Returns a copy: the config is shared by every workflow built from
+    the run's config, so adding to it in place would leak into the others."""
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if eos is None or eos in gconfig.stop_token_ids:
+        return gconfig
+    return dataclasses.replace(gconfig, stop_token_ids=[*gconfig.stop_token_ids, eos])
 
 
 def sample_gconfig(gconfig: GenerationConfig, record: dict[str, Any], index: int) -> GenerationConfig:
