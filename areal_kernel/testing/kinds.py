@@ -1233,8 +1233,12 @@ class SchedulerContract:
         running = [s for s in scheduler.health() if s.placement.role == "actor"]
         assert sorted(s.placement.index for s in running) == list(range(world)) and all(s.alive for s in running)
         assert len(scheduler.logs()["actor"]) == world, scheduler.logs()
+        nodes = [p.node for p in scheduler.placements("actor")]
         for r, x in enumerate(reports):
-            assert x["env"]["RANK"] == x["env"]["LOCAL_RANK"] == str(r) and x["env"]["WORLD_SIZE"] == str(world), x
+            # LOCAL_RANK / LOCAL_WORLD_SIZE count the ranks on the same node.
+            local = (str(nodes[:r].count(nodes[r])), str(nodes.count(nodes[r])))
+            assert (x["env"]["LOCAL_RANK"], x["env"]["LOCAL_WORLD_SIZE"]) == local, (x, nodes)
+            assert x["env"]["RANK"] == str(r) and x["env"]["WORLD_SIZE"] == str(world), x
             assert x["env"]["OMP_NUM_THREADS"] == "1" and x["env"]["AREAL_CONTRACT_MARK"] == "m", x
             assert x["sid"] == x["pid"], "each rank must lead its own session (stop kills the whole group)"
             assert x["pid"] in {p.pid for p in procs}
