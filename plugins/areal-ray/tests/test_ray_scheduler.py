@@ -34,6 +34,7 @@ pytestmark = pytest.mark.slow
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 # The kernel's GRPO example with the fsdp engine (its actor.fsdp section).
 EXAMPLE = os.path.join(REPO, "plugins", "areal-fsdp", "examples", "grpo_arithmetic_fsdp.yaml")
+RAY_EXAMPLE = os.path.join(REPO, "plugins", "areal-ray", "examples", "grpo_arithmetic_ray.yaml")
 SERVER = "areal_kernel.inference.embedded.server"
 RANK = "areal_fsdp.rank"
 STEPS = 30
@@ -131,9 +132,8 @@ class TestRaySchedulerContract(SchedulerContract):
 
 
 def test_plan_spreads_roles_over_both_nodes_and_leaves_nothing(ray_cluster, run_areal, run_mark):
-    section = _ray_section(ray_cluster)
-    args = ["plan", EXAMPLE, "--json", "scheduler.type=ray", "actor.backend=fsdp:d2", "rollout.backend=embedded:d2"]
-    args += [f"scheduler.ray.{k}={v}" for k, v in section.items()]
+    # The plugin's example (fsdp:d2 + embedded:d2), pointed at this cluster.
+    args = ["plan", RAY_EXAMPLE, "--json"] + [f"scheduler.ray.{k}={v}" for k, v in _ray_section(ray_cluster).items()]
     proc = run_areal(*args, timeout=180)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     plan = json.loads(proc.stdout)
