@@ -23,6 +23,8 @@ from typing import Any
 
 import pytest
 
+from areal_kernel.config import validate_config
+from areal_kernel.plugins import get_registry
 from areal_kernel.testing import SchedulerContract
 from areal_kernel.testing.procs import live_processes
 from areal_kernel.testing.recovery import read_samples, run_train
@@ -256,3 +258,50 @@ def test_grpo_across_two_nodes_survives_a_lost_server_and_a_lost_controller(ray_
     assert all(r["batch/sequences"] == 2 * 4 for r in _steps(run_dir))  # x n_samples, each step
     assert "restarting server" in open(os.path.join(run_dir, "server-0.log")).read()
     _assert_nothing_left(ray_cluster, run_mark)
+
+
+# -- a lost node --------------------------------------------------------------------------------
+
+_WATCHER = """
+import os, time
+parent = int(os.environ["AREAL_PARENT_PID"])
+print("watching", parent, flush=True)
+while os.getppid() == parent:
+    time.sleep(0.2)
+"""
+
+
+def test_a_lost_agent_polls_as_node_lost_and_its_process_follows(ray_cluster, tmp_path):
+    """The agent of a placement dies (as when its node is lost): the process
+    handle reports ``NODE_LOST`` (what the server supervisor reads), the
+    process it started exits once orphaned, and ``stop()`` still clears the
+    cluster."""
+    import ray
+
+    from areal_kernel.api.scheduler import NODE_LOST
+    from areal_kernel.testing.procs import is_alive
+
+    cfg = validate_config(
+        {"actor": {"backend": "torch:d2"}, "rollout": {"backend": "embedded:d2"},
+         "scheduler": {"type": "ray", "ray": _ray_section(ray_cluster)}}
+    )  # fmt: skip
+    sched = get_registry().get("scheduler", "ray").load()(cfg)
+    try:
+        placement = sched.placements("rollout")[1]
+        h = sched.spawn(placement, [sys.executable, "-c", _WATCHER], dict(os.environ), str(tmp_path / "w.log"))
+        sched.track("rollout", h)
+        wait_until(lambda: "watching" in h.log_tail(5), timeout_s=30, interval_s=0.1, what="the process to start")
+        assert h.poll() is None and is_alive(h.pid)
+        agent = next(
+            ray.get_actor(a["name"], namespace=a["namespace"])
+            for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["name"].endswith("-rollout-1")
+        )
+        ray.kill(agent, no_restart=True)
+        wait_until(lambda: h.poll() == NODE_LOST, timeout_s=60, interval_s=0.2, what="the handle to report NODE_LOST")
+        assert [s.returncode for s in sched.health() if s.pid == h.pid] == [NODE_LOST]
+        wait_until(lambda: not is_alive(h.pid), timeout_s=30, interval_s=0.1, what="the orphaned process to exit")
+    finally:
+        sched.stop()
+    actors, pgs = _state(ray_cluster)
+    assert not [a for a in actors if (a.name or "").startswith("areal-")] and not pgs
