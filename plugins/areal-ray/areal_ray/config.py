@@ -24,7 +24,12 @@ class RaySettings(BaseModel):
         description="This machine's address in the cluster: where train ranks reach the controller, "
         "and the local cluster's address.",
     )
-    num_cpus: int | None = Field(None, ge=1, description="CPUs of a local cluster (unset: Ray counts them).")
+    num_cpus: int | None = Field(
+        None,
+        ge=1,
+        description="CPUs of a local cluster (unset: this machine's cores, or as many as the run's processes "
+        "when there are more: on CPU hosts they are single-threaded and share cores).",
+    )
     namespace: str = Field("areal", min_length=1, description="Ray namespace of the run's actors.")
     actor_strategy: Strategy = Field("PACK", description="Placement-group strategy of the train ranks.")
     rollout_strategy: Strategy = Field("SPREAD", description="Placement-group strategy of the inference servers.")

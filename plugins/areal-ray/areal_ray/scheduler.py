@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import time
@@ -133,14 +134,15 @@ class RayScheduler(Scheduler):
     # -- the cluster ------------------------------------------------------------------
     def connect(self) -> None:
         """Join the cluster (or start a local one); nothing when this process already has."""
-        ray = _ray()
-        if ray.is_initialized():
-            return
         s = self.settings
         if is_loopback(s.node_ip_address):
             # Otherwise Ray swaps a loopback address for the interface address
-            # and the driver dials a node that never listened there.
+            # and the driver dials a node that never listened there. Read when
+            # ray is first imported: set before that.
             os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+        ray = _ray()
+        if ray.is_initialized():
+            return
         kwargs: dict[str, Any] = dict(
             namespace=s.namespace, _node_ip_address=s.node_ip_address, log_to_driver=False,
             configure_logging=False, ignore_reinit_error=True,
@@ -149,11 +151,21 @@ class RayScheduler(Scheduler):
             if s.address:
                 ray.init(address=s.address, **kwargs)
             else:
-                ray.init(num_cpus=s.num_cpus, include_dashboard=False, **kwargs)
+                # "local": always a new cluster, never one found running on this machine.
+                ray.init(address="local", num_cpus=self._local_cpus(), include_dashboard=False, **kwargs)
         except Exception as e:
             where = f"the cluster at {s.address}" if s.address else "a local cluster"
             raise ArealError(f"scheduler.ray.address: cannot reach {where}: {type(e).__name__}: {e}") from None
         self._connected_here = True
+
+    def _local_cpus(self) -> int:
+        """CPUs of a local cluster: ``num_cpus``, else this machine's cores, but
+        at least what the run's bundles ask for (on CPU hosts every process is
+        single-threaded and they share cores, as under ``local``)."""
+        if self.settings.num_cpus is not None:
+            return self.settings.num_cpus
+        need = sum(n for n, _ in self._role_sizes().values()) * self.settings.cpus_per_process
+        return max(os.cpu_count() or 1, math.ceil(need))
 
     @property
     def resource(self) -> str:
@@ -176,13 +188,13 @@ class RayScheduler(Scheduler):
     def plan(self) -> SchedulePlan:
         if self._placed is not None:
             return self._placed
+        self.connect()  # first: it sets the environment ray reads at import
         ray = _ray()
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         from areal_ray.agent import NodeAgent
 
-        self.connect()
         s = self.settings
         res = self.resource
         strategies = {ACTOR: s.actor_strategy, ROLLOUT: s.rollout_strategy}
@@ -218,8 +230,12 @@ class RayScheduler(Scheduler):
                     self._agents[(role, i)] = agent
                     agents.append(agent)
                 where = ray.get([a.where.remote() for a in agents], timeout=s.placement_timeout_s)
+                # The address the cluster knows each node by (what its raylet
+                # was started with), else what the agent's host reports.
+                known = {n["NodeID"]: n.get("NodeManagerAddress") for n in ray.nodes() if n.get("Alive")}
                 roles[role] = [
-                    Placement(role, i, w["node_id"], w["ip"], tuple(w["devices"])) for i, w in enumerate(where)
+                    Placement(role, i, w["node_id"], known.get(w["node_id"]) or w["ip"], tuple(w["devices"]))
+                    for i, w in enumerate(where)
                 ]
         except BaseException:
             self.release()

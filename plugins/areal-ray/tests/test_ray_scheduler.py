@@ -148,6 +148,23 @@ def test_plan_spreads_roles_over_both_nodes_and_leaves_nothing(ray_cluster, run_
     _assert_nothing_left(ray_cluster, run_mark)
 
 
+def test_without_an_address_a_local_cluster_is_started_and_ended(ray_cluster, run_areal):
+    """``scheduler.ray.address`` unset: the run starts its own one-node
+    cluster (here beside the module's) and ends it; its raylet is gone after."""
+
+    def raylets() -> set[int]:
+        return {p.pid for p in live_processes(lambda p: p.runs("raylet"))}
+
+    before = raylets()
+    proc = run_areal("plan", RAY_EXAMPLE, "--json", "scheduler.ray.address=null", timeout=180)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    placement = json.loads(proc.stdout)["placement"]
+    nodes = {p["node"] for ps in placement["roles"].values() for p in ps}
+    assert len(nodes) == 1 and not nodes & _node_ids(ray_cluster), nodes  # its own node, not the module's
+    assert {p["host"] for ps in placement["roles"].values() for p in ps} == {"127.0.0.1"}
+    wait_until(lambda: raylets() <= before, timeout_s=30, interval_s=0.2, what="the local cluster's raylet to end")
+
+
 def test_invalid_ray_section_names_the_field(run_areal):
     proc = run_areal("validate", EXAMPLE, "scheduler.type=ray", "scheduler.ray.timeout_s=0")
     assert proc.returncode == 2
