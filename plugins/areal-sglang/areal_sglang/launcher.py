@@ -27,14 +27,16 @@ def build_command(
     seed: int,
     weight_version: int = 0,
     launch_prefix: list[str] | None = None,
+    host: str | None = None,
 ) -> list[str]:
     """The argv of one server. ``launch_prefix`` replaces ``python -m sglang.launch_server``
-    (tests use it to start a stand-in that speaks the same argv and wire format)."""
+    (tests use it to start a stand-in that speaks the same argv and wire format);
+    ``host`` (default ``cfg.host``) is the bind address its scheduler placed it on."""
     prefix = launch_prefix or [cfg.python or sys.executable, "-m", "sglang.launch_server"]
     cmd = [
         *prefix,
         "--model-path", cfg.model_path or model_path,
-        "--host", cfg.host,
+        "--host", host or cfg.host,
         "--port", str(port),
         "--dtype", dtype,
         "--tp-size", str(tp_size),
@@ -117,6 +119,7 @@ class SGLangLauncher(SubprocessLauncher):
             tp_size=self._tp,
             seed=self.seed,
             launch_prefix=self.launch_prefix,
+            host=self.host_for(index),
         )
 
     def environment(self, index: int, n_servers: int, device_ids: list[int]) -> dict[str, str]:

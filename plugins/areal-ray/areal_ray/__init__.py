@@ -1,0 +1,1 @@
+"""areal-ray: the ``ray`` scheduler (``scheduler.type: ray``)."""
