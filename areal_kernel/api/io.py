@@ -8,6 +8,8 @@ Tensors only appear once a batch is handed to a train engine.
 from __future__ import annotations
 
 import base64
+import copy
+import dataclasses
 import enum
 import hashlib
 import itertools
@@ -216,6 +218,30 @@ class Trajectory:
             metadata=dict(metadata or {}),
             images=resp.images,
         )
+
+    def to_state(self, images: dict[str, list[str]]) -> dict[str, Any]:
+        """JSON-ready fields; the images go into ``images`` (digest -> base64
+        files, shared by every trajectory of a checkpoint) and the
+        trajectory keeps their digest."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "images"}
+        out = copy.deepcopy(out)
+        if self.images is not None:
+            images.setdefault(self.images.digest, self.images.b64())
+            out["images"] = self.images.digest
+        return out
+
+    @classmethod
+    def from_state(
+        cls, state: dict[str, Any], images: dict[str, list[str]], cache: dict[str, "ImageInputs"]
+    ) -> "Trajectory":
+        """Inverse of ``to_state``; ``cache`` makes trajectories of one prompt share one ``ImageInputs`` again."""
+        fields = dict(state)
+        digest = fields.pop("images", None)
+        if digest is not None:
+            if digest not in cache:
+                cache[digest] = ImageInputs.from_b64(images[digest])
+            fields["images"] = cache[digest]
+        return cls(**fields)
 
     @property
     def n_tokens(self) -> int:
