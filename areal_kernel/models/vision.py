@@ -23,6 +23,7 @@ import io
 import json
 import os
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 from areal_kernel.api.io import ImageInputs
@@ -147,3 +148,78 @@ class ImageTensors:
         """Placeholder tokens one image expands to (Idefics3 without image splitting)."""
         v = self.config.vision_config
         return int((v.image_size // v.patch_size) ** 2 // (self.config.scale_factor**2))
+
+
+@dataclass(frozen=True)
+class ImagePlaceholders:
+    """How the processor of a model expands one image in the token ids, for
+    backends whose servers expand images themselves from a prompt holding one
+    image token per image (vLLM): ``collapse`` turns the kernel's token ids
+    (expanded, what the train engine and the embedded server take) into that
+    form. The server expands them back to exactly the same ids.
+
+    Idefics3 without image splitting: ``before`` = (``<fake_token_around_image>``,
+    ``<global-img>``), ``tokens_per_image`` x ``<image>``, ``after`` =
+    (``<fake_token_around_image>``,)."""
+
+    image_token_id: int
+    tokens_per_image: int
+    before: tuple[int, ...] = ()
+    after: tuple[int, ...] = ()
+
+    def collapse(self, ids: Sequence[int]) -> list[int]:
+        out: list[int] = []
+        i, n, img = 0, len(ids), self.image_token_id
+        nb, na = len(self.before), len(self.after)
+        while i < n:
+            if ids[i] != img:
+                out.append(ids[i])
+                i += 1
+                continue
+            j = i
+            while j < n and ids[j] == img:
+                j += 1
+            run = j - i
+            if run % self.tokens_per_image:
+                raise DataError(
+                    f"token ids hold a run of {run} image tokens at position {i}; an image is "
+                    f"{self.tokens_per_image} tokens (render prompts with the model's processor)"
+                )
+            if nb and out[-nb:] == list(self.before):
+                del out[-nb:]
+            out.extend([img] * (run // self.tokens_per_image))
+            if na and list(ids[j : j + na]) == list(self.after):
+                j += na
+            i = j
+        return out
+
+
+def image_placeholders(model_path: str) -> ImagePlaceholders | None:
+    """The placeholder layout of a vision-language model directory (None for a text model)."""
+    family = model_family(model_path)
+    if family is None:
+        return None
+    check_supported(model_path)
+    with open(os.path.join(model_path, "config.json"), encoding="utf-8") as fh:
+        cfg = json.load(fh)
+    v = cfg.get("vision_config", {})
+    per_image = int((v.get("image_size", 364) // v.get("patch_size", 14)) ** 2 // (cfg.get("scale_factor", 2) ** 2))
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_path)
+    fake, glob = tok.convert_tokens_to_ids(["<fake_token_around_image>", "<global-img>"])
+    return ImagePlaceholders(int(cfg["image_token_id"]), per_image, (int(fake), int(glob)), (int(fake),))
+
+
+def image_data_url(data: bytes) -> str:
+    """A ``data:`` URL of an encoded image file (the media type sniffed from its first bytes)."""
+    import base64
+
+    kinds = (
+        (b"\x89PNG", "image/png"),
+        (b"\xff\xd8\xff", "image/jpeg"),
+        (b"GIF8", "image/gif"),
+        (b"RIFF", "image/webp"),
+    )
+    mime = next((m for sig, m in kinds if data.startswith(sig)), "application/octet-stream")
+    return f"data:{mime};base64,{base64.b64encode(data).decode('ascii')}"
