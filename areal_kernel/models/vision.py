@@ -207,7 +207,8 @@ def image_placeholders(model_path: str) -> ImagePlaceholders | None:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_path)
-    fake, glob = tok.convert_tokens_to_ids(["<fake_token_around_image>", "<global-img>"])
+    fake = int(tok.convert_tokens_to_ids("<fake_token_around_image>"))  # type: ignore[arg-type]
+    glob = int(tok.convert_tokens_to_ids("<global-img>"))  # type: ignore[arg-type]
     return ImagePlaceholders(int(cfg["image_token_id"]), per_image, (int(fake), int(glob)), (int(fake),))
 
 

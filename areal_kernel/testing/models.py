@@ -178,11 +178,11 @@ def make_tiny_vlm(
         vision_config=vision,
         text_config=text,
         scale_factor=2,
-        image_token_id=int(tok.convert_tokens_to_ids("<image>")),
+        image_token_id=int(tok.convert_tokens_to_ids("<image>")),  # type: ignore[arg-type]
         tie_word_embeddings=True,
         pad_token_id=pad,
-        bos_token_id=bos,
-        eos_token_id=eos,
+        bos_token_id=bos,  # type: ignore[call-arg]
+        eos_token_id=eos,  # type: ignore[call-arg]
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

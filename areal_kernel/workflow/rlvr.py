@@ -21,7 +21,7 @@ log = get_logger(__name__)
 
 
 class RLVRWorkflow(RewardScoring):
-    required_fields = ("prompt", "answer")
+    required_fields: tuple[str, ...] = ("prompt", "answer")
 
     def __init__(
         self,

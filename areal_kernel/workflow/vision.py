@@ -91,7 +91,7 @@ class VisionPromptEncoder:
 
 
 class VisionRLVRWorkflow(RLVRWorkflow):
-    required_fields = ("prompt", "answer", "images")
+    required_fields: tuple[str, ...] = ("prompt", "answer", "images")
 
     def __init__(self, *, tokenizer: Any, config: RLVRConfig | None = None, processor: Any = None, **kwargs: Any):
         super().__init__(tokenizer=tokenizer, config=config, **kwargs)
