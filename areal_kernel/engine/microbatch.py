@@ -285,6 +285,10 @@ class MicroBatchRunner:
             pred_pos = tree.virt_to_tree.index_select(0, pred_pos)
         if images:
             kwargs.update(images)
+        elif self.vision is not None and self.hooks.lockstep:
+            # Sharded ranks reduce gradients together: the vision tower must
+            # get (zero) gradients on a rank whose micro-batch has no images too.
+            kwargs.update(self.vision.blank_kwargs(next(self.model.parameters()).dtype, self.device))
         split = self.head_split()
         with self.autocast():
             if split is None:

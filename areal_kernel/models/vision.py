@@ -144,6 +144,19 @@ class ImageTensors:
             out["pixel_attention_mask"] = torch.cat([p["pixel_attention_mask"] for p in parts])[None].to(device)
         return out
 
+    def blank_kwargs(self, dtype: Any, device: Any) -> dict[str, Any]:
+        """Image keywords of one blank image, for a forward without image tokens:
+        the vision tower runs and gets zero gradients (its features fill no
+        placeholder). Distributed engines need it: ranks must reduce the same
+        gradients, whether or not their micro-batch had images."""
+        import torch
+
+        side = int(self.config.vision_config.image_size)
+        return {
+            "pixel_values": torch.ones(1, 1, 3, side, side, dtype=dtype, device=device),
+            "pixel_attention_mask": torch.ones(1, 1, side, side, dtype=torch.bool, device=device),
+        }
+
     def tokens_per_image(self) -> int:
         """Placeholder tokens one image expands to (Idefics3 without image splitting)."""
         v = self.config.vision_config

@@ -49,15 +49,15 @@ def _batch(vlm_dir: str) -> TrajectoryBatch:
     return TrajectoryBatch(trajs)
 
 
-def _loss(logprobs, entropy, data):
-    return -(logprobs * data["loss_mask"] * (data["rewards"] - 0.5)).sum() / data["batch_loss_tokens"], {}
-
-
 def test_fsdp_ranks_run_the_vlm_like_the_torch_engine(vlm_dir):
     from areal_fsdp.engine import FSDPTrainEngine
 
     from areal_kernel.engine.torch_engine import TorchTrainEngine
 
+    from areal_kernel.algo.sft_losses import make_sft_loss_fn
+
+    # A kernel loss: rank processes unpickle it by reference (a test-module function is not importable there).
+    _loss = make_sft_loss_fn("token_mean")
     batch = _batch(vlm_dir)
     # ~one sequence per micro-batch: the ranks get different mixes of image and text-only rows.
     settings = {"lr": 1e-2, "max_tokens_per_mb": 40, "param_dtype": "float32"}
@@ -73,7 +73,10 @@ def test_fsdp_ranks_run_the_vlm_like_the_torch_engine(vlm_dir):
         fsdp.train_batch(batch, _loss)
         ref2 = single.compute_logprobs(batch)
         got2 = fsdp.compute_logprobs(batch)
-        assert max(abs(a - b) for r, g in zip(ref2, got2) for a, b in zip(r, g)) < 1e-4
-        assert max(abs(a - b) for r, g in zip(ref, ref2) for a, b in zip(r, g)) > 1e-3  # the step moved them
+        moved = max(abs(a - b) for r, g in zip(ref, ref2) for a, b in zip(r, g))
+        apart = max(abs(a - b) for r, g in zip(ref2, got2) for a, b in zip(r, g))
+        # Adam's first step is about lr x sign(grad) per weight: summation-order
+        # noise in near-zero gradients shows up as a few 1e-4, far below the step itself.
+        assert moved > 1e-2 and apart < 0.05 * moved, (moved, apart)
     finally:
         fsdp.destroy()

@@ -144,8 +144,13 @@ def test_image_prompts_logprobs_equal_the_train_engine_recompute(client, train, 
     new_lp = train.compute_logprobs(TrajectoryBatch([Trajectory.from_response(after, 0.0)]))[0]
     assert set(after.output_versions) == {1}
     assert _max_diff(after.output_logprobs, new_lp[len(prompts[0]) :]) < TOL
-    if after.output_ids == resps[0].output_ids:
-        assert _max_diff(after.output_logprobs, resps[0].output_logprobs) > 1e-3  # the new vision tower counted
+    # ... and not the old vision tower's logprobs of the same tokens: it was replaced.
+    from areal_kernel.engine.torch_engine import TorchTrainEngine
+
+    old = TorchTrainEngine({"param_dtype": "float32"})
+    old.initialize(vlm_dir, total_train_steps=1)
+    old_lp = old.compute_logprobs(TrajectoryBatch([Trajectory.from_response(after, 0.0)]))[0]
+    assert _max_diff(after.output_logprobs, old_lp[len(prompts[0]) :]) > 1e-3
 
 
 def test_collapse_is_what_vllm_expands_back(vlm_dir):
