@@ -103,3 +103,24 @@ def test_vision_rlvr_renders_prompts_with_the_processor(vlm_dir, vlm_processor, 
             reward_target="x:y",
             reward_pool=SimpleNamespace(),
         )
+
+
+def test_trajectories_with_images_survive_a_json_checkpoint():
+    """Recovery checkpoints store a queued group's images once per prompt and
+    restore one shared ImageInputs per prompt."""
+    from areal_kernel.api.io import ImageInputs, Trajectory
+
+    im = ImageInputs((shapes_records(1, 0)[0]["images"][0],))
+    trajs = [
+        Trajectory([1, 2], [0, 1], [0.0, -1.0], [-1, 0], 1.0, images=im),
+        Trajectory([1, 3], [0, 1], [0.0, -2.0], [-1, 0], 0.0, images=im),
+        Trajectory([4, 5], [0, 1], [0.0, -1.0], [-1, 0], 0.0),
+    ]
+    table: dict = {}
+    state = json.loads(json.dumps({"t": [t.to_state(table) for t in trajs], "images": table}))
+    assert len(state["images"]) == 1  # once per prompt, not per sample
+    cache: dict = {}
+    back = [Trajectory.from_state(s, state["images"], cache) for s in state["t"]]
+    assert back[0].images is back[1].images and back[0].images.digest == im.digest
+    assert back[0].images.files == im.files and back[2].images is None
+    assert [t.logprobs for t in back] == [t.logprobs for t in trajs]
