@@ -100,6 +100,11 @@ def test_server_logprobs_equal_engine_recompute_for_image_prompts(server, engine
     same_ids_other_image.images = prompts[2][1] if len(prompts[2][1]) == 1 else ImageInputs((png((0, 0, 0)),))
     other = engine.compute_logprobs(TrajectoryBatch([same_ids_other_image]))[0]
     assert _max_diff(other[n0:], recomputed[0][n0:]) > 1e-2
+    # Prompt sharing is off for image batches (said in docs/vision.md): the
+    # model runs on every token although each prompt has two samples.
+    assert engine.config.share_prompts
+    stats = engine.train_batch(batch, _loss)
+    assert stats["n_model_tokens"] == stats["n_tokens"] == sum(len(t.input_ids) for t in trajs)
 
 
 def test_generation_resumes_with_its_images_after_a_weight_update(server, engine, vlm_processor, tmp_path):
