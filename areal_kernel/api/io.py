@@ -7,7 +7,11 @@ Tensors only appear once a batch is handed to a train engine.
 
 from __future__ import annotations
 
+import base64
+import copy
+import dataclasses
 import enum
+import hashlib
 import itertools
 import uuid
 from dataclasses import dataclass, field
@@ -65,14 +69,67 @@ class GenerationConfig:
         }
 
 
+@dataclass(frozen=True, eq=False)
+class ImageInputs:
+    """The images of one prompt, in prompt order, as encoded image files
+    (PNG, JPEG, ... bytes, exactly as read from the record).
+
+    One object per prompt: every request, response and trajectory of the
+    prompt's samples holds a *reference* to the same object, so image data
+    exist once per prompt, never once per sample (pickling a batch keeps
+    that: pickle stores a shared object once). Servers and train engines
+    decode the files with the model's own image processor; ``digest``
+    identifies the content (prompt sharing on servers, per-batch caches in
+    engines) without comparing bytes.
+    """
+
+    files: tuple[bytes, ...]
+    digest: str = ""
+
+    def __post_init__(self) -> None:
+        files = tuple(self.files)
+        if not files or not all(isinstance(f, (bytes, bytearray)) and len(f) > 0 for f in files):
+            raise ValueError("ImageInputs.files must be a non-empty sequence of non-empty bytes objects")
+        object.__setattr__(self, "files", tuple(bytes(f) for f in files))
+        if not self.digest:
+            h = hashlib.sha256()
+            for f in self.files:
+                h.update(len(f).to_bytes(8, "little"))
+                h.update(f)
+            object.__setattr__(self, "digest", h.hexdigest())
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def b64(self) -> list[str]:
+        """The files base64-encoded (the JSON form servers receive), computed once."""
+        cached = self.__dict__.get("_b64")
+        if cached is None:
+            cached = [base64.b64encode(f).decode("ascii") for f in self.files]
+            object.__setattr__(self, "_b64", cached)
+        return list(cached)
+
+    @classmethod
+    def from_b64(cls, items: list[str]) -> "ImageInputs":
+        """Inverse of ``b64`` (what a server does with a request body's ``images``)."""
+        return cls(tuple(base64.b64decode(s, validate=True) for s in items))
+
+
 @dataclass
 class ModelRequest:
-    """One generation request expressed in token ids."""
+    """One generation request expressed in token ids.
+
+    ``images``: the prompt's images for a vision-language model; ``input_ids``
+    already hold the image placeholder tokens the model's processor expands
+    them to. The remote client sends them in the backend's own format
+    (``ServerProtocol.add_images``) with every call of the request, including
+    the calls that resume it after an interruption."""
 
     input_ids: list[int]
     gconfig: GenerationConfig = field(default_factory=GenerationConfig)
     rid: str = field(default_factory=lambda: uuid.uuid4().hex)
     metadata: dict[str, Any] = field(default_factory=dict)
+    images: ImageInputs | None = None
 
 
 @dataclass
@@ -95,6 +152,8 @@ class ModelResponse:
     # The entry of ``GenerationConfig.stop`` that ended the generation
     # (``stop_reason`` is then ``STOP``); None for a stop token, length or abort.
     matched_stop: str | None = None
+    # The request's images (the same object, not a copy).
+    images: ImageInputs | None = None
 
     @property
     def output_len(self) -> int:
@@ -126,6 +185,9 @@ class Trajectory:
     group_id: str = ""
     sample_id: str = ""
     metadata: dict[str, Any] = field(default_factory=dict)
+    # The prompt's images (shared by reference with the other samples of the
+    # prompt); train engines run the model's vision tower on them.
+    images: ImageInputs | None = None
 
     def __post_init__(self) -> None:
         n = len(self.input_ids)
@@ -154,7 +216,32 @@ class Trajectory:
             group_id=group_id,
             sample_id=sample_id,
             metadata=dict(metadata or {}),
+            images=resp.images,
         )
+
+    def to_state(self, images: dict[str, list[str]]) -> dict[str, Any]:
+        """JSON-ready fields; the images go into ``images`` (digest -> base64
+        files, shared by every trajectory of a checkpoint) and the
+        trajectory keeps their digest."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "images"}
+        out = copy.deepcopy(out)
+        if self.images is not None:
+            images.setdefault(self.images.digest, self.images.b64())
+            out["images"] = self.images.digest
+        return out
+
+    @classmethod
+    def from_state(
+        cls, state: dict[str, Any], images: dict[str, list[str]], cache: dict[str, "ImageInputs"]
+    ) -> "Trajectory":
+        """Inverse of ``to_state``; ``cache`` makes trajectories of one prompt share one ``ImageInputs`` again."""
+        fields = dict(state)
+        digest = fields.pop("images", None)
+        if digest is not None:
+            if digest not in cache:
+                cache[digest] = ImageInputs.from_b64(images[digest])
+            fields["images"] = cache[digest]
+        return cls(**fields)
 
     @property
     def n_tokens(self) -> int:

@@ -68,6 +68,12 @@ def areal_register_datasets(register: Any) -> None:
         config_model="areal_kernel.data.sources:ArithmeticSourceConfig",
         description="built-in offline arithmetic questions",
     )
+    register(
+        "shapes",
+        "areal_kernel.data.shapes:shapes_source",
+        config_model="areal_kernel.data.shapes:ShapesSourceConfig",
+        description="built-in offline visual task: images of coloured shapes (colour or count)",
+    )
     register("file", "areal_kernel.data.sources:file_source", description="local jsonl/json/parquet/csv via datasets")
     register("hub", "areal_kernel.data.sources:file_source", description="a dataset name on the HF hub")
     register(
@@ -114,6 +120,13 @@ def areal_register_workflows(register: Any) -> None:
         "areal_kernel.workflow.rlvr:RLVRWorkflow",
         config_model="areal_kernel.workflow.rlvr_config:RLVRConfig",
         description="single-turn: chat prompt -> n samples -> verifiable reward",
+    )
+    register(
+        "vision_rlvr",
+        "areal_kernel.workflow.vision:VisionRLVRWorkflow",
+        config_model="areal_kernel.workflow.rlvr_config:RLVRConfig",
+        description="single-turn with images: the model's processor renders image + text prompts -> n samples -> "
+        "verifiable reward",
     )
     register(
         "multi_turn",

@@ -26,6 +26,11 @@ returned tuple); ids become strings and must be unique within the list
 grouped (and their advantages normalised) by id. A violation is one
 ``DataError`` naming the dataset, its plugin and the record's index (as
 above), raised before any server starts.
+
+A record may carry ``images``: a list of image file paths or encoded image
+bytes (``areal_kernel.data.images``); they are checked here too (files
+exist, readable, within the size limits, as many as the prompt's
+``<image>`` markers).
 """
 
 from __future__ import annotations
@@ -115,9 +120,16 @@ def load_dataset(
     check_shape(result, origin=origin)
 
     def check(part: Sequence[Any], split: str | None) -> list[Record]:
-        return check_records(
+        checked = check_records(
             part, split=split, dataset=spec.name, origin=origin, required=tuple(required), needed_by=needed_by
         )
+        if any("images" in r for r in checked):
+            # Missing files, images over the limits and image counts that do
+            # not fit the prompt fail here, naming the record, before any server starts.
+            from areal_kernel.data.images import check_records_images
+
+            check_records_images(checked, origin=f"{origin}{f' ({split})' if split else ''}")
+        return checked
 
     if isinstance(result, tuple):
         return check(result[0], "train"), check(result[1], "eval")

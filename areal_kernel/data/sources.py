@@ -59,4 +59,14 @@ def file_source(config: Any, seed: int, required: Sequence[str] = ("prompt",)) -
         train, evals = train_eval_split(train, config.eval_fraction, seed)
     else:
         evals = []
+    if any("images" in r for r in train[:1] + evals[:1]):
+        # Image paths in a dataset file are relative to that file's directory.
+        import os
+
+        from areal_kernel.data.images import resolve_image_paths
+
+        src = os.path.expanduser(config.path)
+        base = src if os.path.isdir(src) else os.path.dirname(os.path.abspath(src))
+        resolve_image_paths(train, base)
+        resolve_image_paths(evals, base)
     return train, evals

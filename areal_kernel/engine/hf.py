@@ -25,8 +25,14 @@ INDEX_FILE = "model.safetensors.index.json"
 
 def load_causal_lm(model_path: str, dtype: Any, attn_implementation: str) -> Any:
     """``AutoModelForCausalLM.from_pretrained`` of an HF directory on the host
-    (callers move it to their device or shard it)."""
+    (callers move it to their device or shard it); a vision-language directory
+    loads with its image-text-to-text head (``areal_kernel.models.vision``)."""
     from transformers import AutoModelForCausalLM
+
+    from areal_kernel.models import vision
+
+    if vision.is_vision_model(model_path):
+        return vision.load_model(model_path, dtype, attn_implementation)
 
     return AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, attn_implementation=attn_implementation)
 

@@ -158,6 +158,9 @@ class MicroBatchRunner:
         self.device = device
         self.hooks = hooks or MicroBatchHooks()
         self.split_head = split_head
+        # Image files -> pixel tensors (``areal_kernel.models.vision.ImageTensors``)
+        # for a vision-language model; engines set it after building the runner.
+        self.vision: Any = None
 
     # ------------------------------------------------------------ planning
     def plan(self, batch: TrajectoryBatch) -> Plan:
@@ -168,7 +171,11 @@ class MicroBatchRunner:
             return []
         ids = [t.input_ids for t in trajs]
         budget = self.config.max_tokens_per_mb
-        if not self.config.share_prompts:
+        # Prompt sharing is off for batches with images: a shared-prompt tree
+        # row reorders sequences and keeps one copy of a shared prefix, and the
+        # model fills image placeholders with image features strictly in token
+        # order. Plain packing stays exact (1-D positions, per-image features).
+        if not self.config.share_prompts or any(t.images is not None for t in trajs):
             return [(mb, None) for mb in allocate_micro_batches([len(x) for x in ids], budget)]
         plan: Plan = []
         for chunks in allocate_shared_micro_batches(ids, [t.loss_mask for t in trajs], budget):
@@ -209,12 +216,46 @@ class MicroBatchRunner:
         get_dec = getattr(m, "get_decoder", None)
         head = m.get_output_embeddings() if hasattr(m, "get_output_embeddings") else None
         dec = get_dec() if get_dec is not None else None
+        if self.vision is not None:
+            # The text decoder alone cannot take images; the model's base
+            # (vision tower + connector + text decoder) can, and returns hidden states.
+            dec = getattr(m, "model", None)
         if dec is None or head is None or dec is m:
             return None
         return dec, head
 
+    def image_kwargs(self, batch: TrajectoryBatch, order: list[int]) -> dict[str, Any]:
+        """The forward's image keywords for the sequences ``order`` of ``batch``
+        packed in that order ({} without images). ``DataError`` naming the
+        trajectory when its placeholder tokens do not match its images."""
+        trajs = [batch.trajectories[i] for i in order]
+        if all(t.images is None for t in trajs):
+            return {}
+        if self.vision is None:
+            raise DataError(
+                "the batch has trajectories with images, but the train engine's model is not a "
+                "vision-language model (its runner has no image processor)"
+            )
+        per_image = self.vision.tokens_per_image()
+        for i, t in zip(order, trajs):
+            n_ph = self.vision.count_placeholders(t.input_ids)
+            n_img = len(t.images) if t.images is not None else 0
+            if n_ph != n_img * per_image:
+                raise DataError(
+                    f"trajectory {i} ({t.sample_id or t.group_id or 'no id'}) has {n_ph} image placeholder "
+                    f"tokens but {n_img} image(s) x {per_image} tokens each"
+                )
+        dtype = next(self.model.parameters()).dtype
+        return self.vision.batch([t.images for t in trajs], dtype, self.device)
+
     def forward(
-        self, row: PackedRow, *, entropy_grad: bool, scored: Any = None, tree: TreeRow | None = None
+        self,
+        row: PackedRow,
+        *,
+        entropy_grad: bool,
+        scored: Any = None,
+        tree: TreeRow | None = None,
+        images: dict[str, Any] | None = None,
     ) -> tuple[Any, Any]:
         """Token-aligned logprobs (with grad if enabled) and entropy of one packed row.
 
@@ -222,7 +263,9 @@ class MicroBatchRunner:
         (the loss tokens); the LM head and the vocabulary-wide softmax then run
         on those positions only (with ``head_split``), other entries are 0.
         ``tree``: run the model on the shared-prompt tree row instead of
-        ``row`` (see ``prefix_tree``); outputs stay aligned with ``row``."""
+        ``row`` (see ``prefix_tree``); outputs stay aligned with ``row``.
+        ``images``: image keywords for the row's sequences in packing order
+        (``image_kwargs``); never together with ``tree``."""
         import torch
 
         n = row.input_ids.shape[0]
@@ -240,6 +283,12 @@ class MicroBatchRunner:
                 attention_mask=tree.attention_mask,
             )
             pred_pos = tree.virt_to_tree.index_select(0, pred_pos)
+        if images:
+            kwargs.update(images)
+        elif self.vision is not None and self.hooks.lockstep:
+            # Sharded ranks reduce gradients together: the vision tower must
+            # get (zero) gradients on a rank whose micro-batch has no images too.
+            kwargs.update(self.vision.blank_kwargs(next(self.model.parameters()).dtype, self.device))
         split = self.head_split()
         with self.autocast():
             if split is None:
@@ -299,7 +348,8 @@ class MicroBatchRunner:
                     tree = self.tree(chunks, ids)
                     row = pack_row(mb, ids, masks, {}, self.device)
                     scored = row.data["loss_mask"] > 0 if only_loss_tokens else None
-                    lp, ent = self.forward(row, entropy_grad=False, scored=scored, tree=tree)
+                    images = self.image_kwargs(batch, list(row.seq_index))
+                    lp, ent = self.forward(row, entropy_grad=False, scored=scored, tree=tree, images=images)
                     lp_l, ent_l = lp.cpu().tolist(), ent.cpu().tolist()
                     for k, i in enumerate(row.seq_index):
                         a, b = row.cu_seqlens[k], row.cu_seqlens[k + 1]
@@ -363,7 +413,10 @@ class MicroBatchRunner:
                 # Loss functions see batch-wide sequence ids, as in one process.
                 data["seq_ids"] = to_batch.index_select(0, data["seq_ids"])
             data.update(batch_scalars)
-            logprobs, entropy = self.forward(row, entropy_grad=entropy_grad, scored=data["loss_mask"] > 0, tree=tree)
+            images = self.image_kwargs(batch, list(row.seq_index))
+            logprobs, entropy = self.forward(
+                row, entropy_grad=entropy_grad, scored=data["loss_mask"] > 0, tree=tree, images=images
+            )
             loss, mb_stats = loss_fn(logprobs, entropy, data)
             loss_val = float(loss.detach()) if torch.is_tensor(loss) else float(loss)
             if not math.isfinite(loss_val):

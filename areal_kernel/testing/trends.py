@@ -38,3 +38,23 @@ def sampling_reward_trend(step_rows: Sequence[dict[str, Any]]) -> tuple[float, f
 
 def _num(x: Any) -> float:
     return float("nan") if x is None else float(x)
+
+
+def reward_windows(
+    step_rows: Sequence[dict[str, Any]], first: int = 3, last: int = 4
+) -> tuple[float, float, list[float]]:
+    """``(early, late, rewards)``: the mean sampling reward (``rollout/reward_mean``)
+    of the first ``first`` steps and of the last ``last`` steps. Windows of
+    several steps, because one step holds only a few prompt groups; steps
+    without a reward (NaN) are skipped."""
+    rewards = [_num(r.get("rollout/reward_mean")) for r in step_rows]
+    if len(rewards) < first + last:
+        raise ValueError(f"need at least {first + last} steps for two windows, got {len(rewards)}: {rewards}")
+
+    def mean(xs: list[float]) -> float:
+        xs = [x for x in xs if not math.isnan(x)]
+        if not xs:
+            raise ValueError(f"a window has no reward: {rewards}")
+        return sum(xs) / len(xs)
+
+    return mean(rewards[:first]), mean(rewards[-last:]), rewards

@@ -19,7 +19,7 @@ import random
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from areal_kernel.api.io import Trajectory
+from areal_kernel.api.io import ImageInputs, Trajectory
 from areal_kernel.config.offline import ChatFormatConfig
 from areal_kernel.errors import DataError
 
@@ -30,10 +30,13 @@ PAIR_FIELDS = ("prompt", "chosen", "rejected")
 class Encoded:
     input_ids: list[int]
     loss_mask: list[int]
+    images: ImageInputs | None = None  # a vision-language record's images
 
     def trajectory(self, **metadata: Any) -> Trajectory:
         n = len(self.input_ids)
-        return Trajectory(self.input_ids, self.loss_mask, [0.0] * n, [-1] * n, reward=0.0, metadata=metadata)
+        return Trajectory(
+            self.input_ids, self.loss_mask, [0.0] * n, [-1] * n, reward=0.0, metadata=metadata, images=self.images
+        )
 
 
 @dataclass
@@ -164,6 +167,36 @@ def encode_sft_record(enc: ChatEncoder, rec: dict[str, Any], train_on: str) -> E
     )
     msgs = prompt + answer
     return enc.encode_messages(msgs, set(range(len(prompt), len(msgs))), rid)
+
+
+def encode_sft_image_record(venc: Any, tokenizer: Any, rec: dict[str, Any], max_length: int | None) -> Encoded:
+    """A record with ``images``, ``prompt`` and ``completion`` (or ``answer``):
+    the prompt exactly as the ``vision_rlvr`` workflow renders it (``venc``, a
+    ``VisionPromptEncoder``), then the answer and the template's end of turn,
+    which carry the loss."""
+    from areal_kernel.data.images import record_label
+
+    target = rec.get("completion", rec.get("answer"))
+    if rec.get("prompt") is None or target is None or target == "":
+        raise DataError(f"{record_label(rec)} has images but no 'prompt' with 'completion' (or 'answer')")
+    ids, images = venc.encode(rec)
+    answer = str(target)
+    if venc.config.use_chat_template:
+        # The template's text after the generation prompt: the answer and its end-of-turn markers.
+        msgs: list[dict[str, Any]] = [{"role": "user", "content": [{"type": "text", "text": "x"}]}]
+        with_gen = venc.processor.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+        full = venc.processor.apply_chat_template(
+            msgs + [{"role": "assistant", "content": [{"type": "text", "text": answer}]}], tokenize=False
+        )
+        tail = full[len(with_gen) :] if full.startswith(with_gen) else answer
+    else:
+        tail = answer
+    ans = list(tokenizer(tail, add_special_tokens=False)["input_ids"])
+    if not venc.config.use_chat_template and getattr(tokenizer, "eos_token_id", None) is not None:
+        ans.append(int(tokenizer.eos_token_id))
+    if max_length is not None and len(ids) + len(ans) > max_length:
+        ans = ans[: max(0, max_length - len(ids))]
+    return Encoded(ids + ans, [0] * len(ids) + [1] * len(ans), images=images)
 
 
 def check_pair_fields(records: Sequence[dict[str, Any]], source: str) -> None:

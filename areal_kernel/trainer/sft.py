@@ -8,7 +8,7 @@ from typing import Any
 from areal_kernel.api.io import TrajectoryBatch
 from areal_kernel.logging import get_logger
 from areal_kernel.trainer.offline import OfflineTrainer
-from areal_kernel.trainer.offline_data import ChatEncoder, Encoded, encode_sft_record
+from areal_kernel.trainer.offline_data import ChatEncoder, Encoded, encode_sft_image_record, encode_sft_record
 
 log = get_logger(__name__)
 
@@ -19,7 +19,20 @@ class SFTTrainer(OfflineTrainer):
     def encode(self, records: list[dict[str, Any]], split: str) -> list[Encoded]:
         c = self.cfg.algorithm.sft
         enc = ChatEncoder(self.tokenizer, c, self.source)
-        out = [encode_sft_record(enc, rec, c.train_on) for rec in records]
+        venc = None
+        if any("images" in rec for rec in records):
+            # Image records: prompts rendered by the model's processor, as the vision_rlvr workflow does.
+            from areal_kernel.workflow.rlvr_config import RLVRConfig
+            from areal_kernel.workflow.vision import VisionPromptEncoder, load_processor
+
+            fmt = RLVRConfig(use_chat_template=c.use_chat_template, system_prompt=c.system_prompt)
+            venc = VisionPromptEncoder(load_processor(self.model_dir), fmt)
+        out = [
+            encode_sft_image_record(venc, self.tokenizer, rec, c.max_length)
+            if venc is not None and "images" in rec
+            else encode_sft_record(enc, rec, c.train_on)
+            for rec in records
+        ]
         kept = [e for e in out if sum(e.loss_mask) > 0]
         if len(kept) < len(out):
             log.warning(

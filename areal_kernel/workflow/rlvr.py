@@ -11,7 +11,7 @@ import asyncio
 import dataclasses
 from typing import Any
 
-from areal_kernel.api.io import GenerationConfig, ModelRequest, Trajectory, TrajectoryGroup
+from areal_kernel.api.io import GenerationConfig, ImageInputs, ModelRequest, Trajectory, TrajectoryGroup
 from areal_kernel.errors import DataError
 from areal_kernel.logging import get_logger
 from areal_kernel.workflow.rlvr_config import RLVRConfig
@@ -21,7 +21,7 @@ log = get_logger(__name__)
 
 
 class RLVRWorkflow(RewardScoring):
-    required_fields = ("prompt", "answer")
+    required_fields: tuple[str, ...] = ("prompt", "answer")
 
     def __init__(
         self,
@@ -56,17 +56,24 @@ class RLVRWorkflow(RewardScoring):
             ids = ids["input_ids"]
         return list(ids)
 
+    def prompt(self, record: dict[str, Any]) -> tuple[list[int], ImageInputs | None]:
+        """The record's prompt as token ids, and its images (None here; the
+        ``vision_rlvr`` workflow overrides this). Called once per episode: the
+        samples of a prompt share the ids and the images object."""
+        return self.encode_prompt(record), None
+
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=True)
 
     async def arun_episode(self, engine: Any, record: dict[str, Any]) -> TrajectoryGroup:
-        input_ids = self.encode_prompt(record)
+        input_ids, images = self.prompt(record)
         n = max(1, self.gconfig.n_samples)
         reqs = [
             ModelRequest(
                 input_ids=input_ids,
                 gconfig=sample_gconfig(self.gconfig, record, i),
                 metadata={"record_id": record.get("id")},
+                images=images,
             )
             for i in range(n)
         ]
@@ -88,7 +95,8 @@ class RLVRWorkflow(RewardScoring):
             temperature=1.0,
             stop_token_ids=list(self.gconfig.stop_token_ids),
         )
-        resp = await engine.agenerate(ModelRequest(input_ids=self.encode_prompt(record), gconfig=gconfig))
+        input_ids, images = self.prompt(record)
+        resp = await engine.agenerate(ModelRequest(input_ids=input_ids, gconfig=gconfig, images=images))
         text = self.decode(resp.output_ids)
         return await self.score(text, record["answer"]), text
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from areal_kernel.api.io import GenerationConfig, StopReason
+from areal_kernel.api.io import GenerationConfig, ImageInputs, StopReason
 from areal_kernel.errors import ServerError
 from areal_kernel.inference.backend import InferenceBackend
 from areal_kernel.inference.client import RemoteInferenceEngine, client_options
@@ -22,6 +22,13 @@ _FINISH = {"stop": StopReason.STOP, "length": StopReason.LENGTH, "abort": StopRe
 class EmbeddedProtocol(ServerProtocol):
     health_path = "/health"
     adapter_broadcast = True
+    supports_images = True
+
+    def add_images(self, call: HttpCall, images: ImageInputs) -> HttpCall:
+        # The server takes the token ids as they are (placeholders expanded)
+        # and the encoded files, base64 in the JSON body.
+        assert call.json is not None
+        return HttpCall(call.method, call.path, {**call.json, "images": images.b64()}, call.timeout_s, call.parse)
 
     def generate(self, rid: str, input_ids: list[int], gconfig: GenerationConfig, max_new_tokens: int) -> HttpCall:
         return HttpCall(

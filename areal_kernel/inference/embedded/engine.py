@@ -51,8 +51,11 @@ class GenerationEngine:
         num_threads: int = 1,
         admit_window_s: float = 0.005,
         decode: Callable[[list[int]], str] | None = None,
+        images: Any = None,
     ) -> None:
         self.model = model
+        # ``areal_kernel.models.vision.ImageTensors`` for a vision-language model, else None.
+        self.images = images
         self.max_batch_size = max_batch_size
         self.eos_ids = list(eos_ids)
         self.max_positions = max_positions
@@ -115,6 +118,13 @@ class GenerationEngine:
             )
         fut: Future = Future()
         req = Request(body.rid, body.input_ids, body.params, fut=fut, adapter=body.adapter)
+        if body.images is not None:
+            req.image_digest, req.pixels = body.images.digest, self._pixels(body)
+        elif self.images is not None and self.images.count_placeholders(body.input_ids):
+            raise RequestError(
+                f"input_ids hold {self.images.count_placeholders(body.input_ids)} image placeholder tokens "
+                "but the request has no images"
+            )
         if body.params.stop and self.decode is not None:
             req.stop_strings = StopStrings(body.params.stop, self.decode)
 
@@ -138,6 +148,26 @@ class GenerationEngine:
 
         fut.add_done_callback(drop_if_cancelled)
         return fut
+
+    def _pixels(self, body: GenerateBody) -> dict[str, Any]:
+        """The request's decoded images, checked against its placeholder tokens."""
+        from areal_kernel.errors import DataError
+
+        assert body.images is not None
+        if self.images is None:
+            raise RequestError("images: this server's model is not a vision-language model")
+        try:
+            pixels = self.images.pixels(body.images, where=f"request {body.rid}")
+        except DataError as e:
+            raise RequestError(str(e)) from None
+        n_ph = self.images.count_placeholders(body.input_ids)
+        want = len(body.images) * self.images.tokens_per_image()
+        if n_ph != want:
+            raise RequestError(
+                f"input_ids hold {n_ph} image placeholder tokens but {len(body.images)} image(s) need {want} "
+                f"({self.images.tokens_per_image()} each): render the prompt with the model's processor"
+            )
+        return pixels
 
     def pause(self, mode: str) -> Future:
         def do() -> dict:
@@ -350,7 +380,9 @@ class GenerationEngine:
         if self.batch is not None:
             self._decode(self.batch)
 
-    def _forward(self, ids: torch.Tensor, mask: torch.Tensor | None, pos_ids: torch.Tensor, cache: Any) -> torch.Tensor:
+    def _forward(
+        self, ids: torch.Tensor, mask: torch.Tensor | None, pos_ids: torch.Tensor, cache: Any, **images: Any
+    ) -> torch.Tensor:
         out = self.model(
             input_ids=ids,
             attention_mask=mask,
@@ -358,6 +390,7 @@ class GenerationEngine:
             past_key_values=cache,
             use_cache=True,
             logits_to_keep=1,
+            **images,
         )
         return out.logits[:, -1, :].float()
 
@@ -366,8 +399,16 @@ class GenerationEngine:
         # input ids: prefill each distinct prompt once and copy its cache rows.
         # The copies then sample independently.
         # Same prompt under two adapters: two caches.
-        first_of: dict[tuple[str | None, tuple[int, ...]], int] = {}
-        src = [first_of.setdefault((r.adapter, tuple(r.input_ids)), len(first_of)) for r in reqs]
+        # Same ids with other images: two rows (the key holds the images' digest).
+        first_of: dict[tuple[str | None, tuple[int, ...], str | None], int] = {}
+        firsts: list[Request] = []
+        src = []
+        for r in reqs:
+            key = (r.adapter, tuple(r.input_ids), r.image_digest)
+            if key not in first_of:
+                first_of[key] = len(first_of)
+                firsts.append(r)
+            src.append(first_of[key])
         uniq_ids = [list(k[1]) for k in first_of]
         self.lora.rows = [k[0] for k in first_of]
         lens = [len(x) for x in uniq_ids]
@@ -382,7 +423,7 @@ class GenerationEngine:
             mask = torch.arange(width, device=self.device).unsqueeze(0) >= (width - lens_t).unsqueeze(1)
             pos_ids = (mask.long().cumsum(1) - 1).clamp(min=0)
         cache = new_cache(self.model.config)
-        logits = self._forward(ids, mask, pos_ids, cache)
+        logits = self._forward(ids, mask, pos_ids, cache, **self._image_kwargs(firsts))
         if len(uniq_ids) < len(reqs):
             idx = torch.tensor(src, dtype=torch.long, device=self.device)
             for layer in _layers(cache):
@@ -402,6 +443,18 @@ class GenerationEngine:
             rows=RowParams.build([r.params for r in reqs], self.vocab_size, self.device),
         )
         return self._consume(batch, logits)
+
+    def _image_kwargs(self, rows: list[Request]) -> dict[str, Any]:
+        """Image keywords of a prefill over ``rows`` (images in row order: the
+        model fills placeholder tokens in that order); {} when none has images."""
+        parts = [r.pixels for r in rows if r.pixels is not None]
+        if not parts:
+            return {}
+        dtype = next(self.model.parameters()).dtype
+        out = {"pixel_values": torch.cat([p["pixel_values"] for p in parts])[None].to(self.device, dtype)}
+        if all("pixel_attention_mask" in p for p in parts):
+            out["pixel_attention_mask"] = torch.cat([p["pixel_attention_mask"] for p in parts])[None].to(self.device)
+        return out
 
     def _decode(self, b: RunningBatch) -> None:
         if b.mask is not None:

@@ -37,6 +37,10 @@ class Request:
     # Set by the engine when the request has stop strings.
     stop_strings: StopStrings | None = None
     adapter: str | None = None  # the LoRA adapter it generates with (None: base weights)
+    # Vision-language prompts: the images' digest and pixel tensors (image
+    # keyword -> [n_images, ...]), decoded once when the request arrives.
+    image_digest: str | None = None
+    pixels: dict[str, Any] | None = None
 
     def finish(self, reason: str, version: int, matched_stop: str | None = None) -> None:
         if self.finished:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from areal_kernel.api.io import ImageInputs
 from areal_kernel.errors import ArealError
 
 
@@ -34,6 +35,8 @@ class GenerateBody:
     input_ids: list[int]
     params: SamplingParams
     adapter: str | None = None
+    # The prompt's images (vision-language models): encoded files, decoded by the server.
+    images: ImageInputs | None = None
 
 
 def _is_int(x: Any) -> bool:
@@ -128,8 +131,21 @@ def parse_generate(body: Any, vocab_size: int, max_positions: int) -> GenerateBo
     adapter = body.get("adapter")
     if adapter is not None and (not isinstance(adapter, str) or not adapter):
         raise RequestError(f"adapter must be a non-empty string (a loaded adapter's name) or null, got {adapter!r}")
+    images = body.get("images")
+    parsed_images: ImageInputs | None = None
+    if images is not None:
+        if not isinstance(images, list) or not images or not all(isinstance(x, str) and x for x in images):
+            raise RequestError("images must be a non-empty list of base64-encoded image files, or null")
+        try:
+            parsed_images = ImageInputs.from_b64(images)
+        except (ValueError, TypeError) as e:
+            raise RequestError(f"images: not valid base64 ({e})") from None
     return GenerateBody(
-        rid=rid, input_ids=list(ids), params=parse_sampling(body.get("sampling_params")), adapter=adapter
+        rid=rid,
+        input_ids=list(ids),
+        params=parse_sampling(body.get("sampling_params")),
+        adapter=adapter,
+        images=parsed_images,
     )
 
 

@@ -143,7 +143,17 @@ def load(args: argparse.Namespace, state: ServerState) -> None:
         from areal_kernel.inference.embedded.attention import register
 
         attn = register()
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype), attn_implementation=attn)
+    from areal_kernel.models import vision as V
+
+    images: Any = None
+    if V.is_vision_model(args.model):
+        # A vision-language model: its image processor turns request images into pixels.
+        model = V.load_model(args.model, getattr(torch, args.dtype), attn)
+        images = V.ImageTensors(args.model)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(
+            args.model, dtype=getattr(torch, args.dtype), attn_implementation=attn
+        )
     model.to(device).eval()
     cfg = model.config
     eos: set[int] = set()
@@ -178,6 +188,7 @@ def load(args: argparse.Namespace, state: ServerState) -> None:
         pad_id=pad if isinstance(pad, int) and 0 <= pad < state.vocab_size else 0,
         num_threads=threads,
         decode=decode,
+        images=images,
     )
     engine.start()
     state.engine = engine

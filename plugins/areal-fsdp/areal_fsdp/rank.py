@@ -164,6 +164,9 @@ class FSDPRankEngine:
         # Every rank reads the (memory-mapped) safetensors and keeps only its
         # shard after fully_shard; the full copy is transient.
         model = load_causal_lm(model_path, torch_dtype(cfg.param_dtype), cfg.attn_implementation)
+        from areal_kernel.models.vision import ImageTensors, is_vision_model
+
+        vision_model = is_vision_model(model_path)
         if cfg.lora is not None:
             model = apply_lora(model, cfg.lora, section="actor.fsdp.lora")
         model.to(self.device)
@@ -211,8 +214,11 @@ class FSDPRankEngine:
         wrapped = 0
         if cfg.wrap_policy == "decoder_layer":
             block_names = set(getattr(model, "_no_split_modules", None) or [])
-            for m in list(model.modules()):
-                if type(m).__name__ in block_names:
+            for name, m in list(model.named_modules()):
+                # A vision-language model's vision tower stays in the root unit:
+                # it runs only in micro-batches with images, and a unit of its
+                # own would gather on some ranks and not on others (a hang).
+                if type(m).__name__ in block_names and not (vision_model and "vision" in name):
                     shard(m)
                     wrapped += 1
         shard(model)
@@ -230,6 +236,8 @@ class FSDPRankEngine:
         # the decoder and the LM head separately would bypass the root unit's
         # hooks, which gather the embedding, final norm and head.
         self.runner = MicroBatchRunner(model, cfg, self.device, hooks=RankSync(), split_head=False)
+        if vision_model:
+            self.runner.vision = ImageTensors(model_path)
         self.model_path = os.path.abspath(model_path)
         self.total_train_steps = int(total_train_steps)
         # With LoRA only the adapter trains: frozen base weights get no optimizer state.

@@ -55,13 +55,23 @@ class VLLMBackend(InferenceBackend):
 
         return VLLMLauncher(self.server_config, run_dir=os.path.join(run_dir, "vllm"))
 
+    def launch(self, model_dir: str, device_plan: list[list[int]], run_dir: str) -> list[str]:
+        # The client needs the model's image placeholder layout (vision-language models).
+        self.model_dir = model_dir
+        return super().launch(model_dir, device_plan, run_dir)
+
     def make_client(self, addresses: list[str]) -> Any:
         from areal_kernel.inference.client import client_options
+        from areal_kernel.models.vision import image_placeholders
         from areal_vllm.protocol import VLLMInferenceEngine, VLLMProtocol
 
+        model_dir = getattr(self, "model_dir", None)
         engine = VLLMInferenceEngine(
             addresses,
-            VLLMProtocol(tp_size=self.server_config.tensor_parallel_size or 1),
+            VLLMProtocol(
+                tp_size=self.server_config.tensor_parallel_size or 1,
+                image_placeholders=image_placeholders(model_dir) if model_dir else None,
+            ),
             **client_options(self.config.rollout),
         )
         # Label the served weights as version 0 (vLLM starts at "default").

@@ -22,10 +22,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from areal_kernel.api.io import GenerationConfig, StopReason
+from areal_kernel.api.io import GenerationConfig, ImageInputs, StopReason
 from areal_kernel.errors import ServerError
 from areal_kernel.inference.client import RemoteInferenceEngine
 from areal_kernel.inference.wire import ControlOp, GenerateChunk, HttpCall, ServerProtocol, text_reply
+from areal_kernel.models.vision import ImagePlaceholders, image_data_url
 
 PAUSE_MODES = ("abort", "keep", "wait")
 _FINISH = {"stop": StopReason.STOP, "length": StopReason.LENGTH, "abort": StopReason.ABORT}
@@ -45,9 +46,28 @@ def parse_version(v: Any) -> int | None:
 class VLLMProtocol(ServerProtocol):
     health_path = "/health"
 
-    def __init__(self, tp_size: int = 1) -> None:
+    def __init__(self, tp_size: int = 1, image_placeholders: ImagePlaceholders | None = None) -> None:
         # Every worker of a server joins the weight group (ranks are per worker).
         self.tp_size = tp_size
+        # A vision-language model's placeholder layout (None: a text model).
+        self.image_placeholders = image_placeholders
+
+    @property
+    def supports_images(self) -> bool:  # type: ignore[override]
+        return self.image_placeholders is not None
+
+    def add_images(self, call: HttpCall, images: ImageInputs) -> HttpCall:
+        """vLLM's own multimodal form of ``/inference/v1/generate``: the images
+        as ``content_parts`` (data URLs) and the token ids with ONE image token
+        per image, which vLLM's processor expands to the model's placeholders
+        (exactly the kernel's expanded ids; checked by the tests)."""
+        if self.image_placeholders is None:
+            raise ServerError("this vLLM server's model is not a vision-language model: requests cannot carry images")
+        assert call.json is not None
+        body = dict(call.json)
+        body["token_ids"] = self.image_placeholders.collapse(body["token_ids"])
+        body["content_parts"] = [{"type": "image_url", "url": image_data_url(f)} for f in images.files]
+        return HttpCall(call.method, call.path, body, call.timeout_s, call.parse)
 
     @property
     def ranks_per_server(self) -> int:  # type: ignore[override]
