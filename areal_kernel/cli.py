@@ -207,6 +207,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
                 f"{role['devices_per_process']} device(s) = {role['devices']}"
             )
         print(f"total devices needed: {plan['devices_needed']}  fits: {'yes' if plan['fits'] else 'no'}")
+        if plan["placement"] is not None:
+            print(f"placement by scheduler '{plan['scheduler']}':")
+            for role, placements in plan["placement"]["roles"].items():
+                for p in placements:
+                    devices = ",".join(map(str, p["devices"])) or "shared cores"
+                    print(f"  {role:<8} {p['index']:<3} node {p['node']}  host {p['host']}  devices {devices}")
         for note in plan["notes"]:
             print(f"note: {note}")
     return 0 if plan["fits"] else 1

@@ -98,10 +98,10 @@ def areal_register_weight_transports(register: Register) -> None:
 def areal_register_schedulers(register: Register) -> None:
     """Register schedulers (``local``; third parties: Ray, Slurm).
 
-    Target: a class built as ``Scheduler(config)`` that starts the
-    processes of each role: ``platform``, ``start_inference(backend,
-    model_dir, run_dir) -> addresses``, optionally
-    ``start_train_ranks(argv, log_dir, env)``, and ``stop()``; see
+    Target: a subclass of ``areal_kernel.api.scheduler.Scheduler``,
+    built as ``Scheduler(config)`` in the controller: ``plan()`` places each
+    role's processes (node, host, devices), ``spawn`` starts one on its node,
+    ``start_inference``, ``start_train_ranks``, ``health``, ``stop()``; see
     docs/plugin-authoring.md, "Schedulers". Called once per process on
     first registry use.
     """

@@ -420,7 +420,50 @@ class LoggingConfig(StrictModel):
 
 
 class SchedulerConfig(StrictModel):
+    """``type``: the scheduler by registered name. A scheduler that registered
+    a ``config_model`` takes its settings from ``scheduler.<name>: {...}``
+    (e.g. ``scheduler.ray: {address: auto}``); with ``type: auto`` a section
+    may be given for any registered scheduler (the hook picks one of them)."""
+
+    # Extra keys are schedulers' settings sections; _scheduler_sections checks each.
+    model_config = ConfigDict(extra="allow", validate_assignment=True)
+
     type: str = Field("auto", description="'auto' asks the areal_select_scheduler hook (default: local).")
+
+    @model_validator(mode="after")
+    def _scheduler_sections(self) -> "SchedulerConfig":
+        from areal_kernel.plugins.registry import get_registry
+
+        reg = get_registry()
+        names = sorted(s.name for s in reg.specs("scheduler"))
+        if self.type != "auto" and reg.find("scheduler", self.type) is None:
+            raise ConfigError(
+                f"scheduler.type: no scheduler named {self.type!r} is registered; registered: {', '.join(names)} "
+                "(or 'auto')"
+            )
+        allowed = names if self.type == "auto" else [self.type]
+        extras = self.__pydantic_extra__ if self.__pydantic_extra__ is not None else {}
+        for key in list(extras):
+            if key not in allowed:
+                raise unknown_section_error(
+                    "scheduler", key, [*type(self).model_fields, *allowed],
+                    f"a settings section is named after the selected scheduler ({', '.join(allowed)})",
+                )  # fmt: skip
+            settings = validate_settings(f"scheduler.{key}", "scheduler", key, extras[key])
+            if settings is None:
+                del extras[key]
+            else:
+                extras[key] = settings
+        return self
+
+    def section(self, name: str) -> Any:
+        """Scheduler ``name``'s validated ``scheduler.<name>`` settings: the
+        section given, else its ``config_model``'s defaults (``None`` for a
+        scheduler without one)."""
+        given = (self.__pydantic_extra__ or {}).get(name)
+        if given is not None:
+            return given
+        return validate_settings(f"scheduler.{name}", "scheduler", name, None)
 
 
 class ExperimentConfig(StrictModel):

@@ -6,8 +6,10 @@ process, and calls it in this order (``areal_kernel.trainer.components.Rollout``
 1. ``Backend(config)``: ``config`` is the validated ``ExperimentConfig``; the
    backend's own section (``rollout.<name>``, validated against its
    ``config_model``) is ``config.rollout.plugin_config`` (``None`` without one).
-2. ``launch(model_dir, device_plan, run_dir) -> list[str]`` (through the
-   scheduler's ``start_inference``): start one server per entry of
+2. ``place(scheduler, placements)`` then ``launch(model_dir, device_plan,
+   run_dir) -> list[str]`` (both from the scheduler's ``start_inference``):
+   the launcher starts server ``i`` on ``placements[i]`` (its node, bind
+   host and devices) through ``scheduler.spawn``; one server per entry of
    ``device_plan`` (the device ids each server may use; empty lists on hosts
    whose cores are shared) and return their ``host:port`` addresses once all
    are healthy. Servers log under ``run_dir``.
@@ -31,6 +33,7 @@ from __future__ import annotations
 import abc
 from typing import Any
 
+from areal_kernel.api.scheduler import Placement
 from areal_kernel.inference.client import RemoteInferenceEngine
 from areal_kernel.inference.launcher import SubprocessLauncher
 
@@ -43,6 +46,15 @@ class InferenceBackend(abc.ABC):
         self.config = config
         # Set by ``launch``; the supervisor restarts servers through it.
         self.launcher: SubprocessLauncher | None = None
+        # Set by ``place`` (the scheduler, before ``launch``).
+        self.scheduler: Any = None
+        self.placements: list[Placement] | None = None
+
+    def place(self, scheduler: Any, placements: list[Placement]) -> None:
+        """Where the servers of the next ``launch`` run, and the scheduler
+        (``areal_kernel.api.scheduler.Scheduler``) that starts them there."""
+        self.scheduler = scheduler
+        self.placements = list(placements)
 
     @abc.abstractmethod
     def make_launcher(self, run_dir: str) -> SubprocessLauncher:
@@ -54,6 +66,8 @@ class InferenceBackend(abc.ABC):
 
     def launch(self, model_dir: str, device_plan: list[list[int]], run_dir: str) -> list[str]:
         self.launcher = self.make_launcher(run_dir)
+        if self.placements is not None:
+            self.launcher.place(self.scheduler, self.placements)
         per_server = len(device_plan[0]) if device_plan else 0
         infos = self.launcher.launch(model_dir, n_servers=max(1, len(device_plan)), devices_per_server=per_server)
         return [i.address for i in infos]

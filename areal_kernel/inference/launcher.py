@@ -25,11 +25,12 @@ import urllib.error
 import urllib.request
 from collections import deque
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from areal_kernel.api.engine import ServerInfo, ServerLauncher
+from areal_kernel.api.scheduler import ROLLOUT, Placement, ProcessHandle, spawn_local
 from areal_kernel.errors import ServerError
-from areal_kernel.utils.network import find_free_port, port_is_free
+from areal_kernel.utils.network import find_free_port, is_loopback, port_is_free
 
 # Exit code a server may use to say "my port is taken" (the embedded server
 # does); servers that cannot choose their exit code are recognised by the
@@ -59,11 +60,12 @@ def http_ok(url: str, headers: dict[str, str] | None = None, timeout_s: float = 
 
 @dataclass
 class ServerProcess:
-    """One started server: its process, where it listens and logs, and what
-    is needed to start it again on the same address."""
+    """One started server: its process (on whichever node its scheduler
+    placed it), where it listens and logs, and what is needed to start it
+    again on the same address."""
 
     index: int  # position in ``launcher.servers``; also names the log file
-    popen: subprocess.Popen
+    handle: ProcessHandle
     info: ServerInfo
     cmd: list[str]
     log_path: str
@@ -123,6 +125,9 @@ class SubprocessLauncher(ServerLauncher):
         self._n_servers = 0
         self._lock = threading.RLock()
         self._stopping = False
+        # Set by ``place``: where each server runs and who starts it there.
+        self._scheduler: Any = None
+        self._placements: list[Placement] | None = None
         atexit.register(self.stop)  # never leave orphan servers (they hold memory and devices)
 
     # -- what a backend provides --------------------------------------------------
@@ -152,17 +157,53 @@ class SubprocessLauncher(ServerLauncher):
     def is_port_clash(self, proc: ServerProcess, returncode: int) -> bool:
         if returncode == PORT_IN_USE_EXIT:
             return True
-        tail = tail_file(proc.log_path, self.log_tail_lines).lower()
+        tail = proc.handle.log_tail(self.log_tail_lines).lower()
         return any(m in tail for m in PORT_CLASH_MESSAGES)
 
     def cleanup(self) -> None:
         """Release what the subclass created per run (called by ``stop``)."""
+
+    def secure_for_hosts(self, hosts: list[str]) -> None:
+        """Called by ``place`` with the addresses servers will bind. A
+        launcher whose servers guard control routes with an admin token
+        generates one here when any host is beyond loopback (the kernel's
+        rule: a server reachable from other machines never has open control
+        routes)."""
+
+    # -- placement (the scheduler contract) ----------------------------------------
+    def place(self, scheduler: Any, placements: list[Placement]) -> None:
+        """Run server ``i`` on ``placements[i]`` (its node, bind host and
+        devices), started through ``scheduler.spawn`` with ports from
+        ``scheduler.free_port``. Without ``place`` every server runs on this
+        machine, bound to ``host``."""
+        self._scheduler = scheduler
+        self._placements = list(placements)
+        self.secure_for_hosts([self.host_for(i) for i in range(len(self._placements))])
+
+    def host_for(self, index: int) -> str:
+        """The address server ``index`` binds and clients dial: its
+        placement's host once placed, unless the backend's settings asked
+        for a bind beyond loopback (that choice is the user's and stays)."""
+        if self._placements is not None and index < len(self._placements) and is_loopback(self.host):
+            return self._placements[index].host
+        return self.host
+
+    def placement_for(self, index: int, device_ids: list[int]) -> Placement:
+        if self._placements is not None and index < len(self._placements):
+            return self._placements[index]
+        return Placement(ROLLOUT, index, "local", self.host, tuple(device_ids))
 
     # -- public API ----------------------------------------------------------------
     @property
     def servers(self) -> list[ServerInfo]:
         with self._lock:
             return [p.info for p in self._procs]
+
+    @property
+    def handles(self) -> list[ProcessHandle]:
+        """The servers' processes, in index order."""
+        with self._lock:
+            return [p.handle for p in self._procs]
 
     def healthy(self, address: str) -> bool:
         return http_ok(f"http://{address}{self.health_path}", self.health_headers())
@@ -171,8 +212,8 @@ class SubprocessLauncher(ServerLauncher):
         with self._lock:
             if index >= len(self._procs):
                 return ""
-            path = self._procs[index].log_path
-        return tail_file(path, n or self.log_tail_lines)
+            handle = self._procs[index].handle
+        return handle.log_tail(n or self.log_tail_lines)
 
     def launch(self, model_path: str, n_servers: int, devices_per_server: int) -> list[ServerInfo]:
         if n_servers < 1:
@@ -182,14 +223,19 @@ class SubprocessLauncher(ServerLauncher):
         if not os.path.isdir(model_path):
             raise ServerError(f"model path {model_path!r} is not a directory (expected an HF model directory)")
         self.check_launch(model_path, n_servers, devices_per_server)
+        if self._placements is not None and len(self._placements) < n_servers:
+            raise ServerError(f"{n_servers} servers asked for but the scheduler placed {len(self._placements)}")
         if self.base_port:
             # A fixed port was asked for: a clash is the user's to resolve, not
             # something to retry around. Probe before spawning anything.
             for i in range(n_servers):
                 port = self.base_port + i
-                if not port_is_free(port, self.host):
+                host = self.host_for(i)
+                # A placement on another machine is probed there, by the server's own bind.
+                here = self._scheduler is None or self._scheduler.on_this_machine(self.placement_for(i, []))
+                if here and not port_is_free(port, host):
                     raise ServerError(
-                        f"{self.settings_path}.port: {self.host}:{port} is already in use by another process"
+                        f"{self.settings_path}.port: {host}:{port} is already in use by another process"
                         + (f" (server {i} of {n_servers} uses port+{i})" if n_servers > 1 else "")
                         + "; choose a free port or leave it unset to pick free ports automatically"
                     )
@@ -197,7 +243,10 @@ class SubprocessLauncher(ServerLauncher):
             self._stopping = False
             first = len(self._procs)
         self._n_servers = n_servers
-        device_sets = [list(range(i * devices_per_server, (i + 1) * devices_per_server)) for i in range(n_servers)]
+        if self._placements is not None:
+            device_sets = [list(self._placements[i].devices) for i in range(n_servers)]
+        else:
+            device_sets = [list(range(i * devices_per_server, (i + 1) * devices_per_server)) for i in range(n_servers)]
         try:
             # Start all first so they load in parallel, then wait for each.
             for i, d in enumerate(device_sets):
@@ -218,7 +267,9 @@ class SubprocessLauncher(ServerLauncher):
         with self._lock:
             if self._stopping:
                 return {}
-            return {p.index: rc for p in self._procs if (rc := p.popen.poll()) is not None}
+            procs = list(self._procs)
+        # Polled outside the lock: a remote handle's poll is a network call.
+        return {p.index: rc for p in procs if (rc := p.handle.poll()) is not None}
 
     def restart(self, index: int) -> ServerInfo:
         """Start server ``index`` again, on the same address, with the model
@@ -232,11 +283,10 @@ class SubprocessLauncher(ServerLauncher):
                 raise ServerError(f"cannot restart {self.server_name} {index}: the launcher is stopped")
             old = self._procs[index]
         self.kill(old)
-        with open(old.log_path, "a") as f:
-            f.write(
-                f"\n--- areal: restarting server on {old.info.address} "
-                f"(previous exit code {old.popen.returncode}) ---\n"
-            )
+        _append(
+            old.log_path,
+            f"\n--- areal: restarting server on {old.info.address} (previous exit code {old.handle.returncode}) ---\n",
+        )
         self._spawn(index, old.model_path, old.device_ids, old.port)
         with self._lock:
             p = self._procs[index]
@@ -249,8 +299,8 @@ class SubprocessLauncher(ServerLauncher):
             self._stopping = True
             procs, self._procs = self._procs, []
         for p in procs:  # SIGTERM all first so they shut down in parallel
-            if p.popen.poll() is None:
-                _signal_group(p.popen.pid, signal.SIGTERM)
+            if p.handle.poll() is None:
+                p.handle.signal_group(signal.SIGTERM)
         for p in procs:
             self.kill(p)
         self.cleanup()
@@ -259,15 +309,15 @@ class SubprocessLauncher(ServerLauncher):
         """Kill one server's whole process group and reap its leader. The
         leader may be gone while children it spawned (engine cores, workers)
         live on, so the group is SIGKILLed whatever the leader did."""
-        if proc.popen.poll() is None:
-            _signal_group(proc.popen.pid, signal.SIGTERM)
+        if proc.handle.poll() is None:
+            proc.handle.signal_group(signal.SIGTERM)
             try:
-                proc.popen.wait(self.stop_grace_s)
+                proc.handle.wait(self.stop_grace_s)
             except subprocess.TimeoutExpired:
                 pass
-        _signal_group(proc.popen.pid, signal.SIGKILL)
+        proc.handle.signal_group(signal.SIGKILL)
         try:
-            proc.popen.wait(10)
+            proc.handle.wait(10)
         except subprocess.TimeoutExpired:  # unkillable (D state): nothing more we can do
             pass
 
@@ -276,12 +326,16 @@ class SubprocessLauncher(ServerLauncher):
         return ServerError(
             f"{self.server_name} {proc.index} ({proc.info.address}) {why}\n  command: {' '.join(proc.cmd)}\n"
             f"  log: {proc.log_path}\n--- last {self.log_tail_lines} log lines ---\n"
-            f"{tail_file(proc.log_path, self.log_tail_lines)}"
+            f"{proc.handle.log_tail(self.log_tail_lines)}"
         )
 
     # -- internals -------------------------------------------------------------------
     def _port_for(self, i: int) -> int:
-        return self.base_port + i if self.base_port else find_free_port(self.host)
+        if self.base_port:
+            return self.base_port + i
+        if self._scheduler is not None and self._placements is not None:
+            return int(self._scheduler.free_port(self._placements[i]))
+        return find_free_port(self.host)
 
     def _spawn(self, index: int, model_path: str, device_ids: list[int], port: int) -> ServerProcess:
         cmd = self.command(model_path, port, index, device_ids)
@@ -289,22 +343,22 @@ class SubprocessLauncher(ServerLauncher):
         with self._lock:
             if self._stopping:
                 raise ServerError(f"start of {self.server_name} {index} abandoned: the launcher is stopped")
-            with open(log_path, "ab") as logf:
-                logf.write(f"\n=== areal: {' '.join(cmd)}\n".encode())
-                logf.flush()
-                try:
-                    popen = subprocess.Popen(
-                        cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                        env=self.environment(index, max(self._n_servers, index + 1), device_ids),
-                        start_new_session=True,
-                    )  # fmt: skip
-                except OSError as e:
-                    hint = f"\n{self.start_failure_hint}" if self.start_failure_hint else ""
-                    raise ServerError(
-                        f"cannot start {self.server_name} {index} ({e}); command: {' '.join(cmd)}{hint}"
-                    ) from None
-            info = ServerInfo(f"{self.host}:{port}", popen.pid, log_path, list(device_ids))
-            proc = ServerProcess(index, popen, info, cmd, log_path, port, model_path, list(device_ids))
+            env = self.environment(index, max(self._n_servers, index + 1), device_ids)
+            placement = self.placement_for(index, device_ids)
+            try:
+                if self._scheduler is not None:
+                    _append(log_path, f"\n=== areal: on {placement.node}: {' '.join(cmd)}\n")
+                    handle = self._scheduler.spawn(placement, cmd, env, log_path)
+                else:
+                    _append(log_path, f"\n=== areal: {' '.join(cmd)}\n")
+                    handle = spawn_local(cmd, env, log_path, placement)
+            except OSError as e:
+                hint = f"\n{self.start_failure_hint}" if self.start_failure_hint else ""
+                raise ServerError(
+                    f"cannot start {self.server_name} {index} ({e}); command: {' '.join(cmd)}{hint}"
+                ) from None
+            info = ServerInfo(f"{self.host_for(index)}:{port}", handle.pid, log_path, list(device_ids))
+            proc = ServerProcess(index, handle, info, cmd, log_path, port, model_path, list(device_ids))
             # Tracked at once, so stop() (atexit, a signal, another thread) kills it even while we wait.
             if index < len(self._procs):
                 self._procs[index] = proc
@@ -320,7 +374,7 @@ class SubprocessLauncher(ServerLauncher):
         retries = self.port_retries
         deadline = time.monotonic() + self.startup_timeout_s
         while True:
-            rc = p.popen.poll()
+            rc = p.handle.poll()
             if rc is not None:
                 clash = self.is_port_clash(p, rc)
                 if clash and restart and time.monotonic() < deadline:
@@ -332,7 +386,7 @@ class SubprocessLauncher(ServerLauncher):
                     # Someone took the port between our probe and the server's bind.
                     retries -= 1
                     self.kill(p)
-                    p = self._spawn(p.index, p.model_path, p.device_ids, find_free_port(self.host))
+                    p = self._spawn(p.index, p.model_path, p.device_ids, self._port_for(p.index))
                     continue
                 self.kill(p)  # children may outlive the leader
                 raise self.failure(p, f"exited with code {rc} before becoming healthy")
@@ -351,8 +405,10 @@ class SubprocessLauncher(ServerLauncher):
             time.sleep(self.poll_s)
 
 
-def _signal_group(pid: int, sig: int) -> None:
+def _append(path: str, text: str) -> None:
+    """Append a marker line to a server's log (where this machine can see it)."""
     try:
-        os.killpg(pid, sig)
-    except (ProcessLookupError, PermissionError):
+        with open(path, "a") as f:
+            f.write(text)
+    except OSError:
         pass

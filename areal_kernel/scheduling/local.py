@@ -1,19 +1,30 @@
 """The ``local`` scheduler: every role runs as processes on this machine.
 
 It hands out device ids per role (accelerators are never shared between
-roles; on CPU every process is single-threaded and cores are shared) and
-starts inference servers through their backend's launcher.
+roles; on CPU every process is single-threaded and cores are shared). The
+rest (servers through their backend's launcher, train ranks with their
+rendezvous environment, health, logs, stop) is the kernel's scheduler
+contract, ``areal_kernel.api.scheduler.Scheduler``.
 """
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
 from typing import Any
 
-from areal_kernel.config.models import ExperimentConfig
+from areal_kernel.api.scheduler import (
+    ACTOR,
+    ROLLOUT,
+    Placement,
+    ProcessHandle,
+    SchedulePlan,
+    Scheduler,
+    spawn_local,
+)
 from areal_kernel.errors import ArealError
+from areal_kernel.utils.network import find_free_port
+
+LOCAL_NODE = "local"
+LOOPBACK = "127.0.0.1"
 
 
 def replica_device_plan(
@@ -40,21 +51,25 @@ def replica_device_plan(
     return [free[r * per : (r + 1) * per] for r in range(allocation.d)]
 
 
-class LocalScheduler:
-    def __init__(self, config: ExperimentConfig) -> None:
-        from areal_kernel.platforms import current_platform
+class LocalScheduler(Scheduler):
+    """Every placement is on this machine (node ``local``, host 127.0.0.1);
+    processes are started with ``subprocess`` in their own sessions."""
 
-        self.config = config
-        self.platform = current_platform()
-        self._launchers: list[Any] = []
-        self._train_procs: list[subprocess.Popen] = []
+    name = "local"
 
-    def device_plan(self) -> dict[str, list[list[int]]]:
-        """Device ids per process: ``{"actor": [[0], [1]], "rollout": [[2, 3]]}``."""
+    def plan(self) -> SchedulePlan:
+        ids = self._device_ids()
+        roles = {
+            role: [Placement(role, i, LOCAL_NODE, LOOPBACK, tuple(d)) for i, d in enumerate(per_process)]
+            for role, per_process in ids.items()
+        }
+        return SchedulePlan(self.name, self.platform.name, roles)
+
+    def _device_ids(self) -> dict[str, list[list[int]]]:
         actor = self.config.actor.allocation
         rollout = self.config.rollout.allocation
         if not self.platform.exclusive_devices:  # shared host cores: no ids to hand out
-            return {"actor": [[] for _ in range(actor.world_size)], "rollout": [[] for _ in range(rollout.d)]}
+            return {ACTOR: [[] for _ in range(actor.world_size)], ROLLOUT: [[] for _ in range(rollout.d)]}
         need = actor.world_size + rollout.d * rollout.devices_per_replica
         have = self.platform.device_count()
         if need > have:
@@ -64,68 +79,22 @@ class LocalScheduler:
             )
         ids = iter(range(need))
         return {
-            "actor": [[next(ids)] for _ in range(actor.world_size)],
-            "rollout": [[next(ids) for _ in range(rollout.devices_per_replica)] for _ in range(rollout.d)],
+            ACTOR: [[next(ids)] for _ in range(actor.world_size)],
+            ROLLOUT: [[next(ids) for _ in range(rollout.devices_per_replica)] for _ in range(rollout.d)],
         }
 
-    def start_inference(self, backend: Any, model_dir: str, run_dir: str) -> list[str]:
-        plan = self.device_plan()["rollout"]
-        addresses = backend.launch(model_dir, plan, run_dir)
-        self._launchers.append(backend)
-        return addresses
+    def device_plan(self) -> dict[str, list[list[int]]]:
+        """Device ids per process: ``{"actor": [[0], [1]], "rollout": [[2, 3]]}``."""
+        return self._device_ids()
 
-    def start_train_ranks(
-        self, argv: list[str], log_dir: str, env: dict[str, str] | None = None
-    ) -> list[subprocess.Popen]:
-        """Start one process per actor rank (``actor.allocation.world_size``,
-        e.g. 2 for ``fsdp:d2``) running ``argv``, with the torch.distributed
-        environment (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
-        ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``), the rank's
-        devices made visible through the platform, and ``OMP_NUM_THREADS=1``.
-        Each rank runs in its own session (``stop`` kills the whole group) and
-        logs to ``<log_dir>/rank-<r>.log``."""
-        from areal_kernel.utils.network import find_free_port
+    def spawn(self, placement: Placement, argv: list[str], env: dict[str, str], log_path: str) -> ProcessHandle:
+        return spawn_local(argv, env, log_path, placement)
 
-        plan = self.device_plan()["actor"]
-        os.makedirs(log_dir, exist_ok=True)
-        master_port = find_free_port()
-        procs: list[subprocess.Popen] = []
-        for rank, devices in enumerate(plan):
-            e = dict(os.environ)
-            e.update(env or {})
-            e.update(
-                OMP_NUM_THREADS="1",
-                RANK=str(rank),
-                LOCAL_RANK=str(rank),
-                WORLD_SIZE=str(len(plan)),
-                LOCAL_WORLD_SIZE=str(len(plan)),
-                MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=str(master_port),
-            )
-            e.update(self.platform.visible_devices_env_for(devices))
-            with open(os.path.join(log_dir, f"rank-{rank}.log"), "ab") as logf:
-                p = subprocess.Popen(
-                    argv,
-                    env=e,
-                    stdout=logf,
-                    stderr=subprocess.STDOUT,
-                    stdin=subprocess.DEVNULL,
-                    start_new_session=True,
-                )
-            # Tracked at once: if a later rank fails to start, stop() still finds this one.
-            self._train_procs.append(p)
-            procs.append(p)
-        return procs
+    def free_port(self, placement: Placement) -> int:
+        return find_free_port(placement.host)
 
-    def stop(self) -> None:
-        for backend in self._launchers:
-            backend.stop()
-        self._launchers.clear()
-        procs, self._train_procs = self._train_procs, []
-        for p in procs:
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                p.wait()
+    def on_this_machine(self, placement: Placement) -> bool:
+        return True
+
+    def release(self) -> None:
+        """Nothing is reserved beyond the processes."""

@@ -1,10 +1,30 @@
-"""``areal plan``: the processes and devices each role needs, and whether they fit."""
+"""``areal plan``: the processes and devices each role needs, whether they
+fit, and where the run's scheduler would place each one (its ``plan()``:
+nothing starts)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from areal_kernel.config.models import ExperimentConfig
+from areal_kernel.errors import ArealError
+
+
+def scheduler_name(cfg: ExperimentConfig) -> str:
+    """``scheduler.type``, with ``auto`` resolved by the ``areal_select_scheduler`` hook."""
+    from areal_kernel.plugins import get_plugin_manager
+
+    name = cfg.scheduler.type
+    if name == "auto":
+        name = get_plugin_manager().hook.areal_select_scheduler(config=cfg) or "local"
+    return name
+
+
+def make_scheduler(cfg: ExperimentConfig, name: str | None = None) -> Any:
+    """The run's scheduler, built as the trainer builds it (nothing starts)."""
+    from areal_kernel.plugins import get_registry
+
+    return get_registry().get("scheduler", name or scheduler_name(cfg)).load()(cfg)
 
 
 def make_plan(cfg: ExperimentConfig) -> dict[str, Any]:
@@ -42,14 +62,31 @@ def make_plan(cfg: ExperimentConfig) -> dict[str, Any]:
         notes.append(f"{needed} single-threaded processes on {available} core(s): they will share cores and run slower")
     if actor.e > 1 and actor.world_size % actor.e:
         notes.append(f"actor expert parallel e{actor.e} does not divide the world size {actor.world_size}")
+    placement: dict[str, Any] | None = None
+    sched_name = scheduler_name(cfg)
+    sched = None
+    try:
+        sched = make_scheduler(cfg, sched_name)
+        sp = sched.plan()
+        placement = sp.to_dict()
+        if _offline(cfg):
+            placement["roles"].pop("rollout", None)
+        notes.extend(sp.notes)
+    except ArealError as e:
+        notes.append(f"scheduler '{sched_name}' cannot place this run: {e}")
+    finally:
+        if sched is not None:
+            sched.stop()  # a cluster scheduler's plan may reserve resources: give them back
     return {
+        "scheduler": sched_name,
+        "placement": placement,
         "platform": plat.name,
         "device_unit": plat.compute_unit_name,
         "available_devices": available,
         "roles": roles,
         "devices_needed": needed,
         # Shared cores can be oversubscribed; exclusive devices cannot.
-        "fits": True if shared else needed <= available,
+        "fits": placement is not None and (True if shared else needed <= available),
         "notes": notes,
     }
 

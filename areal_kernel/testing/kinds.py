@@ -1143,12 +1143,14 @@ def _accepts(address: str) -> bool:
 
 
 class SchedulerContract:
-    """Fixture: ``scheduler_name`` (your ``scheduler.type``). Optional:
+    """Fixture: ``scheduler_name`` (your ``scheduler.type``; the class
+    subclasses ``areal_kernel.api.scheduler.Scheduler``). Optional:
     ``scheduler_config`` (the rest of the config; default two actor ranks,
     ``actor.backend: torch:d2``, and one fp32 ``embedded`` server) and
     ``scheduler_model_dir`` (default the session's tiny Llama). Set the
     class attribute ``starts_train_ranks = False`` if yours cannot start
-    train-engine ranks (the suite then checks it has no ``start_train_ranks``)."""
+    train-engine ranks (the suite then checks its ``start_train_ranks``
+    raises ``ArealError`` and starts nothing)."""
 
     starts_train_ranks: bool = True
 
@@ -1162,7 +1164,10 @@ class SchedulerContract:
 
     @pytest.fixture
     def scheduler_cfg(self, scheduler_name: str, scheduler_config: dict) -> Any:
-        return _config({**scheduler_config, "scheduler": {"type": scheduler_name}})
+        # The scheduler's own section (scheduler.<name>) may come with the config.
+        return _config(
+            {**scheduler_config, "scheduler": {**scheduler_config.get("scheduler", {}), "type": scheduler_name}}
+        )
 
     @pytest.fixture
     def scheduler(self, scheduler_name: str, scheduler_cfg: Any) -> Any:
@@ -1177,6 +1182,27 @@ class SchedulerContract:
         # The trainer asks it which platform picks the weight transport.
         assert isinstance(scheduler.platform, Platform)
 
+    def test_is_built_on_the_kernel_contract(self, scheduler: Any) -> None:
+        from areal_kernel.api.scheduler import Scheduler
+
+        assert isinstance(scheduler, Scheduler), "subclass areal_kernel.api.scheduler.Scheduler"
+
+    def test_plan_places_every_process_before_anything_starts(self, scheduler: Any, scheduler_cfg: Any) -> None:
+        from areal_kernel.api.scheduler import Placement, SchedulePlan
+
+        plan = scheduler.plan()
+        assert isinstance(plan, SchedulePlan) and plan.platform == scheduler.platform.name
+        want = {"actor": scheduler_cfg.actor.allocation.world_size, "rollout": scheduler_cfg.rollout.allocation.d}
+        for role, n in want.items():
+            ps = plan.roles[role]
+            assert [p.index for p in ps] == list(range(n)), (role, ps)
+            for p in ps:
+                assert isinstance(p, Placement) and p.role == role and p.node and p.host, p
+                if scheduler.platform.exclusive_devices:
+                    assert p.devices, f"{p}: no devices on a platform with exclusive devices"
+        assert plan.nodes() and json.dumps(plan.to_dict())
+        assert scheduler.health() == [], "plan() must not start anything"
+
     def test_train_ranks_run_in_their_own_sessions_and_stop(
         self, scheduler: Any, scheduler_cfg: Any, tmp_path: Any
     ) -> None:
@@ -1184,9 +1210,12 @@ class SchedulerContract:
         from areal_kernel.testing.waits import wait_until
 
         if not self.starts_train_ranks:
-            assert not hasattr(scheduler, "start_train_ranks"), (
-                "it has start_train_ranks; set starts_train_ranks = True"
-            )
+            from areal_kernel.errors import ArealError
+
+            # One clear error, not a half-started world.
+            with pytest.raises(ArealError):
+                scheduler.start_train_ranks([sys.executable, "-c", "pass"], str(tmp_path / "logs"), {})
+            assert scheduler.health() == []
             return
         world = scheduler_cfg.actor.allocation.world_size
         out, logs = tmp_path / "out", tmp_path / "logs"
@@ -1199,6 +1228,11 @@ class SchedulerContract:
         reports = [json.loads((out / f"rank-{r}.json").read_text()) for r in range(world)]
         master = {(x["env"]["MASTER_ADDR"], x["env"]["MASTER_PORT"]) for x in reports}
         assert len(master) == 1 and None not in next(iter(master)), master
+        # The rendezvous is on rank 0's node.
+        assert next(iter(master))[0] == scheduler.placements("actor")[0].host, master
+        running = [s for s in scheduler.health() if s.placement.role == "actor"]
+        assert sorted(s.placement.index for s in running) == list(range(world)) and all(s.alive for s in running)
+        assert len(scheduler.logs()["actor"]) == world, scheduler.logs()
         for r, x in enumerate(reports):
             assert x["env"]["RANK"] == x["env"]["LOCAL_RANK"] == str(r) and x["env"]["WORLD_SIZE"] == str(world), x
             assert x["env"]["OMP_NUM_THREADS"] == "1" and x["env"]["AREAL_CONTRACT_MARK"] == "m", x
@@ -1207,6 +1241,7 @@ class SchedulerContract:
         wait_until(lambda: all("started" in (logs / f"rank-{r}.log").read_text() for r in range(world)),
                    timeout_s=30, what="the ranks' output in <log_dir>/rank-<r>.log")  # fmt: skip
         scheduler.stop()
+        assert scheduler.health() == [], "stop() must forget what it ended"
         pids = [x["pid"] for x in reports] + [x["child"] for x in reports]
         wait_until(lambda: not any(is_alive(p) for p in pids), timeout_s=30, what="the ranks and their children to end")
 
@@ -1220,6 +1255,9 @@ class SchedulerContract:
         backend = _spec("inference_engine", cfg.rollout.allocation.backend).load()(cfg)
         addresses = scheduler.start_inference(backend, scheduler_model_dir, str(tmp_path / "run"))
         assert len(addresses) == cfg.rollout.allocation.d, addresses
+        placed = scheduler.placements("rollout")
+        servers = [s for s in scheduler.health() if s.placement.role == "rollout"]
+        assert [s.placement for s in servers] == placed[: len(addresses)] and all(s.alive for s in servers), servers
         client = backend.make_client(addresses)
         try:
             resp = asyncio.run(

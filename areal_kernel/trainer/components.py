@@ -158,10 +158,9 @@ class Rollout:
         cfg, reg = self.cfg, get_registry()
         backend_spec = reg.get("inference_engine", cfg.rollout.allocation.backend)
         self.backend = backend_spec.load()(cfg)
-        sched_name = cfg.scheduler.type
-        if sched_name == "auto":
-            sched_name = get_plugin_manager().hook.areal_select_scheduler(config=cfg) or "local"
-        self.scheduler = reg.get("scheduler", sched_name).load()(cfg)
+        from areal_kernel.scheduling.plan import make_scheduler
+
+        self.scheduler = make_scheduler(cfg)
         os.makedirs(self.run_dir, exist_ok=True)
         self.addresses = self.scheduler.start_inference(self.backend, self.model_dir, self.run_dir)
         self.engine = self.backend.make_client(self.addresses)

@@ -1,4 +1,5 @@
 """The plugin-authoring page documents every hook with its exact signature."""
+import dataclasses
 import inspect
 from pathlib import Path
 
@@ -119,3 +120,36 @@ def test_every_pytest_plugin_fixture_is_documented():
     headings = [line for line in section.splitlines() if line.startswith("#### ")]
     missing = [f for f in sorted(fixtures) if not any(f"`{f}`" in h for h in headings)]
     assert missing == [], f"pytest plugin fixtures without a heading in 'Testing your plugin': {missing}"
+
+
+# -- the scheduler contract (areal_kernel.api.scheduler) --------------------------------------
+
+
+def _schedulers_section() -> str:
+    text = DOC.read_text(encoding="utf-8")
+    start = text.index("### Schedulers\n")
+    return text[start : text.index("\n### ", start + 1)]
+
+
+def test_every_scheduler_contract_method_is_documented():
+    from areal_kernel.api import scheduler as api
+
+    section = _schedulers_section()
+    missing = []
+    for cls in (api.Scheduler, api.ProcessHandle):
+        for name, member in vars(cls).items():
+            if name.startswith("_") or not callable(member):
+                continue
+            if f"`{name}(" not in section:
+                missing.append(f"{cls.__name__}.{name}")
+    for name in [f.name for f in dataclasses.fields(api.Placement)] + ["NODE_LOST", "ProcessStatus", "spawn_local"]:
+        if name not in section:
+            missing.append(name)
+    assert missing == [], "undocumented in docs/plugin-authoring.md, 'Schedulers': " + ", ".join(missing)
+
+
+def test_abstract_scheduler_methods_are_the_documented_ones():
+    from areal_kernel.api.scheduler import Scheduler
+
+    # The table "What a scheduler writes" lists exactly these; adding one is a contract change.
+    assert Scheduler.__abstractmethods__ == {"plan", "spawn", "free_port", "release"}

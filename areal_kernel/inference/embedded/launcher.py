@@ -91,12 +91,19 @@ class EmbeddedLauncher(SubprocessLauncher):
         """What clients must send on control routes (None: routes are open, loopback only)."""
         return self.config.admin_token
 
+    def secure_for_hosts(self, hosts: list[str]) -> None:
+        # Placed on a node's address beyond loopback: the same rule as config.host.
+        if not self.config.admin_token and not all(is_loopback(h) for h in hosts):
+            import secrets
+
+            self.config = self.config.model_copy(update={"admin_token": secrets.token_urlsafe(32)})
+
     def command(self, model_path: str, port: int, index: int, device_ids: list[int]) -> list[str]:
         c = self.config
         return [
             sys.executable, "-m", SERVER_MODULE,
             "--model", model_path,
-            "--host", c.host,
+            "--host", self.host_for(index),
             "--port", str(port),
             "--dtype", c.dtype,
             "--max-batch-size", str(c.max_batch_size),

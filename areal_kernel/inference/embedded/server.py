@@ -429,11 +429,14 @@ async def serve(args: argparse.Namespace) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    if args.parent_pid:
+    # The process that started us: a scheduler's agent on this node says so in
+    # the environment; started directly, the controller passed its pid.
+    parent_pid = int(os.environ.get("AREAL_PARENT_PID") or args.parent_pid or 0)
+    if parent_pid:
         # A killed controller (kill -9) cannot stop its servers; they notice
         # being orphaned and stop themselves instead of holding memory forever.
         async def watch_parent() -> None:
-            while os.getppid() == args.parent_pid:
+            while os.getppid() == parent_pid:
                 await asyncio.sleep(1.0)
             print("parent process is gone; shutting down", file=sys.stderr, flush=True)
             stop.set()

@@ -173,7 +173,9 @@ class FSDPTrainEngine(TrainEngine):
 
     def _start_ranks(self) -> None:
         authkey = secrets.token_bytes(16)
-        listener = mpc.Listener(("127.0.0.1", 0), authkey=authkey)
+        sched = self._get_scheduler()
+        # Ranks on other nodes dial the controller where the scheduler says it is reachable.
+        listener = mpc.Listener((sched.controller_host(), 0), authkey=authkey)
         host, port = listener.address
         log_dir = self.log_dir or tempfile.mkdtemp(prefix="areal-fsdp-")
         self.log_dir = log_dir
@@ -188,7 +190,7 @@ class FSDPTrainEngine(TrainEngine):
             "--parent-pid", str(os.getpid()),
             "--dist-timeout-s", str(self.config.dist_timeout_s),
         ]  # fmt: skip
-        self._procs = self._get_scheduler().start_train_ranks(argv, log_dir, env)
+        self._procs = sched.start_train_ranks(argv, log_dir, env)
         if len(self._procs) != self.world_size:
             self._stop_ranks()
             raise ArealError(f"the scheduler started {len(self._procs)} ranks, expected {self.world_size}")

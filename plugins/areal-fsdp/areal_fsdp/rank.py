@@ -553,7 +553,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--parent-pid", type=int, required=True)
     p.add_argument("--dist-timeout-s", type=float, default=1800.0)
     args = p.parse_args(argv)
-    threading.Thread(target=_watch_parent, args=(args.parent_pid,), daemon=True).start()
+    # The scheduler's agent that started this rank on its node, else the controller.
+    parent_pid = int(os.environ.get("AREAL_PARENT_PID") or args.parent_pid)
+    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
 
     import torch
     import torch.distributed as dist

@@ -65,7 +65,7 @@ class VLLMLauncher(SubprocessLauncher):
         cmd = [
             sys.executable, "-m", SERVER_MODULE,
             "--model", model_path,
-            "--host", c.host,
+            "--host", self.host_for(index),
             "--port", str(port),
             "--dtype", c.dtype or "auto",
             "--max-model-len", str(c.max_model_len),
