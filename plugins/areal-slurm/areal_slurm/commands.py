@@ -167,7 +167,8 @@ def cancel(target: str, signal_name: str | None = None) -> None:
 
 
 def step_ids(job_id: str) -> dict[str, str]:
-    """The running steps of a job: step name -> ``JOB.STEP``."""
+    """The running steps of a job (``job_id``: one id or several, comma-separated):
+    step name -> ``JOB.STEP``."""
     out = {}
     try:
         text = run(["squeue", "-h", "-s", "-j", job_id, "-o", "%i %j"], timeout=20)
