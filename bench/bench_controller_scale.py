@@ -232,8 +232,25 @@ def consume(ex, seconds: float) -> int:
     return n
 
 
+def fan_out(engine, version: int) -> tuple[float, float, float, float]:
+    """Wall seconds of pause, update (disk), resume on every server, and the controller CPU they took."""
+    from areal_kernel.api.engine import WeightUpdateMeta
+
+    c = time.process_time()
+    t0 = time.monotonic()
+    engine.pause()
+    t1 = time.monotonic()
+    engine.update_weights(WeightUpdateMeta(kind="disk", path="/nonexistent/weights", version=version))
+    t2 = time.monotonic()
+    engine.resume()
+    t3 = time.monotonic()
+    return t1 - t0, t2 - t1, t3 - t2, time.process_time() - c
+
+
 def throughput(addresses, server_pids, args) -> dict:
     engine = make_engine(addresses)
+    # Control alone first (no rollouts running): the control plane's own cost.
+    idle = [fan_out(engine, v) for v in range(1, 4)]
     ex = make_executor(engine, args.tokens, args.concurrency)
     if args.profile:
         _profile_rollout_thread(ex, args.profile)
@@ -247,20 +264,9 @@ def throughput(addresses, server_pids, args) -> dict:
     reqs = engine.stats["requests"] - r0
     # Fan-out while rollouts run (the pause aborts them; they resume after).
     fan = {"pause": [], "update": [], "resume": [], "cpu": []}
-    from areal_kernel.api.engine import WeightUpdateMeta
-
-    for v in range(1, 6):
-        c = time.process_time()
-        t = time.monotonic()
-        engine.pause()
-        fan["pause"].append(time.monotonic() - t)
-        t = time.monotonic()
-        engine.update_weights(WeightUpdateMeta(kind="disk", path="/nonexistent/weights", version=v))
-        fan["update"].append(time.monotonic() - t)
-        t = time.monotonic()
-        engine.resume()
-        fan["resume"].append(time.monotonic() - t)
-        fan["cpu"].append(time.process_time() - c)
+    for v in range(4, 9):
+        for k, x in zip(("pause", "update", "resume", "cpu"), fan_out(engine, v)):
+            fan[k].append(x)
         ex.set_version(v)
         consume(ex, 0.3)
     ex.stop()
@@ -277,6 +283,8 @@ def throughput(addresses, server_pids, args) -> dict:
         "fan_ms": 1000 * (med["pause"] + med["update"] + med["resume"]),
         "fan_cpu_ms": 1000 * med["cpu"],
         "interruptions": engine.stats["interruptions"],
+        "idle_fan_ms": 1000 * statistics.median(sum(x[:3]) for x in idle),
+        "idle_fan_cpu_ms": 1000 * statistics.median(x[3] for x in idle),
     }
 
 
@@ -366,14 +374,15 @@ def main() -> int:
         stop_servers(procs)
 
     hdr = ("| servers N | episodes/s | controller CPU ms/request | controller core busy | servers' CPU "
-           "| pause ms | update ms | resume ms | fan-out total ms | fan-out controller CPU ms |")
+           "| pause ms | update ms | resume ms | fan-out total ms | fan-out controller CPU ms "
+           "| idle fan-out ms | idle fan-out CPU ms |")
     print()
     print(hdr)
     print("|---:" * (hdr.count("|") - 1) + "|")
     for r in rows:
         print(f"| {r['n']} | {r['eps']:.0f} | {r['cpu_ms_per_req']:.3f} | {100 * r['ctl_cpu']:.0f}% "
               f"| {100 * r['srv_cpu']:.0f}% | {r['pause_ms']:.0f} | {r['update_ms']:.0f} | {r['resume_ms']:.0f} "
-              f"| {r['fan_ms']:.0f} | {r['fan_cpu_ms']:.0f} |")
+              f"| {r['fan_ms']:.0f} | {r['fan_cpu_ms']:.0f} | {r['idle_fan_ms']:.0f} | {r['idle_fan_cpu_ms']:.0f} |")
     print(f"\nmemory per in-flight rollout: {mem_kb:.1f} KiB ({args.memory_inflight} in flight, 64-token prompts)")
     big = max(rows, key=lambda r: r["n"])
     report("controller episodes/s on one core / 1000", min(r["eps"] for r in rows) / 1000.0, 1.0)
