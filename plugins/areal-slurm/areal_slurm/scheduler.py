@@ -25,12 +25,14 @@ process too (the steps go with the job).
 from __future__ import annotations
 
 import atexit
+import concurrent.futures
 import os
 import secrets
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -89,7 +91,10 @@ def node_side_argv(argv: list[str], step: str) -> list[str]:
 def _term_with_parent() -> None:
     """In the srun child: receive SIGTERM when the controller dies (even by
     SIGKILL). srun answers SIGTERM by cancelling its step, so no process of
-    the run outlives the controller on any node."""
+    the run outlives the controller on any node. The kernel delivers this
+    when the *thread* that started srun ends, so every srun is started from
+    one thread that lives as long as the process (``_popen``), never from the
+    short-lived threads that restart servers."""
     import ctypes
 
     PR_SET_PDEATHSIG = 1
@@ -97,6 +102,19 @@ def _term_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
     except (OSError, AttributeError):
         pass
+
+
+_spawner: concurrent.futures.ThreadPoolExecutor | None = None
+_spawner_lock = threading.Lock()
+
+
+def _popen(*args: Any, **kwargs: Any) -> subprocess.Popen:
+    """``subprocess.Popen`` on the process-lifetime spawner thread (see ``_term_with_parent``)."""
+    global _spawner
+    with _spawner_lock:
+        if _spawner is None:
+            _spawner = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="areal-slurm-spawn")
+    return _spawner.submit(subprocess.Popen, *args, **kwargs).result()
 
 
 class SlurmProcess(ProcessHandle):
@@ -294,7 +312,7 @@ class SlurmScheduler(Scheduler):
         os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)
         with open(log_path, "ab") as logf:
             offset = logf.tell()
-            popen = subprocess.Popen(
+            popen = _popen(
                 cmd, env=commands.command_env(env), stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 start_new_session=True, preexec_fn=_term_with_parent,
             )  # fmt: skip

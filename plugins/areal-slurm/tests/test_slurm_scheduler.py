@@ -87,6 +87,14 @@ def assert_nothing_left(marker: str, exclude: int | None = None) -> None:
     assert not still, f"processes of the run outlived it: {still}"
 
 
+def assert_no_job_left(cluster) -> None:
+    """No job in the queue (a cancelled job is listed while it completes, briefly)."""
+    deadline = time.monotonic() + 30
+    while cluster.run("squeue", "-h", check=False).stdout.strip():
+        assert time.monotonic() < deadline, cluster.run("squeue", check=False).stdout
+        time.sleep(0.2)
+
+
 def check_run(run_dir: str, proc: subprocess.CompletedProcess) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.load(open(os.path.join(run_dir, "result.json")))
@@ -159,34 +167,58 @@ def test_grpo_through_a_submitted_heterogeneous_job(slurm_cluster, areal_tiny_ch
     assert set(watch.role_nodes("actor").values()) == {actor_node}, (watch.steps, components)
     assert set(watch.role_nodes("rollout").values()) == {rollout_node}, (watch.steps, components)
     # The job is cancelled when the run ends.
-    assert not slurm_cluster.run("squeue", "-h").stdout.strip()
+    assert_no_job_left(slurm_cluster)
     assert_nothing_left(marker)
 
 
-def test_scancel_of_the_job_ends_the_run_and_leaves_no_process(slurm_cluster, areal_tiny_chat_model_dir, tmp_path):
+def test_a_killed_server_is_restarted_as_a_new_step_and_scancel_leaves_no_process(
+    slurm_cluster, areal_tiny_chat_model_dir, tmp_path
+):
+    """A run in a submitted job: its server's process is killed on its node
+    (the supervisor sees the step end and starts the server again, as a new
+    step on the same node, and training goes on), then ``scancel`` of the job
+    ends the run and every process of it."""
     run_dir = str(tmp_path / "run")
     env, marker = marked_env(slurm_cluster)
-    cmd = [sys.executable, "-m", "areal_kernel.cli", *grpo_args(areal_tiny_chat_model_dir, run_dir, steps=1000),
+    cmd = [sys.executable, "-m", "areal_kernel.cli", *grpo_args(areal_tiny_chat_model_dir, run_dir, steps=100000),
            "scheduler.slurm.mode=submit"]  # fmt: skip
     out = open(tmp_path / "controller.out", "w+")
-    proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
-    try:
-        metrics = os.path.join(run_dir, "metrics.jsonl")
+    metrics = os.path.join(run_dir, "metrics.jsonl")
+
+    def rows() -> list[dict]:
+        if not os.path.exists(metrics):
+            return []
+        with open(metrics) as f:
+            return [json.loads(line) for line in f if line.endswith("\n")]
+
+    def wait_for(what: str, ok) -> None:
         deadline = time.monotonic() + 300
-        while not (os.path.exists(metrics) and os.path.getsize(metrics) > 0):  # training has begun
-            assert proc.poll() is None, open(out.name).read()[-3000:]
-            assert time.monotonic() < deadline, open(out.name).read()[-3000:]
-            time.sleep(0.3)
-        jobs = slurm_cluster.run("squeue", "-h", "-o", "%F").stdout.split()
-        assert len(set(jobs)) == 1, jobs
-        # Server, both ranks and the job's own batch script are running now.
-        assert len([p for p in live_processes(lambda q: q.environ_has(marker)) if p.pid != proc.pid]) >= 4
-        slurm_cluster.run("scancel", jobs[0])
-        rc = proc.wait(120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        while not ok():
+            assert proc.poll() is None, f"the run ended while waiting for {what}: " + open(out.name).read()[-3000:]
+            assert time.monotonic() < deadline, f"waited 300s for {what}: " + open(out.name).read()[-3000:]
+            time.sleep(0.2)
+
+    with SlurmWatch(slurm_cluster) as watch:
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            wait_for("the first training step", lambda: len(rows()) > 0)
+            # The server's pid on its node is the first line its step logged.
+            log = open(os.path.join(run_dir, "server-0.log")).read()
+            pid = int(next(ln for ln in log.splitlines() if ln.startswith("=== areal-step pid")).split()[3])
+            os.kill(pid, 9)
+            wait_for("a step after the restart", lambda: any(r.get("rollout/server_restarts") == 1 for r in rows()))
+            jobs = slurm_cluster.run("squeue", "-h", "-o", "%F").stdout.split()
+            assert len(set(jobs)) == 1, jobs
+            assert len([p for p in live_processes(lambda q: q.environ_has(marker)) if p.pid != proc.pid]) >= 4
+            slurm_cluster.run("scancel", jobs[0])
+            rc = proc.wait(120)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
     assert rc != 0, open(out.name).read()[-3000:]
+    # Two server steps (the first and its restart), both on the rollout's node.
+    servers = [(name, node) for name, node in watch.steps.items() if name.startswith("areal-rollout-0-")]
+    assert len(servers) == 2 and len({node for _, node in servers}) == 1, watch.steps
     assert_nothing_left(marker, exclude=proc.pid)
-    assert not slurm_cluster.run("squeue", "-h").stdout.strip()
+    assert_no_job_left(slurm_cluster)
