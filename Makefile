@@ -11,9 +11,15 @@ INSTALL_INPUTS := Makefile pyproject.toml constraints.txt requirements-test.txt 
 export OMP_NUM_THREADS ?= 1
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: install demo test lint bench clean
+.PHONY: install demo test lint bench clean slurm
 
-install: $(STAMP)
+install: $(STAMP) slurm
+
+# areal-slurm's tests run a real Slurm cluster on this machine (slurm-wlm +
+# munge). Installed with apt where that is possible (root, apt-get); else the
+# Slurm tests skip and say why (with CI=true they fail instead).
+slurm:
+	@plugins/areal-slurm/install-slurm.sh
 
 # Re-runs only when a pyproject/requirement file changed: a no-op otherwise.
 $(STAMP): $(INSTALL_INPUTS)

@@ -25,6 +25,7 @@ BENCHES = [
     "bench_train_engine.py",
     "bench_embedded_server.py",
     "bench_proxy_overhead.py",
+    "bench_controller_scale.py",
     "bench_weight_update.py",
     "bench_lora.py",
     "bench_async_vs_sync.py",

@@ -399,12 +399,23 @@ class RemoteInferenceEngine(InferenceEngine):
     def _choose(self, preferred: ServerEndpoint | None) -> ServerEndpoint | None:
         if preferred is not None and preferred.up:
             return preferred
-        up = [s for s in self.servers if s.up]
+        # Runs once per request over every server: plain attribute reads and
+        # builtins only (a key function per server cost ~1 ms a request at 512).
+        now = time.monotonic()
+        up = [s for s in self.servers if not s.held and s.down_until <= now]
         if not up:
             return None
+        start = next(self._rr) % len(up)
         if self.schedule_policy == "round_robin":
-            return up[next(self._rr) % len(up)]
-        return min(up, key=lambda s: (s.inflight, next(self._rr) % len(up)))
+            return up[start]
+        # Least loaded; among equally loaded servers the first from a rotating
+        # start, so ties spread instead of piling onto the first server.
+        loads = [s.inflight for s in up]
+        least = min(loads)
+        try:
+            return up[loads.index(least, start)]
+        except ValueError:
+            return up[loads.index(least)]
 
     async def _post(self, server: ServerEndpoint, call: HttpCall) -> Any:
         import aiohttp

@@ -1,0 +1,1 @@
+"""areal-slurm: Slurm as an areal-kernel scheduler (``scheduler.type: slurm``)."""
