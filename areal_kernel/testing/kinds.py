@@ -892,9 +892,16 @@ class WorkflowContract:
                 assert match, (
                     f"trajectory {k}: loss tokens {i}:{j} are no response of the engine to the tokens before them"
                 )
-                r = match[0]
-                assert t.logprobs[i:j] == list(r.output_logprobs), f"trajectory {k}: logprobs differ from the engine's"
-                assert t.versions[i:j] == list(r.output_versions), f"trajectory {k}: versions differ from the engine's"
+                # Several calls can share their ids (samples of one prompt that
+                # said the same thing) yet differ in the last bits of their
+                # logprobs (computed in different batches): one must agree exactly.
+                assert any(t.logprobs[i:j] == list(r.output_logprobs) for r in match), (
+                    f"trajectory {k}: logprobs {t.logprobs[i:j]} are none of the engine's "
+                    f"{[list(r.output_logprobs) for r in match]}"
+                )
+                assert any(t.versions[i:j] == list(r.output_versions) for r in match), (
+                    f"trajectory {k}: versions differ from the engine's"
+                )
                 i = j
 
     def test_rewards_are_called_as_documented(
