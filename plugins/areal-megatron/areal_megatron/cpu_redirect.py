@@ -99,6 +99,55 @@ def _memory_buffer_on_host(original: Any) -> Any:
     return get_tensor
 
 
+def _tied_embedding_setup_on_host(original: Any) -> Any:
+    def setup_embeddings_and_output_layer(self: Any) -> None:
+        # megatron-core moves the tied embedding's last-stage copy with
+        # ``weight.data.cuda()`` before the first/last-stage all-reduce; on
+        # host memory the copy stays where it is for the duration of the call.
+        import torch
+
+        cuda = torch.Tensor.cuda
+        torch.Tensor.cuda = lambda t, *a, **k: t  # type: ignore[method-assign]
+        try:
+            original(self)
+        finally:
+            torch.Tensor.cuda = cuda  # type: ignore[method-assign]
+
+    return setup_embeddings_and_output_layer
+
+
+def _preload_without_cuda_sync(original: Any) -> Any:
+    def preload_tensors(write_buckets: Any, non_blocking: bool = True) -> Any:
+        # The checkpoint writer copies tensors to host memory, then waits with
+        # torch.cuda.synchronize(); host tensors need neither copy nor wait.
+        return original(write_buckets, False)
+
+    return staticmethod(preload_tensors)
+
+
+def _checkpoint_call_on_host(original: Any) -> Any:
+    import functools
+
+    @functools.wraps(original)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        # dist_checkpointing's torch_dist strategy makes its coordination
+        # tensors on torch.cuda.current_device() and waits with
+        # torch.cuda.synchronize() (state_dict_saver, async_utils). For the
+        # duration of this call only, the current device is the host and
+        # there is nothing to wait for.
+        import torch
+
+        cur, sync = torch.cuda.current_device, torch.cuda.synchronize
+        torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment,return-value]
+        torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
+        try:
+            return original(*args, **kwargs)
+        finally:
+            torch.cuda.current_device, torch.cuda.synchronize = cur, sync  # type: ignore[assignment]
+
+    return call
+
+
 REDIRECTS: tuple[Redirect, ...] = (
     Redirect(
         "megatron.core.tensor_parallel.random:model_parallel_cuda_manual_seed",
@@ -124,6 +173,26 @@ REDIRECTS: tuple[Redirect, ...] = (
         "megatron.core.fusions.fused_softmax:get_default_causal_mask",
         "the same function, imported by name into the softmax module",
         _causal_mask_on_host,
+    ),
+    Redirect(
+        "megatron.core.models.common.language_module.language_module:LanguageModule.setup_embeddings_and_output_layer",
+        "moves the tied embedding of the last pipeline stage with .cuda()",
+        _tied_embedding_setup_on_host,
+    ),
+    Redirect(
+        "megatron.core.dist_checkpointing:save",
+        "its torch_dist strategy uses torch.cuda.current_device() and torch.cuda.synchronize()",
+        _checkpoint_call_on_host,
+    ),
+    Redirect(
+        "megatron.core.dist_checkpointing:load",
+        "the same strategy's load side",
+        _checkpoint_call_on_host,
+    ),
+    Redirect(
+        "megatron.core.dist_checkpointing.strategies.filesystem_async:FileSystemWriterAsync.preload_tensors",
+        "calls torch.cuda.synchronize() after copying the tensors to host memory",
+        _preload_without_cuda_sync,
     ),
     Redirect(
         "megatron.core.utils:GlobalMemoryBuffer.get_tensor",

@@ -53,6 +53,7 @@ class MegatronTrainEngine(TrainEngine):
         log_dir: str | None = None,
         scheduler: Any = None,
         run_config: Any = None,
+        ranks: RankGroup | None = None,
     ) -> None:
         self.config = MegatronEngineConfig.parse(config)
         self.layout: Layout = layout_of(allocation if allocation is not None else "megatron")
@@ -66,6 +67,12 @@ class MegatronTrainEngine(TrainEngine):
         self._reporters: dict[int, int] = {}  # data-parallel rank -> reporting global rank
         self._scheduler = scheduler
         self._ranks: RankGroup | None = None
+        # Started rank processes to build on instead of starting new ones
+        # (``detach_ranks`` of an engine of the same world size): the ranks
+        # drop their old model and re-initialise Megatron's parallel state.
+        self._reuse = ranks
+        if ranks is not None and ranks.world_size != self.world_size:
+            raise ConfigError(f"ranks: {ranks.world_size} rank processes cannot run {self.layout}")
 
     @classmethod
     def from_context(cls, context: TrainEngineContext) -> "MegatronTrainEngine":
@@ -136,8 +143,9 @@ class MegatronTrainEngine(TrainEngine):
             raise ConfigError(f"total_train_steps must be >= 1, got {total_train_steps}")
         if self._ranks is not None:
             raise ArealError("MegatronTrainEngine.initialize was already called")
-        group = self._make_group()
-        group.start()
+        group = self._reuse or self._make_group()
+        if not group.started:
+            group.start()
         self._ranks = group
         self.log_dir = group.log_dir
         try:
@@ -157,7 +165,8 @@ class MegatronTrainEngine(TrainEngine):
     # -------------------------------------------------------------- batching
     def _partition(self, batch: TrajectoryBatch) -> list[list[int]]:
         """Trajectory indices per data-parallel replica, balanced by tokens
-        (largest first onto the least-loaded replica)."""
+        (largest first onto the least-loaded replica). A replica may get
+        none (a batch smaller than ``d``): it then adds zero gradients."""
         trajs = batch.trajectories
         d = self.layout.dp
         order = sorted(range(len(trajs)), key=lambda i: (-len(trajs[i].input_ids), i))
@@ -167,11 +176,6 @@ class MegatronTrainEngine(TrainEngine):
             r = min(range(d), key=lambda j: (loads[j], j))
             parts[r].append(i)
             loads[r] += len(trajs[i].input_ids)
-        if any(not p for p in parts):
-            raise ConfigError(
-                f"the batch has {len(trajs)} trajectories, fewer than the {d} data-parallel replicas of "
-                f"{self.layout}; use a larger batch or fewer d"
-            )
         return [sorted(p) for p in parts]
 
     @staticmethod
@@ -344,6 +348,18 @@ class MegatronTrainEngine(TrainEngine):
         self._call("dist_load", {"path": os.path.abspath(path), "step": int(meta["step"])})
         self._step = int(meta["step"])
         self.set_version(int(meta["version"]))
+
+    def detach_ranks(self) -> RankGroup:
+        """Hand the running rank processes over (to ``MegatronTrainEngine(...,
+        ranks=...)`` of another layout with the same world size): this
+        engine's model is dropped and the engine is unusable afterwards.
+        Saves the processes' start-up (imports) when several layouts run in
+        a row, as the parity tests do."""
+        self._require_init()
+        assert self._ranks is not None
+        self._call("destroy")
+        group, self._ranks = self._ranks, None
+        return group
 
     def destroy(self) -> None:
         """Stop the rank processes (politely first, then their process groups)."""

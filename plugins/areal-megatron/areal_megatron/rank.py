@@ -644,10 +644,18 @@ class MegatronRankEngine:
         self.barrier()
 
     def destroy(self) -> None:
-        from megatron.core import parallel_state as ps
+        """Drop the model and Megatron's parallel state (the process may
+        build another layout next)."""
+        import gc
 
+        from megatron.core import parallel_state as ps
+        from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+        self.model = self.optimizer = self.runner = None
+        RotaryEmbedding.forward.cache_clear()  # its cache holds the module instances
         if ps.model_parallel_is_initialized():
             ps.destroy_model_parallel()
+        gc.collect()
 
 
 def make_rank_engine(rank: int, world_size: int, config: dict[str, Any], tp: int, pp: int) -> MegatronRankEngine:

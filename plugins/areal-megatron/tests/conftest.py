@@ -39,3 +39,52 @@ def tiny_llama_dir(tmp_path_factory) -> str:
     from areal_kernel.testing.models import make_tiny_llama
 
     return make_tiny_llama(str(tmp_path_factory.mktemp("tiny-llama")), seed=3, layers=4)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> str:
+    """Tiny random Llama (vocab 256, 4 layers, 4 heads / 2 KV heads: splits
+    t2 and p2; tied embeddings); weights drawn with std 0.2 so greedy
+    generations depend on the weights."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from areal_kernel.testing.models import make_tiny_llama
+
+    d = make_tiny_llama(str(tmp_path_factory.mktemp("tiny-llama-t2")), seed=3, layers=4)
+    path = os.path.join(d, "model.safetensors")
+    sd = load_file(path)
+    g = torch.Generator().manual_seed(0)
+    sd = {k: (torch.randn(v.shape, generator=g) * 0.2 if v.dim() > 1 else v) for k, v in sd.items()}
+    save_file(sd, path, metadata={"format": "pt"})
+    return d
+
+
+class RankPool:
+    """One set of 2 rank processes for the whole session: each module builds
+    its engine on them (``MegatronTrainEngine(..., ranks=...)``), the previous
+    engine handing them over, so the imports of a start happen once."""
+
+    def __init__(self) -> None:
+        self.engine = None
+
+    def build(self, config: dict, allocation: str, model_dir: str, total_steps: int = 20):
+        from areal_megatron.engine import MegatronTrainEngine
+
+        ranks = self.engine.detach_ranks() if self.engine is not None else None
+        self.engine = None
+        e = MegatronTrainEngine(config, allocation, ranks=ranks)
+        e.initialize(model_dir, total_steps)
+        self.engine = e
+        return e
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.destroy()
+
+
+@pytest.fixture(scope="session")
+def rank_pool():
+    pool = RankPool()
+    yield pool
+    pool.close()
