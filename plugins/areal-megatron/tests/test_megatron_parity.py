@@ -10,7 +10,7 @@ Per layout, 4 optimizer steps (PPO loss, clipping active, linear schedule):
 loss, grad norm, logprobs and the weights after the steps must match the
 torch engine. Tolerance ``TOL`` = 1e-4, relative for scalars, absolute for
 logprobs and weights (measured on this 2-core machine: loss <= 7e-7,
-grad norm <= 5e-6, entropy <= 1e-5 relative; logprobs <= 4.4e-5 (d2),
+grad norm <= 5e-6, entropy <= 3e-5 relative; logprobs <= 4.4e-5 (d2),
 weights <= 2.6e-5 (t2, lr 1e-3) and 7e-6 (p2/d2, lr 1e-4)); a wrong
 reduction or a lost micro-batch is off by > 1e-2. The t2 engine also checks save -> load -> identical steps
 through megatron's distributed checkpointing, and the p2 engine the HF
@@ -127,7 +127,9 @@ def test_layout_matches_the_torch_engine(results, alloc, tiny_model_dir, smollm2
             assert _rel(a[k], b[k]) <= TOL, (alloc, step, k, a[k], b[k])
     clip = (CFG if alloc == "megatron:t2" else SMOL_CFG)["max_grad_norm"]
     assert max(b["grad_norm"] for b in ref_hist) > clip  # clipping happened
-    assert _max_diff(lp, ref_lp) <= TOL and _max_diff(ent, ref_ent) <= TOL
+    assert _max_diff(lp, ref_lp) <= TOL
+    # Entropies are 3-8 nats on SmolLM2's 49152-token vocabulary: relative.
+    assert max(_rel(x, y) for ra, rb in zip(ent, ref_ent) for x, y in zip(ra, rb)) <= TOL
     assert set(weights) == set(ref_w)
     worst = max(float((weights[k] - ref_w[k]).abs().max()) for k in ref_w)
     assert worst <= TOL, (alloc, worst)
