@@ -29,6 +29,14 @@ class MegatronEngineConfig(TorchEngineConfig):
         1024, ge=1, description="HF export: rank 0 gathers and writes at most this many MB per safetensors file"
     )
 
+    @classmethod
+    def check_allocation(cls, allocation: Any, where: str = "actor.backend") -> None:
+        """Called by the kernel when it validates ``actor.backend``: one
+        ConfigError for dims this engine cannot run (``areal_megatron.layout``)."""
+        from areal_megatron.layout import layout_of
+
+        layout_of(allocation, where)
+
     @model_validator(mode="before")
     @classmethod
     def _refuse_unsupported(cls, data: Any) -> Any:

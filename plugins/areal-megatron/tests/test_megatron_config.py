@@ -85,3 +85,10 @@ def test_cpu_redirects_name_real_functions_and_touch_nothing_elsewhere():
     before = tu.get_default_causal_mask
     assert cpu_redirect.apply("cuda") == []  # nothing patched on CUDA
     assert tu.get_default_causal_mask is before
+
+
+def test_areal_validate_refuses_dims_the_engine_cannot_run():
+    """The kernel asks the section's model (``check_allocation``) while it validates ``actor.backend``."""
+    with pytest.raises(ConfigError, match=r"^actor\.backend: megatron:t2e2 asks for expert parallelism"):
+        _cfg({"backend": "megatron:t2e2"})
+    assert _cfg({"backend": "megatron:d2t2p1"}).actor.allocation.world_size == 4
