@@ -508,11 +508,12 @@ class MegatronRankEngine:
                         else:
                             from areal_kernel.weights.broadcast import parse_dtype
 
-                            buf = torch.empty(meta["shape"], dtype=parse_dtype(meta["dtype"]))
+                            # On the collective backend's device (nccl sends device tensors only).
+                            buf = torch.empty(meta["shape"], dtype=parse_dtype(meta["dtype"]), device=_host_or_device())
                             dist.recv(buf, src=src_rank)
-                            yield meta["name"], buf
+                            yield meta["name"], buf.cpu()
                     elif source:
-                        dist.send(converted[j][1].contiguous(), dst=0)
+                        dist.send(converted[j][1].contiguous().to(_host_or_device()), dst=0)
                 k += m_count
 
     def _hf_count(self, name: str) -> int:
