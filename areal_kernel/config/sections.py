@@ -130,6 +130,13 @@ class PluginSection(BaseModel):
         extras[name] = validate_settings(f"{where}.{name}", self.registry_kind, name, extras.get(name), spec=spec)
         if extras[name] is None:
             del extras[name]
+        if self.allocation_selector:
+            # A backend's config model may check the dims of its allocation
+            # (``check_allocation(allocation, where)``, raising ConfigError), so
+            # that `areal validate` refuses e.g. parallelism it cannot run.
+            check = getattr(spec.config_model_cls(), "check_allocation", None)
+            if callable(check):
+                check(self.allocation, f"{where}.{self.selector}")
         return self
 
 

@@ -126,6 +126,18 @@ def _v(*overrides: str) -> Callable[[Ctx], list[str]]:
     return lambda ctx: ["validate", "/dev/null", *overrides]
 
 
+def _without_plugins(keep: str, *overrides: str) -> Callable[[Ctx], list[str]]:
+    """Every plugin of this repository is installed by `make install`; leaving
+    all but ``keep`` out through AREAL_PLUGINS shows what a machine without
+    them gets."""
+
+    def setup(ctx: Ctx) -> list[str]:
+        ctx.env["AREAL_PLUGINS"] = keep
+        return ["validate", "/dev/null", *overrides]
+
+    return setup
+
+
 def _yaml(text: str | bytes, name: str = "c.yaml") -> Callable[[Ctx], list[str]]:
     return lambda ctx: ["validate", ctx.write(name, text)]
 
@@ -172,7 +184,8 @@ CASES: list[Case] = [
          ("trainer.bath_size", "did you mean 'batch_size'")),
     Case("unknown-option", "unknown command-line option", _v("--bogus"), ("unrecognized arguments: --bogus",)),
     # -- registered names, plugins, allocations
-    Case("backend-not-installed", "`actor.backend: megatron` (plugin not installed)", _v("actor.backend=megatron"),
+    Case("backend-not-installed", "`actor.backend: megatron` (plugin not loaded: `AREAL_PLUGINS=fsdp`, as where "
+         "areal-megatron is not installed)", _without_plugins("fsdp", "actor.backend=megatron"),
          ("actor.backend", "Available:", "pip install areal-megatron")),
     Case("backend-unknown", "`rollout.backend: tensorrt` (no such backend)", _v("rollout.backend=tensorrt"),
          ("rollout.backend", "Available:")),

@@ -2,7 +2,7 @@
 
 It implements the kernel's ``TrainEngine`` API in the controller process
 (which imports torch but never holds the model), and drives the ranks
-(``areal_fsdp.rank``) over a private control socket: every call is sent to
+(``areal_fsdp.rank``) through the kernel's rank plumbing (``areal_kernel.engine.ranks``): every call is sent to
 every rank, each with its share of the batch, and the answers are merged.
 
 Why this shape: the kernel's trainer is a single controller that calls
@@ -27,44 +27,29 @@ collective, every rank is stopped and the engine refuses further calls.
 
 from __future__ import annotations
 
-import multiprocessing.connection as mpc
 import os
-import pickle
-import secrets
-import sys
 import tempfile
-import threading
 import time
-from collections import deque
-from typing import Any, Callable, cast
+from typing import Any, Callable
 
 from areal_kernel.api.engine import AdapterSpec, TrainEngine, TrainEngineContext, WeightUpdateMeta
 from areal_kernel.api.io import TrajectoryBatch
 from areal_kernel.config.allocation import Allocation, parse_allocation
 from areal_kernel.engine.lr_schedule import scheduled_lr
 from areal_kernel.engine.microbatch import check_batch, count_loss_tokens, merge_stats
+from areal_kernel.engine.ranks import RankError, RankGroup
 from areal_kernel.engine.state import check_param_names, read_engine_state, write_engine_state
 from areal_kernel.errors import ArealError, ConfigError
 from areal_kernel.logging import get_logger
 from areal_kernel.utils.fs import atomic_dir
 
 from areal_fsdp.config import FSDPEngineConfig
-from areal_fsdp.rank import AUTHKEY_ENV, CONTROL_ENV
 
 log = get_logger(__name__)
 _ERROR_GRACE_S = 20.0  # after one rank failed, how long the others get to answer
 
 
-class RankError(ArealError):
-    """A rank process failed (its traceback is in the message)."""
-
-
-def _tail(path: str, n: int = 30) -> str:
-    try:
-        with open(path, errors="replace") as f:
-            return "".join(deque(f, maxlen=n))
-    except OSError as e:
-        return f"(no log: {e})"
+__all__ = ["FSDPTrainEngine", "RankError"]
 
 
 class FSDPTrainEngine(TrainEngine):
@@ -112,10 +97,7 @@ class FSDPTrainEngine(TrainEngine):
         # here is this engine's own and is stopped with the ranks.
         self._scheduler: Any = scheduler
         self._owns_scheduler = False
-        self._procs: list[Any] = []
-        self._conns: list[mpc.Connection] = []
-        self._broken: str | None = None
-        self._lock = threading.Lock()
+        self._ranks: RankGroup | None = None
 
     @classmethod
     def from_context(cls, context: TrainEngineContext) -> "FSDPTrainEngine":
@@ -171,138 +153,34 @@ class FSDPTrainEngine(TrainEngine):
             )
         return sched
 
+    @property
+    def _procs(self) -> list[Any]:
+        """The rank processes (empty before ``initialize`` and after ``destroy``)."""
+        return self._ranks.procs if self._ranks is not None else []
+
     def _start_ranks(self) -> None:
-        authkey = secrets.token_bytes(16)
-        sched = self._get_scheduler()
-        # Ranks on other nodes dial the controller where the scheduler says it is reachable.
-        listener = mpc.Listener((sched.controller_host(), 0), authkey=authkey)
-        host, port = listener.address
-        log_dir = self.log_dir or tempfile.mkdtemp(prefix="areal-fsdp-")
-        self.log_dir = log_dir
+        # The kernel's rank plumbing (areal_kernel.engine.ranks) starts, drives and stops the ranks.
         plugin_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        env = {
-            CONTROL_ENV: f"{host}:{port}",
-            AUTHKEY_ENV: authkey.hex(),  # environment, not argv: argv is world-readable
-            "PYTHONPATH": os.pathsep.join(p for p in (plugin_root, os.environ.get("PYTHONPATH", "")) if p),
-        }
-        argv = [
-            sys.executable, "-m", "areal_fsdp.rank",
-            "--parent-pid", str(os.getpid()),
-            "--dist-timeout-s", str(self.config.dist_timeout_s),
-        ]  # fmt: skip
-        self._procs = sched.start_train_ranks(argv, log_dir, env)
-        if len(self._procs) != self.world_size:
-            self._stop_ranks()
-            raise ArealError(f"the scheduler started {len(self._procs)} ranks, expected {self.world_size}")
-        conns: dict[int, mpc.Connection] = {}
-        accepted: list[mpc.Connection] = []
-
-        def accept() -> None:
-            try:
-                for _ in range(self.world_size):
-                    accepted.append(listener.accept())
-            except Exception:  # noqa: BLE001 - the listener is closed on timeout
-                pass
-
-        t = threading.Thread(target=accept, daemon=True)
-        t.start()
-        deadline = time.monotonic() + self.config.startup_timeout_s
-        try:
-            while len(conns) < self.world_size:
-                while accepted:
-                    c = accepted.pop()
-                    if c.poll(5):
-                        tag, rank, _pid = pickle.loads(c.recv_bytes())
-                        conns[int(rank)] = c
-                self._check_alive("while starting")
-                if time.monotonic() > deadline:
-                    raise RankError(
-                        f"fsdp ranks did not connect within {self.config.startup_timeout_s:.0f}s "
-                        f"(actor.fsdp.startup_timeout_s); logs in {log_dir}"
-                    )
-                time.sleep(0.05)
-        except BaseException:
-            listener.close()
-            self._stop_ranks()
-            raise
-        listener.close()
-        self._conns = [conns[r] for r in range(self.world_size)]
-
-    def _check_alive(self, when: str) -> None:
-        for r, p in enumerate(self._procs):
-            rc = p.poll()
-            if rc is not None:
-                log_path = os.path.join(self.log_dir or ".", f"rank-{r}.log")
-                self._stop_ranks()
-                self._broken = f"rank {r} exited with code {rc}"
-                raise RankError(f"fsdp rank {r} exited with code {rc} {when}; log {log_path}:\n{_tail(log_path)}")
+        group = RankGroup(
+            "fsdp", "areal_fsdp.rank", self.world_size, self._get_scheduler(),
+            self.log_dir or tempfile.mkdtemp(prefix="areal-fsdp-"), owns_scheduler=self._owns_scheduler,
+            startup_timeout_s=self.config.startup_timeout_s, dist_timeout_s=self.config.dist_timeout_s,
+            error_grace_s=_ERROR_GRACE_S, pythonpath=[plugin_root],
+        )  # fmt: skip
+        self.log_dir = group.log_dir
+        group.start()
+        self._ranks = group
 
     def _stop_ranks(self) -> None:
-        for c in self._conns:
-            try:
-                c.close()
-            except OSError:
-                pass
-        self._conns = []
-        if self._owns_scheduler:
-            self._scheduler.stop()
-        else:
-            for p in self._procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
-        self._procs = []
+        if self._ranks is not None:
+            self._ranks.stop()
 
     def _call(self, cmd: str, kwargs: dict[str, Any] | list[dict[str, Any]] | None = None) -> list[Any]:
         """Run ``cmd`` on every rank (``kwargs`` per rank when a list) and
         return the answers in rank order."""
-        import cloudpickle
-
-        if self._broken:
-            raise ArealError(f"the fsdp engine is unusable ({self._broken}); create a new one")
-        if not self._conns:
+        if self._ranks is None:
             raise ArealError("FSDPTrainEngine is not initialized: call initialize(model_path, total_train_steps)")
-        per_rank = kwargs if isinstance(kwargs, list) else [kwargs or {}] * self.world_size
-        with self._lock:
-            for c, kw in zip(self._conns, per_rank):
-                c.send_bytes(cloudpickle.dumps((cmd, kw)))
-            return self._collect(cmd)
-
-    def _collect(self, cmd: str) -> list[Any]:
-        results: list[Any] = [None] * self.world_size
-        pending = {c: r for r, c in enumerate(self._conns)}
-        errors: list[tuple[int, Any]] = []
-        first_error_at: float | None = None
-        while pending:
-            # wait() returns a subset of what it was given: connections only here.
-            ready = cast("list[mpc.Connection]", mpc.wait(list(pending), timeout=1.0))
-            for c in ready:
-                r = pending.pop(c)
-                try:
-                    status, payload = pickle.loads(c.recv_bytes())
-                except (EOFError, OSError):
-                    self._check_alive(f"during {cmd!r}")
-                    self._stop_ranks()
-                    self._broken = f"rank {r} closed its channel"
-                    raise RankError(f"fsdp rank {r} closed its control channel during {cmd!r}") from None
-                if status == "ok":
-                    results[r] = payload
-                else:
-                    errors.append((r, payload))
-                    first_error_at = first_error_at or time.monotonic()
-            if not ready:
-                self._check_alive(f"during {cmd!r}")
-            if pending and first_error_at is not None and time.monotonic() - first_error_at > _ERROR_GRACE_S:
-                # The ranks still running wait in a collective for the failed one.
-                self._stop_ranks()
-                self._broken = f"rank {errors[0][0]} failed during {cmd!r}"
-                break
-        if errors:
-            r, (exc, text, tb) = errors[0]
-            if isinstance(exc, ArealError):
-                raise exc
-            raise RankError(f"fsdp rank {r} failed during {cmd!r}: {text}\n{tb}")
-        return results
+        return self._ranks.call(cmd, kwargs)
 
     # ---------------------------------------------------------------- setup
     def initialize(self, model_path: str, total_train_steps: int) -> None:
@@ -313,7 +191,7 @@ class FSDPTrainEngine(TrainEngine):
             )
         if total_train_steps < 1:
             raise ConfigError(f"total_train_steps must be >= 1, got {total_train_steps}")
-        if self._conns:
+        if self._ranks is not None:
             raise ArealError("FSDPTrainEngine.initialize was already called")
         self._start_ranks()
         try:
@@ -469,7 +347,7 @@ class FSDPTrainEngine(TrainEngine):
         return dict(self._call("full_weights")[0])
 
     def _require_init(self) -> None:
-        if not self._conns:
+        if self._ranks is None:
             raise ArealError("FSDPTrainEngine is not initialized: call initialize(model_path, total_train_steps)")
 
     def save_hf(self, path: str, max_shard_bytes: int | None = None) -> None:
@@ -553,22 +431,12 @@ class FSDPTrainEngine(TrainEngine):
 
     def destroy(self) -> None:
         """Stop the rank processes (politely first, then their process groups)."""
-        if self._conns and not self._broken:
-            try:
-                import cloudpickle
-
-                for c in self._conns:
-                    c.send_bytes(cloudpickle.dumps(("shutdown", {})))
-                deadline = time.monotonic() + 10
-                for p in self._procs:
-                    p.wait(max(0.1, deadline - time.monotonic()))
-            except Exception:  # noqa: BLE001 - the kill below handles stragglers
-                pass
-        self._stop_ranks()
+        if self._ranks is not None:
+            self._ranks.shutdown()
 
     def __del__(self) -> None:  # last resort: never leave ranks behind
         try:
-            if self._procs:
-                self._stop_ranks()
+            if self._ranks is not None and self._ranks.procs:
+                self._ranks.stop()
         except Exception:  # noqa: BLE001
             pass

@@ -3,7 +3,8 @@
 The process joins the torch.distributed default group from the environment
 the scheduler set (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ...), connects
 to the controller's control socket, and executes the commands the
-controller's ``FSDPTrainEngine`` sends, every rank the same command (each on
+controller's ``FSDPTrainEngine`` sends through the kernel's rank loop
+(``areal_kernel.engine.ranks``), every rank the same command (each on
 its share of the data), so the collectives of FSDP line up.
 
 ``FSDPRankEngine`` holds the model shard and optimizer of one rank. It is
@@ -22,14 +23,10 @@ parent) disappears, so no rank outlives the run that started it.
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
-import pickle
 import sys
-import threading
 import time
-import traceback
 from typing import Any, Callable
 
 from areal_kernel.api.io import TrajectoryBatch
@@ -48,13 +45,13 @@ from areal_kernel.engine.lora import (
     write_adapter_files,
 )
 from areal_kernel.engine.state import load_rng_state, make_optimizer, save_rng_state, set_lr, torch_dtype
+from areal_kernel.engine.ranks import join_process_group, rank_main
 from areal_kernel.errors import ArealError, ConfigError
 from areal_kernel.platforms import current_platform
 
 from areal_fsdp.config import FSDPEngineConfig
 
-CONTROL_ENV = "AREAL_FSDP_CONTROL"
-AUTHKEY_ENV = "AREAL_FSDP_AUTHKEY"
+__all__ = ["FSDPRankEngine", "RankSync", "device_mesh", "join_process_group", "main"]
 
 
 def _local(t: Any) -> Any:
@@ -488,64 +485,6 @@ class FSDPRankEngine:
 
 
 # ---------------------------------------------------------------- the process
-def _watch_parent(parent_pid: int) -> None:
-    """Exit when the controller is gone (we were re-parented)."""
-    while True:
-        if os.getppid() != parent_pid:
-            print("fsdp rank: controller process is gone; exiting", file=sys.stderr, flush=True)
-            os._exit(3)
-        time.sleep(0.5)
-
-
-def _serve(conn: Any, rank: int, world_size: int) -> None:
-    import cloudpickle
-
-    engine: FSDPRankEngine | None = None
-    while True:
-        try:
-            msg = conn.recv_bytes()
-        except (EOFError, OSError):
-            return  # the controller closed the channel (or died)
-        cmd, kwargs = cloudpickle.loads(msg)
-        try:
-            if cmd == "shutdown":
-                conn.send_bytes(pickle.dumps(("ok", None)))
-                return
-            if cmd == "create":
-                engine = FSDPRankEngine(kwargs["config"], rank, world_size)
-                result: Any = None
-            else:
-                if engine is None:
-                    raise ArealError("fsdp rank: engine not created")
-                result = getattr(engine, cmd)(**kwargs)
-            reply = ("ok", result)
-        except BaseException as e:  # noqa: BLE001 - everything goes back to the controller
-            tb = traceback.format_exc()
-            try:
-                pickle.dumps(e)
-                exc: Any = e
-            except Exception:  # noqa: BLE001
-                exc = None
-            reply = ("err", (exc, f"{type(e).__name__}: {e}", tb))
-            print(tb, file=sys.stderr, flush=True)
-        conn.send_bytes(pickle.dumps(reply))
-
-
-def join_process_group(timeout_s: float) -> Any:
-    """Bind this rank to its device and join the default process group on the
-    platform's collective backend (gloo on cpu, nccl on cuda, hccl on npu);
-    returns the platform."""
-    import datetime
-
-    import torch.distributed as dist
-
-    plat = current_platform()
-    # The scheduler made exactly this rank's device visible (a no-op on host cores).
-    plat.set_device(0)
-    dist.init_process_group(backend=plat.dist_backend, timeout=datetime.timedelta(seconds=timeout_s))
-    return plat
-
-
 def device_mesh(world_size: int) -> Any:
     """The 1-D mesh FSDP shards over, on the platform's device type (torch
     picks the collective backend registered for that device)."""
@@ -555,33 +494,9 @@ def device_mesh(world_size: int) -> Any:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from multiprocessing.connection import Client
-
-    p = argparse.ArgumentParser(description="one rank of the areal-fsdp train engine")
-    p.add_argument("--parent-pid", type=int, required=True)
-    p.add_argument("--dist-timeout-s", type=float, default=1800.0)
-    args = p.parse_args(argv)
-    # The scheduler's agent that started this rank on its node, else the controller.
-    parent_pid = int(os.environ.get("AREAL_PARENT_PID") or args.parent_pid)
-    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
-
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    host, _, port = os.environ[CONTROL_ENV].rpartition(":")
-    conn = Client((host, int(port)), authkey=bytes.fromhex(os.environ.pop(AUTHKEY_ENV)))
-    conn.send_bytes(pickle.dumps(("hello", rank, os.getpid())))
-    join_process_group(args.dist_timeout_s)
-    try:
-        _serve(conn, rank, world_size)
-    finally:
-        try:
-            dist.destroy_process_group()
-        except Exception:  # noqa: BLE001
-            pass
-    return 0
+    """The rank process: the kernel's rank loop (``areal_kernel.engine.ranks``)
+    serving an ``FSDPRankEngine``."""
+    return rank_main(lambda rank, world_size, config: FSDPRankEngine(config, rank, world_size), "fsdp", argv)
 
 
 if __name__ == "__main__":

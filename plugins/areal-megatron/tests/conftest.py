@@ -1,0 +1,90 @@
+"""Fixtures of the areal-megatron tests: tiny random models built from real
+configs (Llama via ``areal_kernel.testing.models``, Qwen2/Qwen3 here)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def make_tiny_qwen(path: str, model_type: str, seed: int = 0) -> str:
+    """A random-init Qwen2 (qkv biases) or Qwen3 (q/k norms, explicit head_dim)
+    from its real ``transformers`` config class, untied embeddings."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    common = dict(
+        vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False,
+    )  # fmt: skip
+    if model_type == "qwen2":
+        cfg, cls = Qwen2Config(**common), Qwen2ForCausalLM
+    else:
+        cfg, cls = Qwen3Config(head_dim=24, **common), Qwen3ForCausalLM
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = cls(cfg)
+        with torch.no_grad():
+            for p in model.parameters():  # norms and biases non-trivial too
+                p.add_(torch.randn_like(p) * 0.05)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> str:
+    from areal_kernel.testing.models import make_tiny_llama
+
+    return make_tiny_llama(str(tmp_path_factory.mktemp("tiny-llama")), seed=3, layers=4)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> str:
+    """Tiny random Llama (vocab 256, 4 layers, 4 heads / 2 KV heads: splits
+    t2 and p2; tied embeddings); weights drawn with std 0.2 so greedy
+    generations depend on the weights."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from areal_kernel.testing.models import make_tiny_llama
+
+    d = make_tiny_llama(str(tmp_path_factory.mktemp("tiny-llama-t2")), seed=3, layers=4)
+    path = os.path.join(d, "model.safetensors")
+    sd = load_file(path)
+    g = torch.Generator().manual_seed(0)
+    sd = {k: (torch.randn(v.shape, generator=g) * 0.2 if v.dim() > 1 else v) for k, v in sd.items()}
+    save_file(sd, path, metadata={"format": "pt"})
+    return d
+
+
+class RankPool:
+    """One set of 2 rank processes for the whole session: each module builds
+    its engine on them (``MegatronTrainEngine(..., ranks=...)``), the previous
+    engine handing them over, so the imports of a start happen once."""
+
+    def __init__(self) -> None:
+        self.engine = None
+
+    def build(self, config: dict, allocation: str, model_dir: str, total_steps: int = 20):
+        from areal_megatron.engine import MegatronTrainEngine
+
+        ranks = self.engine.detach_ranks() if self.engine is not None else None
+        self.engine = None
+        e = MegatronTrainEngine(config, allocation, ranks=ranks)
+        e.initialize(model_dir, total_steps)
+        self.engine = e
+        return e
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.destroy()
+
+
+@pytest.fixture(scope="session")
+def rank_pool():
+    pool = RankPool()
+    yield pool
+    pool.close()
