@@ -42,6 +42,14 @@ def test_unknown_platform_is_a_clear_error(areal_env):
     assert "AREAL_PLATFORM='tpu9000' is not usable" in msg and "Available: cpu, cuda" in msg
 
 
+# path -> why it may name torch.cuda. Every entry needs a reason.
+NAMES_TORCH_CUDA = {
+    # Replaces megatron-core's own hard-coded torch.cuda calls, only on the
+    # host platform (the "one module, active only on cpu").
+    "plugins/areal-megatron/areal_megatron/cpu_redirect.py": "megatron-core's CUDA calls redirected on cpu",
+}
+
+
 def test_nothing_outside_the_platform_layer_calls_torch_cuda():
     from pathlib import Path
 
@@ -51,6 +59,8 @@ def test_nothing_outside_the_platform_layer_calls_torch_cuda():
         if path.name == "base.py" and path.parent.name == "platforms":
             continue
         if "tests" in path.parts:
+            continue
+        if path.relative_to(root).as_posix() in NAMES_TORCH_CUDA:
             continue
         if "torch.cuda" in path.read_text(encoding="utf-8"):
             offenders.append(str(path.relative_to(root)))

@@ -209,16 +209,17 @@ def applied() -> list[str]:
     return list(_applied)
 
 
-def apply(platform_name: str | None = None) -> list[str]:
-    """Redirect every entry of ``REDIRECTS`` when the platform is ``cpu``;
-    idempotent. Returns the redirected targets."""
+def apply(host_memory: bool | None = None) -> list[str]:
+    """Redirect every entry of ``REDIRECTS`` when the platform computes in host
+    memory (``Platform.host_memory``: the cpu platform); idempotent. Returns
+    the redirected targets. On an accelerator nothing is touched."""
     import importlib
 
-    if platform_name is None:
+    if host_memory is None:
         from areal_kernel.platforms import current_platform
 
-        platform_name = current_platform().name
-    if platform_name != "cpu" or _applied:
+        host_memory = current_platform().host_memory
+    if not host_memory or _applied:
         return applied()
     from importlib.metadata import version
 

@@ -269,7 +269,7 @@ class MegatronRankEngine:
 
         cfg = self.config
         plat = current_platform()
-        cpu_redirect.apply(plat.name)
+        cpu_redirect.apply(plat.host_memory)
         with open(os.path.join(model_path, "config.json")) as f:
             hf_cfg = json.load(f)
         arch = self.arch = arch_from_hf_config(hf_cfg, where=os.path.join(model_path, "config.json"))

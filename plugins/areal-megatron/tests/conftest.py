@@ -10,30 +10,6 @@ import pytest
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
-def make_tiny_qwen(path: str, model_type: str, seed: int = 0) -> str:
-    """A random-init Qwen2 (qkv biases) or Qwen3 (q/k norms, explicit head_dim)
-    from its real ``transformers`` config class, untied embeddings."""
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
-
-    common = dict(
-        vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False,
-    )  # fmt: skip
-    if model_type == "qwen2":
-        cfg, cls = Qwen2Config(**common), Qwen2ForCausalLM
-    else:
-        cfg, cls = Qwen3Config(head_dim=24, **common), Qwen3ForCausalLM
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = cls(cfg)
-        with torch.no_grad():
-            for p in model.parameters():  # norms and biases non-trivial too
-                p.add_(torch.randn_like(p) * 0.05)
-    model.save_pretrained(path, safe_serialization=True)
-    return path
-
-
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory) -> str:
     from areal_kernel.testing.models import make_tiny_llama

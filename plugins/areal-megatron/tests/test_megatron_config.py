@@ -83,7 +83,7 @@ def test_cpu_redirects_name_real_functions_and_touch_nothing_elsewhere():
     import megatron.core.transformer.utils as tu
 
     before = tu.get_default_causal_mask
-    assert cpu_redirect.apply("cuda") == []  # nothing patched on CUDA
+    assert cpu_redirect.apply(host_memory=False) == []  # nothing patched on an accelerator (CUDA)
     assert tu.get_default_causal_mask is before
 
 

@@ -8,7 +8,7 @@ import json
 import os
 
 import pytest
-from conftest import make_tiny_qwen
+from megatron_helpers import make_tiny_qwen
 
 from areal_kernel.errors import ConfigError
 from areal_megatron.convert import (
