@@ -38,6 +38,7 @@ from typing import Any, Callable, Iterator
 from areal_kernel.api.io import TrajectoryBatch
 from areal_kernel.engine.lr_schedule import scheduled_lr
 from areal_kernel.engine.microbatch import MicroBatchHooks, MicroBatchRunner
+from areal_kernel.engine.optimizer_state import load_optimizer_state, save_optimizer_state
 from areal_kernel.engine.state import load_rng_state, make_optimizer, save_rng_state, set_lr, torch_dtype
 from areal_kernel.errors import ArealError, ConfigError
 from areal_kernel.platforms import current_platform
@@ -614,7 +615,6 @@ class MegatronRankEngine:
         """The model through megatron-core's distributed checkpointing (every
         rank writes its shards; loadable into another layout), the optimizer
         and RNG states per rank."""
-        import torch
         from megatron.core import dist_checkpointing
 
         d = os.path.join(tmp_dir, "model")
@@ -624,24 +624,29 @@ class MegatronRankEngine:
         dist_checkpointing.save(self.model.sharded_state_dict(), d)
         tag = f"tp{self.tp_rank}-pp{self.pipe.rank}"
         if self.dp_rank == 0:
-            torch.save(self.optimizer.state_dict(), os.path.join(tmp_dir, f"optim-{tag}.pt"))
+            # Tensors as safetensors, the rest as JSON: a checkpoint never
+            # carries a pickle (the kernel's rule for every engine).
+            rest = save_optimizer_state(self.optimizer, os.path.join(tmp_dir, f"optim-{tag}.safetensors"))
+            with open(os.path.join(tmp_dir, f"optim-{tag}.json"), "w", encoding="utf-8") as f:
+                json.dump(rest, f)
         save_rng_state(os.path.join(tmp_dir, f"rng-rank{self.rank}.safetensors"))
         self.barrier()
 
     def dist_load(self, path: str, step: int) -> None:
-        import torch
         from megatron.core import dist_checkpointing
 
         sd = dist_checkpointing.load(self.model.sharded_state_dict(), os.path.join(path, "model"))
         self.model.load_state_dict(sd)
         tag = f"tp{self.tp_rank}-pp{self.pipe.rank}"
-        optim = os.path.join(path, f"optim-{tag}.pt")
+        optim = os.path.join(path, f"optim-{tag}.safetensors")
         if not os.path.isfile(optim):
             raise ConfigError(
                 f"{path}: no optimizer state for tensor rank {self.tp_rank}, pipeline stage {self.pipe.rank}; "
                 "a megatron checkpoint restores its optimizer only into the t and p layout that saved it"
             )
-        self.optimizer.load_state_dict(torch.load(optim, weights_only=False))
+        with open(os.path.join(path, f"optim-{tag}.json"), encoding="utf-8") as f:
+            rest = json.load(f)
+        load_optimizer_state(self.optimizer, optim, rest, str(next(self.model.parameters()).device))
         rng = os.path.join(path, f"rng-rank{self.rank}.safetensors")
         if os.path.isfile(rng):
             load_rng_state(rng)
