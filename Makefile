@@ -42,8 +42,10 @@ $(STAMP): $(INSTALL_INPUTS)
 demo: install
 	$(VENV)/bin/areal train examples/grpo_arithmetic.yaml
 
+# Two workers, one per core (conftest.py: a file is one unit of work, the
+# big_memory files one unit together).
 test: install lint
-	$(PY) -m pytest
+	$(PY) -m pytest -n 2 --dist loadgroup
 
 # Runs before the tests: a lint failure is cheaper to see than a test run.
 # mypy reads its settings and the packages it checks from pyproject.toml.
