@@ -323,7 +323,8 @@ def serve(conn: Any, rank: int, world_size: int, make_engine: Callable[..., Any]
 def rank_main(make_engine: Callable[..., Any], name: str, argv: list[str] | None = None) -> int:
     """Body of a rank module's ``main``: parse the arguments ``RankGroup``
     passes, watch the parent, connect the control channel, join the process
-    group and serve commands until shutdown."""
+    group and serve commands until shutdown. Then the process exits (code 0)
+    at once, skipping the interpreter's shutdown (see the end of the body)."""
     p = argparse.ArgumentParser(description=f"one rank of the {name} train engine")
     p.add_argument("--parent-pid", type=int, required=True)
     p.add_argument("--dist-timeout-s", type=float, default=1800.0)
@@ -344,8 +345,32 @@ def rank_main(make_engine: Callable[..., Any], name: str, argv: list[str] | None
     try:
         serve(conn, rank, world_size, make_engine, name)
     finally:
+        # Bounded: tearing the group down must not keep an ended rank alive.
+        threading.Thread(target=_exit_after, args=(_TEARDOWN_S, 4), daemon=True).start()
         try:
             dist.destroy_process_group()
         except Exception:  # noqa: BLE001
             pass
-    return 0
+    # The rank ends here, without the interpreter's shutdown: atexit handlers
+    # and non-daemon threads of the libraries an engine loads (seen with
+    # megatron-core) can block it forever, and by then the parent watchdog no
+    # longer runs, so the rank would outlive its run as an orphan.
+    _exit_now(0)
+    return 0  # not reached; keeps the documented ``int`` result for callers
+
+
+_TEARDOWN_S = 30.0
+
+
+def _exit_now(code: int) -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 - a closed stream must not keep the rank alive
+            pass
+    os._exit(code)
+
+
+def _exit_after(seconds: float, code: int) -> None:
+    time.sleep(seconds)
+    _exit_now(code)

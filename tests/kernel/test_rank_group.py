@@ -1,0 +1,75 @@
+"""The kernel's rank plumbing (``areal_kernel.engine.ranks``) with real rank
+processes started by the local scheduler and a real gloo process group.
+
+The engine here is the smallest one that can show the shutdown rule: its
+construction leaves behind what some libraries leave in a rank (a thread that
+never ends and an ``atexit`` handler that blocks). A rank must still end by
+itself, with code 0, once the controller says ``shutdown``."""
+
+from __future__ import annotations
+
+import os
+import textwrap
+
+import pytest
+
+from areal_kernel.config.models import ExperimentConfig
+from areal_kernel.engine.ranks import RankGroup
+from areal_kernel.scheduling.local import LocalScheduler
+
+RANK_MODULE = '''
+import atexit
+import threading
+import time
+
+from areal_kernel.engine.ranks import rank_main
+
+
+class Sticky:
+    """Leaves a non-daemon thread and a blocking exit handler behind."""
+
+    def __init__(self, rank, world_size, tag):
+        self.rank, self.world_size, self.tag = rank, world_size, tag
+        threading.Thread(target=time.sleep, args=(10**6,), daemon=False).start()
+        atexit.register(time.sleep, 10**6)
+
+    def whoami(self):
+        import torch
+        import torch.distributed as dist
+
+        t = torch.tensor([float(self.rank + 1)])
+        dist.all_reduce(t)  # the ranks really share one process group
+        return (self.tag, self.rank, self.world_size, float(t.item()))
+
+
+def main(argv=None):
+    return rank_main(lambda rank, world_size, tag: Sticky(rank, world_size, tag), "sticky", argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
+'''
+
+
+@pytest.fixture
+def group(tmp_path):
+    (tmp_path / "sticky_rank.py").write_text(textwrap.dedent(RANK_MODULE))
+    cfg = ExperimentConfig.model_validate({"actor": {"backend": "torch:d2"}})
+    g = RankGroup(
+        "sticky", "sticky_rank", 2, LocalScheduler(cfg), str(tmp_path / "logs"),
+        owns_scheduler=True, startup_timeout_s=120, pythonpath=[str(tmp_path)],
+    )  # fmt: skip
+    yield g
+    g.stop()
+
+
+def test_ranks_run_commands_and_exit_by_themselves_despite_what_the_engine_left(group):
+    group.start()
+    group.call("create", [{"tag": "a"}, {"tag": "b"}])
+    assert group.call("whoami") == [("a", 0, 2, 3.0), ("b", 1, 2, 3.0)]
+    procs = list(group.procs)
+    group.shutdown(timeout_s=60)
+    # 0 is the rank's own exit; a rank the group had to kill reports -9.
+    codes = [p.poll() for p in procs]
+    logs = {r: open(os.path.join(group.log_dir, f"rank-{r}.log")).read()[-2000:] for r in range(2)}
+    assert codes == [0, 0], (codes, logs)
