@@ -16,6 +16,22 @@ import structlog
 _configured = False
 
 
+class _CurrentStderr:
+    """A file that is always the current ``sys.stderr``."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+    def isatty(self) -> bool:
+        return sys.stderr.isatty()
+
+
+_CURRENT_STDERR = _CurrentStderr()
+
+
 def setup_logging(level: str | None = None, json_logs: bool | None = None, stream: Any = None) -> None:
     """Configure structlog + stdlib logging. ``AREAL_LOG_JSON=1`` and
     ``AREAL_LOG_LEVEL`` are read when arguments are not given, so child
@@ -24,7 +40,10 @@ def setup_logging(level: str | None = None, json_logs: bool | None = None, strea
     level = (level or os.environ.get("AREAL_LOG_LEVEL") or "info").upper()
     if json_logs is None:
         json_logs = os.environ.get("AREAL_LOG_JSON", "").lower() in {"1", "true", "yes"}
-    stream = stream or sys.stderr
+    # Not bound to today's sys.stderr: whoever swaps it later (a test's
+    # capture, an embedding application) would leave the logs writing to a
+    # closed file; the proxy writes to the sys.stderr of the moment.
+    stream = stream or _CURRENT_STDERR
     renderer: Any = (
         structlog.processors.JSONRenderer()
         if json_logs

@@ -192,6 +192,8 @@ class RolloutExecutor:
             if self._error is not None:
                 raise self._error
             if self.exhausted:
+                if self._error is not None:  # set by the loop thread since the check above
+                    raise self._error
                 raise ArealError(f"the dataset ran out: {len(groups)} of {n} groups for this batch")
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"waited {timeout}s for {n} rollout groups, got {len(groups)}")
@@ -233,7 +235,9 @@ class RolloutExecutor:
     async def _run(self) -> None:
         tasks: set[asyncio.Task] = set()
         while not self._stop.is_set():
-            if not self._paused.is_set() and not self._exhausted:
+            # After a fatal error nothing more is admitted: the run ends on it, and
+            # the records left are not burnt on episodes that would fail alike.
+            if not self._paused.is_set() and not self._exhausted and self._error is None:
                 for _ in range(self.budget.capacity(self._version)):
                     record = self.next_record()
                     if record is None:

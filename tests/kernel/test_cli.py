@@ -52,6 +52,25 @@ def test_no_command_prints_help(run_areal):
     assert proc.returncode == 2 and "usage: areal" in proc.stdout
 
 
+def test_logs_follow_the_current_stderr(monkeypatch, capsys):
+    """Logging set up while another stream was sys.stderr (a test's capture,
+    an embedding application) writes to the stderr of the moment, not to the
+    old stream, which may be closed by then."""
+    import io
+    import sys
+
+    from areal_kernel.logging import get_logger, setup_logging
+
+    old = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", old)
+    setup_logging(level="info")
+    monkeypatch.undo()
+    old.close()
+    get_logger("t").info("after the swap", k=2)
+    assert "after the swap" in capsys.readouterr().err
+    setup_logging()
+
+
 def test_json_logging(tmp_path):
     import io
 

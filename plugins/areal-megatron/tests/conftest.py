@@ -57,10 +57,20 @@ class RankPool:
     def close(self) -> None:
         if self.engine is not None:
             self.engine.destroy()
+            self.engine = None
+
+
+_POOL = RankPool()
 
 
 @pytest.fixture(scope="session")
 def rank_pool():
-    pool = RankPool()
-    yield pool
-    pool.close()
+    yield _POOL
+    _POOL.close()
+
+
+def pytest_runtest_teardown(item, nextitem):
+    # The pool's ranks (SmolLM2 for the parity test) hold GBs: they end with
+    # the last test that uses them instead of living to the end of the session.
+    if "rank_pool" in getattr(item, "fixturenames", ()) and "rank_pool" not in getattr(nextitem, "fixturenames", ()):
+        _POOL.close()
