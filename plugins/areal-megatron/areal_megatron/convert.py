@@ -147,6 +147,16 @@ def _cols(t: Any, rank: int, size: int) -> Any:
     return t.chunk(size, dim=1)[rank]
 
 
+# Per-layer Megatron parameters that are one HF tensor as is (never split
+# across tensor-parallel ranks): Megatron suffix -> HF suffix.
+_SAME_SHAPE = {
+    "input_layernorm.weight": "input_layernorm.weight",
+    "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
+    "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
+    "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
+}
+
+
 def hf_to_megatron(
     name: str, get: Callable[[str], Any], arch: ArchSpec, tp_rank: int, tp_size: int, layer_offset: int = 0
 ) -> Any:
@@ -166,14 +176,8 @@ def hf_to_megatron(
         raise KeyError(f"no HF counterpart for Megatron parameter {name!r}")
     hf = f"model.layers.{int(m.group(1)) + layer_offset}."
     rest = m.group(2)
-    simple = {
-        "input_layernorm.weight": "input_layernorm.weight",
-        "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
-        "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
-        "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
-    }
-    if rest in simple:
-        return get(hf + simple[rest]).clone()
+    if rest in _SAME_SHAPE:
+        return get(hf + _SAME_SHAPE[rest]).clone()
     if rest in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
         kind = rest.rsplit(".", 1)[1]
         g, d = arch.kv_heads, arch.head_dim
@@ -211,14 +215,8 @@ def megatron_to_hf(name: str, shards: list[Any], arch: ArchSpec, layer_offset: i
         raise KeyError(f"no HF counterpart for Megatron parameter {name!r}")
     hf = f"model.layers.{int(m.group(1)) + layer_offset}."
     rest = m.group(2)
-    simple = {
-        "input_layernorm.weight": "input_layernorm.weight",
-        "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
-        "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
-        "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
-    }
-    if rest in simple:
-        return [(hf + simple[rest], shards[0])]
+    if rest in _SAME_SHAPE:
+        return [(hf + _SAME_SHAPE[rest], shards[0])]
     if rest in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
         kind = rest.rsplit(".", 1)[1]
         g, d, qg = arch.kv_heads, arch.head_dim, arch.q_per_group

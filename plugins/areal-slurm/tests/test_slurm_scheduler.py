@@ -169,3 +169,74 @@ def test_grpo_through_a_submitted_heterogeneous_job(slurm_cluster, areal_tiny_ch
     # The job is cancelled when the run ends.
     assert_no_job_left(slurm_cluster)
     assert_nothing_left(marker)
+
+
+def test_a_killed_server_is_restarted_as_a_new_step_and_scancel_leaves_no_process(
+    slurm_cluster, areal_tiny_chat_model_dir, tmp_path
+):
+    """A run in a submitted job: its server's process is killed on its node
+    (the supervisor sees the step end and starts the server again, as a new
+    step on the same node, and training goes on), then ``scancel`` of the job
+    ends the run and every process of it."""
+    run_dir = str(tmp_path / "run")
+    env, marker = marked_env(slurm_cluster)
+    cmd = [sys.executable, "-m", "areal_kernel.cli", *grpo_args(areal_tiny_chat_model_dir, run_dir, steps=100000),
+           "scheduler.slurm.mode=submit"]  # fmt: skip
+    out = open(tmp_path / "controller.out", "w+")
+    metrics = os.path.join(run_dir, "metrics.jsonl")
+
+    def rows() -> list[dict]:
+        if not os.path.exists(metrics):
+            return []
+        with open(metrics) as f:
+            return [json.loads(line) for line in f if line.endswith("\n")]
+
+    def wait_for(what: str, ok) -> None:
+        deadline = time.monotonic() + 300
+        while not ok():
+            assert proc.poll() is None, f"the run ended while waiting for {what}: " + open(out.name).read()[-3000:]
+            assert time.monotonic() < deadline, f"waited 300s for {what}: " + open(out.name).read()[-3000:]
+            time.sleep(0.2)
+
+    with SlurmWatch(slurm_cluster) as watch:
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            wait_for("the first training step", lambda: len(rows()) > 0)
+            # The server's pid on its node is the first line its step logged.
+            log = open(os.path.join(run_dir, "server-0.log")).read()
+            pid = int(next(ln for ln in log.splitlines() if ln.startswith("=== areal-step pid")).split()[3])
+            os.kill(pid, 9)
+            first_steps = {n for n in watch.steps if n.startswith("areal-rollout-0-")}
+            assert len(first_steps) == 1, watch.steps
+            wait_for("a step after the restart", lambda: any(r.get("rollout/server_restarts") == 1 for r in rows()))
+            # A training step can finish on trajectories buffered before the kill,
+            # so the restarted server's step may not be running yet: wait until
+            # Slurm lists a rollout step that is not the first one.
+            now: dict[str, str] = {}
+
+            def restarted_step_runs() -> bool:
+                steps = slurm_cluster.run("squeue", "-h", "-s", "-o", "%j %N").stdout.split("\n")
+                now.clear()
+                now.update(ln.split() for ln in steps if ln.startswith("areal-rollout-0-"))
+                return bool(set(now) - first_steps)
+
+            wait_for("the restarted server's step", restarted_step_runs)
+            done = len(rows())
+            wait_for("a training step after the restarted server runs", lambda: len(rows()) > done)
+            jobs = slurm_cluster.run("squeue", "-h", "-o", "%F").stdout.split()
+            assert len(set(jobs)) == 1, jobs
+            assert len([p for p in live_processes(lambda q: q.environ_has(marker)) if p.pid != proc.pid]) >= 4
+            slurm_cluster.run("scancel", jobs[0])
+            rc = proc.wait(120)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert rc != 0, open(out.name).read()[-3000:]
+    # The restarted server is another step than the first one, on the same node.
+    new = {n: node for n, node in now.items() if n not in first_steps}
+    first = {n: watch.steps[n] for n in first_steps}
+    assert len(new) == 1, (now, watch.steps)
+    assert set(new.values()) == set(first.values()), (new, first)
+    assert_nothing_left(marker, exclude=proc.pid)
+    assert_no_job_left(slurm_cluster)
