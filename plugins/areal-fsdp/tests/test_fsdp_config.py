@@ -75,7 +75,7 @@ def test_engine_is_built_from_the_kernel_context(tmp_path):
     e = FSDPTrainEngine.from_context(ctx)
     assert e.world_size == 3 and e.config.lr == 0.5
     assert e.log_dir == str(tmp_path / "fsdp-ranks")
-    assert e._get_scheduler() is sched and not e._owns_scheduler
+    assert e.rank_scheduler() is sched and not e.owns_scheduler
     ref = FSDPTrainEngine.from_context(dataclasses.replace(ctx, role="ref"))
     assert ref.log_dir == str(tmp_path / "fsdp-ranks-ref")
 

@@ -39,7 +39,7 @@ def test_ranks_die_with_their_controller(tiny_model_dir, tmp_path):
         from areal_fsdp.engine import FSDPTrainEngine
         e = FSDPTrainEngine({{}}, world_size=2, log_dir={str(tmp_path)!r})
         e.initialize({tiny_model_dir!r}, 2)
-        print(" ".join(str(p.pid) for p in e._procs), flush=True)
+        print(" ".join(str(p.pid) for p in e.ranks.procs), flush=True)
         time.sleep(600)
         """
     )
