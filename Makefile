@@ -43,9 +43,9 @@ demo: install
 	$(VENV)/bin/areal train examples/grpo_arithmetic.yaml
 
 # Two workers, one per core (conftest.py: a file is one unit of work, the
-# big_memory files one unit together).
+# BIG_MEMORY_FILES one unit together, handed out first).
 test: install lint
-	$(PY) -m pytest -n 2 --dist loadgroup
+	$(PY) -m pytest -n 2
 
 # Runs before the tests: a lint failure is cheaper to see than a test run.
 # mypy reads its settings and the packages it checks from pyproject.toml.

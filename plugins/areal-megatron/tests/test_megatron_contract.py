@@ -7,8 +7,7 @@ import pytest
 
 from areal_kernel.testing.contracts import TrainEngineContract
 
-# big_memory: on the rank pool that test_megatron_parity fills with SmolLM2.
-pytestmark = [pytest.mark.slow, pytest.mark.big_memory]
+pytestmark = pytest.mark.slow
 SETTINGS = {"lr": 1e-3, "max_tokens_per_mb": 8}
 
 

@@ -20,7 +20,7 @@ import os
 import pytest
 from areal_kernel.testing.trends import ARITHMETIC_LEARNED, sampling_reward_trend
 
-pytestmark = [pytest.mark.slow, pytest.mark.big_memory]  # two SmolLM2 Megatron ranks
+pytestmark = pytest.mark.slow
 HERE = os.path.dirname(os.path.abspath(__file__))
 EXAMPLE = os.path.join(os.path.dirname(HERE), "examples", "grpo_arithmetic_megatron.yaml")
 STEPS = 6

@@ -29,7 +29,7 @@ from areal_kernel.engine.torch_engine import TorchTrainEngine
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "areal-fsdp", "tests"))
 from fsdp_helpers import ppo_step_inputs, random_batch  # noqa: E402
 
-pytestmark = [pytest.mark.slow, pytest.mark.big_memory]  # SmolLM2 Megatron ranks
+pytestmark = pytest.mark.slow
 
 CFG = {"lr": 1e-3, "max_tokens_per_mb": 24, "max_grad_norm": 1.0, "lr_scheduler": "linear",
        "warmup_steps_proportion": 0.2, "weight_decay": 0.01, "share_prompts": False}  # fmt: skip

@@ -16,8 +16,7 @@ from areal_kernel.algo.losses import make_ppo_loss_fn
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "areal-fsdp", "tests"))
 from fsdp_helpers import ppo_step_inputs, random_batch  # noqa: E402
 
-# big_memory: on the rank pool that test_megatron_parity fills with SmolLM2.
-pytestmark = [pytest.mark.slow, pytest.mark.big_memory]
+pytestmark = pytest.mark.slow
 PROMPT = [5, 6, 7, 8, 9]
 
 

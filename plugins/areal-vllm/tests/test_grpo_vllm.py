@@ -21,8 +21,6 @@ from areal_kernel.testing.trends import ARITHMETIC_LEARNED, sampling_reward_tren
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 EXAMPLE = os.path.join(REPO, "examples", "grpo_arithmetic.yaml")
 
-pytestmark = pytest.mark.big_memory  # a vLLM server beside SmolLM2's train engine
-
 
 @pytest.mark.slow
 def test_grpo_with_vllm_rollout_raises_the_reward(run_areal, tmp_path):

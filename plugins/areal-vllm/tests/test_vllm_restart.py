@@ -23,7 +23,7 @@ import pytest
 
 from areal_kernel.testing.procs import live_processes
 
-pytestmark = [pytest.mark.slow, pytest.mark.big_memory]  # a vLLM server and SmolLM2
+pytestmark = pytest.mark.slow
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 EXAMPLE = os.path.join(REPO, "examples", "grpo_arithmetic.yaml")

@@ -37,7 +37,7 @@ from areal_kernel.testing.contracts import InferenceEngineContract
 from areal_kernel.testing.procs import live_processes
 from areal_kernel.testing.waits import wait_until
 
-pytestmark = [pytest.mark.slow, pytest.mark.big_memory]  # vLLM servers
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
