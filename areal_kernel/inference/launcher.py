@@ -30,6 +30,7 @@ from typing import Any, ClassVar
 from areal_kernel.api.engine import ServerInfo, ServerLauncher
 from areal_kernel.api.scheduler import ROLLOUT, Placement, ProcessHandle, spawn_local
 from areal_kernel.errors import ServerError
+from areal_kernel.inference.guard import EXEC_FAILED_EXIT, guarded_command
 from areal_kernel.utils.network import find_free_port, is_loopback, port_is_free
 
 # Exit code a server may use to say "my port is taken" (the embedded server
@@ -103,6 +104,11 @@ class SubprocessLauncher(ServerLauncher):
     poll_s: ClassVar[float] = 0.25
     # Appended when the command cannot even be executed (missing interpreter).
     start_failure_hint: ClassVar[str] = ""
+    # Run each server under the parent guard (``areal_kernel.inference.guard``)
+    # so it ends when the process that spawned it does (a killed controller,
+    # a lost scheduler agent). Off only for servers that watch
+    # ``PARENT_PID_ENV`` themselves (the embedded server).
+    guard_parent: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -339,6 +345,9 @@ class SubprocessLauncher(ServerLauncher):
 
     def _spawn(self, index: int, model_path: str, device_ids: list[int], port: int) -> ServerProcess:
         cmd = self.command(model_path, port, index, device_ids)
+        # What runs: the server's argv, under the parent guard unless the server
+        # watches its parent itself. ``cmd`` (in errors) stays the server's own.
+        argv = guarded_command(cmd, grace_s=self.stop_grace_s) if self.guard_parent else cmd
         log_path = os.path.join(self.run_dir, self.log_name(index))
         with self._lock:
             if self._stopping:
@@ -348,10 +357,10 @@ class SubprocessLauncher(ServerLauncher):
             try:
                 if self._scheduler is not None:
                     _append(log_path, f"\n=== areal: on {placement.node}: {' '.join(cmd)}\n")
-                    handle = self._scheduler.spawn(placement, cmd, env, log_path)
+                    handle = self._scheduler.spawn(placement, argv, env, log_path)
                 else:
                     _append(log_path, f"\n=== areal: {' '.join(cmd)}\n")
-                    handle = spawn_local(cmd, env, log_path, placement)
+                    handle = spawn_local(argv, env, log_path, placement)
             except OSError as e:
                 hint = f"\n{self.start_failure_hint}" if self.start_failure_hint else ""
                 raise ServerError(
@@ -389,6 +398,10 @@ class SubprocessLauncher(ServerLauncher):
                     p = self._spawn(p.index, p.model_path, p.device_ids, self._port_for(p.index))
                     continue
                 self.kill(p)  # children may outlive the leader
+                if rc == EXEC_FAILED_EXIT and self.guard_parent:
+                    # The guard could not execute the command (it said why in the log).
+                    hint = f"\n{self.start_failure_hint}" if self.start_failure_hint else ""
+                    raise self.failure(p, f"could not be started (exit code {rc}){hint}")
                 raise self.failure(p, f"exited with code {rc} before becoming healthy")
             with self._lock:
                 if self._stopping:

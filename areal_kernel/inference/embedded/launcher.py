@@ -70,6 +70,8 @@ class EmbeddedLauncher(SubprocessLauncher):
     settings_path = "rollout.embedded"
     log_tail_lines = 30
     poll_s = 0.2
+    # The embedded server watches PARENT_PID_ENV itself (and --parent-pid).
+    guard_parent = False
 
     def __init__(self, config: EmbeddedServerConfig | None = None, run_dir: str | None = None) -> None:
         config = config or EmbeddedServerConfig()
