@@ -30,6 +30,7 @@ from typing import Any, ClassVar
 from areal_kernel.api.engine import ServerInfo, ServerLauncher
 from areal_kernel.api.scheduler import ROLLOUT, Placement, ProcessHandle, spawn_local
 from areal_kernel.errors import ServerError
+from areal_kernel.inference.admin_auth import admin_token_for, bearer_header
 from areal_kernel.inference.guard import EXEC_FAILED_EXIT, guarded_command
 from areal_kernel.utils.network import find_free_port, is_loopback, port_is_free
 
@@ -119,6 +120,7 @@ class SubprocessLauncher(ServerLauncher):
         stop_grace_s: float = 10.0,
         port_retries: int = 3,
         base_port: int | None = None,
+        admin_token: str | None = None,
     ) -> None:
         self.run_dir = os.path.abspath(run_dir or tempfile.mkdtemp(prefix="areal-servers-"))
         os.makedirs(self.run_dir, exist_ok=True)
@@ -127,6 +129,9 @@ class SubprocessLauncher(ServerLauncher):
         self.stop_grace_s = stop_grace_s
         self.port_retries = port_retries
         self.base_port = base_port  # server i listens on base_port + i; None: a free port each
+        # The kernel's token rule for ``host`` (``secure_for_hosts`` applies it
+        # again to the hosts a scheduler places servers on).
+        self._admin_token = admin_token_for([host], admin_token)
         self._procs: list[ServerProcess] = []
         self._n_servers = 0
         self._lock = threading.RLock()
@@ -152,7 +157,15 @@ class SubprocessLauncher(ServerLauncher):
         return env
 
     def health_headers(self) -> dict[str, str]:
-        return {}
+        return bearer_header(self.admin_token)
+
+    @property
+    def admin_token(self) -> str | None:
+        """The token clients send on control routes (``Authorization: Bearer``);
+        ``None``: the servers bind loopback only and no token was configured.
+        A backend passes it to its servers in ``command``/``environment`` and
+        to its client in ``make_client``."""
+        return self._admin_token
 
     def log_name(self, index: int) -> str:
         return f"server-{index}.log"
@@ -170,11 +183,12 @@ class SubprocessLauncher(ServerLauncher):
         """Release what the subclass created per run (called by ``stop``)."""
 
     def secure_for_hosts(self, hosts: list[str]) -> None:
-        """Called by ``place`` with the addresses servers will bind. A
-        launcher whose servers guard control routes with an admin token
-        generates one here when any host is beyond loopback (the kernel's
-        rule: a server reachable from other machines never has open control
-        routes)."""
+        """Called by ``place`` with the addresses servers will bind: applies
+        the kernel's token rule (``admin_token_for``), generating
+        ``admin_token`` when any host is beyond loopback and none is set (a
+        server reachable from other machines never has open control
+        routes). Override only to do more, calling this."""
+        self._admin_token = admin_token_for(hosts, self._admin_token)
 
     # -- placement (the scheduler contract) ----------------------------------------
     def place(self, scheduler: Any, placements: list[Placement]) -> None:
