@@ -36,7 +36,8 @@ def _vllm_api_servers(parent: int) -> list[ProcInfo]:
     the kernel's parent guard, the controller's child that leads the server's
     process group."""
     guards = {p.pid for p in live_processes(lambda p: p.ppid == parent and p.runs("areal_kernel.inference.guard"))}
-    return live_processes(lambda p: p.pgid in guards and p.runs("vllm.entrypoints.openai.api_server"))
+    # The guard's direct child: vLLM's forked engine core keeps the same argv.
+    return live_processes(lambda p: p.ppid in guards and p.runs("vllm.entrypoints.openai.api_server"))
 
 
 def _vllm_servers_of(parent: int) -> list[int]:
