@@ -30,6 +30,8 @@ from typing import Any, ClassVar
 from areal_kernel.api.engine import ServerInfo, ServerLauncher
 from areal_kernel.api.scheduler import ROLLOUT, Placement, ProcessHandle, spawn_local
 from areal_kernel.errors import ServerError
+from areal_kernel.inference.admin_auth import admin_token_for, bearer_header
+from areal_kernel.inference.guard import EXEC_FAILED_EXIT, guarded_command
 from areal_kernel.utils.network import find_free_port, is_loopback, port_is_free
 
 # Exit code a server may use to say "my port is taken" (the embedded server
@@ -103,6 +105,11 @@ class SubprocessLauncher(ServerLauncher):
     poll_s: ClassVar[float] = 0.25
     # Appended when the command cannot even be executed (missing interpreter).
     start_failure_hint: ClassVar[str] = ""
+    # Run each server under the parent guard (``areal_kernel.inference.guard``)
+    # so it ends when the process that spawned it does (a killed controller,
+    # a lost scheduler agent). Off only for servers that watch
+    # ``PARENT_PID_ENV`` themselves (the embedded server).
+    guard_parent: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -113,6 +120,7 @@ class SubprocessLauncher(ServerLauncher):
         stop_grace_s: float = 10.0,
         port_retries: int = 3,
         base_port: int | None = None,
+        admin_token: str | None = None,
     ) -> None:
         self.run_dir = os.path.abspath(run_dir or tempfile.mkdtemp(prefix="areal-servers-"))
         os.makedirs(self.run_dir, exist_ok=True)
@@ -121,6 +129,9 @@ class SubprocessLauncher(ServerLauncher):
         self.stop_grace_s = stop_grace_s
         self.port_retries = port_retries
         self.base_port = base_port  # server i listens on base_port + i; None: a free port each
+        # The kernel's token rule for ``host`` (``secure_for_hosts`` applies it
+        # again to the hosts a scheduler places servers on).
+        self._admin_token = admin_token_for([host], admin_token)
         self._procs: list[ServerProcess] = []
         self._n_servers = 0
         self._lock = threading.RLock()
@@ -146,7 +157,15 @@ class SubprocessLauncher(ServerLauncher):
         return env
 
     def health_headers(self) -> dict[str, str]:
-        return {}
+        return bearer_header(self.admin_token)
+
+    @property
+    def admin_token(self) -> str | None:
+        """The token clients send on control routes (``Authorization: Bearer``);
+        ``None``: the servers bind loopback only and no token was configured.
+        A backend passes it to its servers in ``command``/``environment`` and
+        to its client in ``make_client``."""
+        return self._admin_token
 
     def log_name(self, index: int) -> str:
         return f"server-{index}.log"
@@ -164,11 +183,12 @@ class SubprocessLauncher(ServerLauncher):
         """Release what the subclass created per run (called by ``stop``)."""
 
     def secure_for_hosts(self, hosts: list[str]) -> None:
-        """Called by ``place`` with the addresses servers will bind. A
-        launcher whose servers guard control routes with an admin token
-        generates one here when any host is beyond loopback (the kernel's
-        rule: a server reachable from other machines never has open control
-        routes)."""
+        """Called by ``place`` with the addresses servers will bind: applies
+        the kernel's token rule (``admin_token_for``), generating
+        ``admin_token`` when any host is beyond loopback and none is set (a
+        server reachable from other machines never has open control
+        routes). Override only to do more, calling this."""
+        self._admin_token = admin_token_for(hosts, self._admin_token)
 
     # -- placement (the scheduler contract) ----------------------------------------
     def place(self, scheduler: Any, placements: list[Placement]) -> None:
@@ -339,6 +359,9 @@ class SubprocessLauncher(ServerLauncher):
 
     def _spawn(self, index: int, model_path: str, device_ids: list[int], port: int) -> ServerProcess:
         cmd = self.command(model_path, port, index, device_ids)
+        # What runs: the server's argv, under the parent guard unless the server
+        # watches its parent itself. ``cmd`` (in errors) stays the server's own.
+        argv = guarded_command(cmd, grace_s=self.stop_grace_s) if self.guard_parent else cmd
         log_path = os.path.join(self.run_dir, self.log_name(index))
         with self._lock:
             if self._stopping:
@@ -348,10 +371,10 @@ class SubprocessLauncher(ServerLauncher):
             try:
                 if self._scheduler is not None:
                     _append(log_path, f"\n=== areal: on {placement.node}: {' '.join(cmd)}\n")
-                    handle = self._scheduler.spawn(placement, cmd, env, log_path)
+                    handle = self._scheduler.spawn(placement, argv, env, log_path)
                 else:
                     _append(log_path, f"\n=== areal: {' '.join(cmd)}\n")
-                    handle = spawn_local(cmd, env, log_path, placement)
+                    handle = spawn_local(argv, env, log_path, placement)
             except OSError as e:
                 hint = f"\n{self.start_failure_hint}" if self.start_failure_hint else ""
                 raise ServerError(
@@ -389,6 +412,10 @@ class SubprocessLauncher(ServerLauncher):
                     p = self._spawn(p.index, p.model_path, p.device_ids, self._port_for(p.index))
                     continue
                 self.kill(p)  # children may outlive the leader
+                if rc == EXEC_FAILED_EXIT and self.guard_parent:
+                    # The guard could not execute the command (it said why in the log).
+                    hint = f"\n{self.start_failure_hint}" if self.start_failure_hint else ""
+                    raise self.failure(p, f"could not be started (exit code {rc}){hint}")
                 raise self.failure(p, f"exited with code {rc} before becoming healthy")
             with self._lock:
                 if self._stopping:

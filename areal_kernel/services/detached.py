@@ -502,14 +502,9 @@ class DetachedService:
     def admin_token(self, host: str, configured: str | None = None) -> str | None:
         """This service's admin token: handed over by the CLI, else configured,
         else generated when it listens beyond loopback."""
-        import secrets
+        from areal_kernel.inference.admin_auth import admin_token_for
 
-        from areal_kernel.utils.network import is_loopback
-
-        token = os.environ.pop(self.token_env, None) or configured
-        if not token and not is_loopback(host):
-            token = secrets.token_urlsafe(32)
-        return token
+        return admin_token_for([host], os.environ.pop(self.token_env, None) or configured)
 
     async def listen(self, app: Any, host: str, port: int, flag: str = "") -> Any:
         """Serve ``app`` on ``host:port``: its runner, or None when the address

@@ -70,33 +70,19 @@ class EmbeddedLauncher(SubprocessLauncher):
     settings_path = "rollout.embedded"
     log_tail_lines = 30
     poll_s = 0.2
+    # The embedded server watches PARENT_PID_ENV itself (and --parent-pid).
+    guard_parent = False
 
     def __init__(self, config: EmbeddedServerConfig | None = None, run_dir: str | None = None) -> None:
-        config = config or EmbeddedServerConfig()
-        if not is_loopback(config.host) and not config.admin_token:
-            # Reachable from other machines: control routes must not be open.
-            # The token reaches servers through the environment and clients
-            # through ``launcher.admin_token``.
-            import secrets
-
-            config = config.model_copy(update={"admin_token": secrets.token_urlsafe(32)})
-        self.config = config
+        self.config = config or EmbeddedServerConfig()
+        # The kernel's token rule (SubprocessLauncher.admin_token): beyond
+        # loopback a token is generated when the section sets none. It reaches
+        # servers through the environment and clients through ``admin_token``.
         super().__init__(
-            run_dir, host=config.host, startup_timeout_s=config.startup_timeout_s, stop_grace_s=config.stop_grace_s,
-            port_retries=config.port_retries, base_port=config.port,
+            run_dir, host=self.config.host, startup_timeout_s=self.config.startup_timeout_s,
+            stop_grace_s=self.config.stop_grace_s, port_retries=self.config.port_retries,
+            base_port=self.config.port, admin_token=self.config.admin_token,
         )  # fmt: skip
-
-    @property
-    def admin_token(self) -> str | None:
-        """What clients must send on control routes (None: routes are open, loopback only)."""
-        return self.config.admin_token
-
-    def secure_for_hosts(self, hosts: list[str]) -> None:
-        # Placed on a node's address beyond loopback: the same rule as config.host.
-        if not self.config.admin_token and not all(is_loopback(h) for h in hosts):
-            import secrets
-
-            self.config = self.config.model_copy(update={"admin_token": secrets.token_urlsafe(32)})
 
     def command(self, model_path: str, port: int, index: int, device_ids: list[int]) -> list[str]:
         c = self.config
@@ -116,8 +102,8 @@ class EmbeddedLauncher(SubprocessLauncher):
     def environment(self, index: int, n_servers: int, device_ids: list[int]) -> dict[str, str]:
         env = super().environment(index, n_servers, device_ids)
         # The token goes through the environment, not argv: argv is world-readable in ps.
-        if self.config.admin_token:
-            env[ADMIN_TOKEN_ENV] = self.config.admin_token
+        if self.admin_token:
+            env[ADMIN_TOKEN_ENV] = self.admin_token
         else:
             env.pop(ADMIN_TOKEN_ENV, None)
         # Let the child import this very package even when it is not installed.

@@ -111,5 +111,6 @@ class SGLangBackend(InferenceBackend):
             addresses,
             SGLangProtocol(self.server_config.pause_mode, tp_size=self.tp_size),
             **client_options(self.config.rollout),
-            admin_token=self.server_config.api_key,
+            # The launcher's token (the kernel's rule: generated beyond loopback).
+            admin_token=self.launcher.admin_token if self.launcher is not None else self.server_config.api_key,
         )

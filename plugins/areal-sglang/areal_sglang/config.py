@@ -87,7 +87,11 @@ class SGLangServerConfig(BaseModel):
     enable_memory_saver: bool = Field(
         False, description="--enable-memory-saver: needed for release/resume_memory_occupation (colocated setups)."
     )
-    api_key: str | None = Field(None, description="--api-key; the client sends it as a Bearer token.")
+    api_key: str | None = Field(
+        None,
+        description="--api-key; the client sends it as a Bearer token. Unset: generated when a server binds "
+        "beyond loopback (the kernel's admin-token rule), none on loopback.",
+    )
     pause_mode: Literal["abort", "retract", "in_place"] = Field(
         "abort",
         description="/pause_generation mode for weight updates. 'abort' returns partial outputs that the client "

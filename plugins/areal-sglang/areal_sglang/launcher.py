@@ -28,10 +28,12 @@ def build_command(
     weight_version: int = 0,
     launch_prefix: list[str] | None = None,
     host: str | None = None,
+    api_key: str | None = None,
 ) -> list[str]:
     """The argv of one server. ``launch_prefix`` replaces ``python -m sglang.launch_server``
     (tests use it to start a stand-in that speaks the same argv and wire format);
-    ``host`` (default ``cfg.host``) is the bind address its scheduler placed it on."""
+    ``host`` (default ``cfg.host``) is the bind address its scheduler placed it on;
+    ``api_key`` (default ``cfg.api_key``) the launcher's admin token."""
     prefix = launch_prefix or [cfg.python or sys.executable, "-m", "sglang.launch_server"]
     cmd = [
         *prefix,
@@ -59,8 +61,11 @@ def build_command(
         cmd.append("--enable-memory-saver")
     if cfg.skip_server_warmup:
         cmd.append("--skip-server-warmup")
-    if cfg.api_key:
-        cmd += ["--api-key", cfg.api_key]
+    # SGLang reads its key from argv only. With --api-key alone every route
+    # but /health*, /ready* and /metrics* needs it (weight updates included).
+    key = api_key or cfg.api_key
+    if key:
+        cmd += ["--api-key", key]
     if cfg.lora is not None:
         cmd += ["--enable-lora", "--max-lora-rank", str(cfg.lora.max_rank)]
         cmd += ["--lora-target-modules", *cfg.lora.target_modules]
@@ -92,14 +97,11 @@ class SGLangLauncher(SubprocessLauncher):
         super().__init__(
             run_dir or tempfile.mkdtemp(prefix="areal-sglang-"), host=self.config.host,
             startup_timeout_s=self.config.startup_timeout_s, stop_grace_s=self.config.stop_grace_s,
-            port_retries=self.config.port_retries,
+            port_retries=self.config.port_retries, admin_token=self.config.api_key,
         )  # fmt: skip
 
     def log_name(self, index: int) -> str:
         return f"sglang-{index}.log"
-
-    def health_headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.config.api_key}"} if self.config.api_key else {}
 
     def check_launch(self, model_path: str, n_servers: int, devices_per_server: int) -> None:
         tp = self.config.tp_size or max(1, devices_per_server)
@@ -120,6 +122,8 @@ class SGLangLauncher(SubprocessLauncher):
             seed=self.seed,
             launch_prefix=self.launch_prefix,
             host=self.host_for(index),
+            # The kernel's token rule: api_key, else generated beyond loopback.
+            api_key=self.admin_token,
         )
 
     def environment(self, index: int, n_servers: int, device_ids: list[int]) -> dict[str, str]:

@@ -80,3 +80,23 @@ def test_tp_size_follows_the_allocation_and_is_checked(tmp_path, model_dir):
     lau = SGLangLauncher(SGLangServerConfig(tp_size=4), run_dir=str(tmp_path))
     with pytest.raises(ServerError, match=r"tp_size=4 needs 4 devices per server.*sglang:d1t4"):
         lau.launch(model_dir, n_servers=1, devices_per_server=2)
+
+
+def test_a_server_placed_beyond_loopback_gets_an_api_key(tmp_path, model_dir):
+    """The kernel's token rule on host strings (nothing binds them): SGLang's
+    --api-key is generated for a placement beyond loopback and sent by the
+    launcher's health probe; loopback stays without; a configured key wins."""
+    from areal_kernel.api.scheduler import Placement
+
+    local = SGLangLauncher(SGLangServerConfig(), run_dir=str(tmp_path / "a"))
+    local.place(None, [Placement("rollout", 0, "n0", "127.0.0.1")])
+    assert local.admin_token is None and "--api-key" not in local.command(model_dir, 1, 0, [])
+    remote = SGLangLauncher(SGLangServerConfig(), run_dir=str(tmp_path / "b"))
+    remote.place(None, [Placement("rollout", 0, "n1", "10.1.2.3")])
+    cmd = remote.command(model_dir, 1, 0, [])
+    assert remote.admin_token and cmd[cmd.index("--api-key") + 1] == remote.admin_token
+    assert cmd[cmd.index("--host") + 1] == "10.1.2.3"
+    assert remote.health_headers() == {"Authorization": f"Bearer {remote.admin_token}"}
+    fixed = SGLangLauncher(SGLangServerConfig(api_key="k"), run_dir=str(tmp_path / "c"))
+    fixed.place(None, [Placement("rollout", 0, "n1", "10.1.2.3")])
+    assert fixed.admin_token == "k" and fixed.command(model_dir, 1, 0, []).count("k") == 1

@@ -73,6 +73,8 @@ class VLLMBackend(InferenceBackend):
                 image_placeholders=image_placeholders(model_dir) if model_dir else None,
             ),
             **client_options(self.config.rollout),
+            # The launcher's token (the kernel's rule: generated beyond loopback).
+            admin_token=self.launcher.admin_token if self.launcher is not None else self.server_config.admin_token,
         )
         # Label the served weights as version 0 (vLLM starts at "default").
         engine.set_version(0)

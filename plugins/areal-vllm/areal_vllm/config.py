@@ -39,6 +39,8 @@ MANAGED_FLAGS = (
     "--enable-lora",
     "--max-lora-rank",
     "--max-loras",
+    # The admin token is ``admin_token`` (the client must know it).
+    "--api-key",
 )
 
 
@@ -94,7 +96,16 @@ class VLLMServerConfig(BaseModel):
         "extension; speaks the kernel's bucket format over gloo on CPU, the platform backend elsewhere).",
     )
     offline: bool = Field(True, description="HF_HUB_OFFLINE=1 for the server (the model is a local directory).")
-    host: str = "127.0.0.1"
+    host: str = Field(
+        "127.0.0.1",
+        description="Bind address. Beyond loopback (here or where a scheduler places a server) the servers "
+        "require an admin token (generated when admin_token is unset).",
+    )
+    admin_token: str | None = Field(
+        None,
+        description="Bearer token every route but /health requires (given to the server through its "
+        "environment, never argv). Unset: generated when a server binds beyond loopback, none on loopback.",
+    )
     startup_timeout_s: float = Field(600.0, gt=0, description="vLLM on a busy CPU can take minutes to load.")
     stop_grace_s: float = Field(10.0, ge=0)
     port_retries: int = Field(

@@ -17,6 +17,7 @@ import sys
 import tempfile
 
 from areal_kernel.errors import ServerError
+from areal_kernel.inference.admin_auth import ADMIN_MIDDLEWARE, ADMIN_TOKEN_ENV
 from areal_kernel.inference.launcher import SubprocessLauncher
 from areal_kernel.platforms import Platform
 
@@ -43,7 +44,7 @@ class VLLMLauncher(SubprocessLauncher):
         super().__init__(
             run_dir or tempfile.mkdtemp(prefix="areal-vllm-"), host=self.config.host,
             startup_timeout_s=self.config.startup_timeout_s, stop_grace_s=self.config.stop_grace_s,
-            port_retries=self.config.port_retries,
+            port_retries=self.config.port_retries, admin_token=self.config.admin_token,
         )  # fmt: skip
 
     def log_name(self, index: int) -> str:
@@ -86,6 +87,12 @@ class VLLMLauncher(SubprocessLauncher):
             cmd += ["--max-num-seqs", str(c.max_num_seqs)]
         if c.enable_prefix_caching is not None:
             cmd.append("--enable-prefix-caching" if c.enable_prefix_caching else "--no-enable-prefix-caching")
+        if self.admin_token:
+            # vLLM's own --api-key (VLLM_API_KEY) guards only /v1, /v2,
+            # /inference and /cohere paths; the RL control routes (/pause,
+            # /collective_rpc, weight updates, ...) need the kernel's
+            # middleware, which guards every path but /health.
+            cmd += ["--middleware", ADMIN_MIDDLEWARE]
         if c.lora is not None:
             cmd += ["--enable-lora", "--max-lora-rank", str(c.lora.max_rank), "--max-loras", str(c.lora.max_loras)]
         return cmd + list(c.extra_args)
@@ -108,6 +115,13 @@ class VLLMLauncher(SubprocessLauncher):
         if c.lora is not None:
             # /v1/load_lora_adapter and /v1/unload_lora_adapter exist only with this.
             env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
+        # The admin token through the environment (argv is world-readable in ps):
+        # for the kernel's middleware and for vLLM's own API-key check.
+        if self.admin_token:
+            env[ADMIN_TOKEN_ENV] = self.admin_token
+            env["VLLM_API_KEY"] = self.admin_token
+        else:
+            env.pop(ADMIN_TOKEN_ENV, None)
         env["VLLM_NO_USAGE_STATS"] = "1"
         env["DO_NOT_TRACK"] = "1"
         if c.offline:

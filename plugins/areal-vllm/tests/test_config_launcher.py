@@ -78,6 +78,39 @@ def test_command_uses_the_module_entry_point_and_rl_flags(tmp_path):
     assert cmd[-2:] == ["--max-num-batched-tokens", "4096"]
 
 
+def test_a_server_placed_beyond_loopback_requires_the_admin_token(tmp_path):
+    """The kernel's token rule, decided on host strings (nothing binds them):
+    loopback stays open; a placement beyond loopback gets a generated token,
+    given to the server through its environment (never argv) with the
+    kernel's middleware on the command line, and to the client."""
+    from areal_kernel.api.scheduler import Placement
+    from areal_kernel.inference.admin_auth import ADMIN_MIDDLEWARE, ADMIN_TOKEN_ENV
+    from areal_vllm.config import VLLMServerConfig
+    from areal_vllm.launcher import VLLMLauncher
+
+    local = VLLMLauncher(VLLMServerConfig(), run_dir=str(tmp_path / "a"))
+    local.place(None, [Placement("rollout", 0, "n0", "127.0.0.1")])
+    assert local.admin_token is None and "--middleware" not in local.command("/m", 1, 0, [])
+    assert ADMIN_TOKEN_ENV not in local.environment(0, 1, []) and local.health_headers() == {}
+
+    remote = VLLMLauncher(VLLMServerConfig(), run_dir=str(tmp_path / "b"))
+    remote.place(None, [Placement("rollout", 0, "n0", "127.0.0.1"), Placement("rollout", 1, "n1", "10.1.2.3")])
+    token = remote.admin_token
+    assert token and len(token) >= 32
+    cmd = remote.command("/m", 1, 1, [])
+    assert cmd[cmd.index("--host") + 1] == "10.1.2.3" and cmd[cmd.index("--middleware") + 1] == ADMIN_MIDDLEWARE
+    assert token not in " ".join(cmd)
+    env = remote.environment(1, 2, [])
+    assert env[ADMIN_TOKEN_ENV] == token and env["VLLM_API_KEY"] == token
+    assert remote.health_headers() == {"Authorization": f"Bearer {token}"}
+    # A configured token is kept (and used on loopback too); a bind address
+    # beyond loopback in the section itself gets one as well.
+    assert VLLMLauncher(VLLMServerConfig(admin_token="mine"), run_dir=str(tmp_path / "c")).admin_token == "mine"
+    assert VLLMLauncher(VLLMServerConfig(host="0.0.0.0"), run_dir=str(tmp_path / "d")).admin_token
+    with pytest.raises(Exception, match="--api-key"):
+        VLLMServerConfig(extra_args=["--api-key", "x"])
+
+
 def test_environment_places_devices_through_the_platform(tmp_path, monkeypatch):
     """Device placement must come from the platform layer; here the CUDA
     platform object (its env mapping needs no GPU) stands in for a device platform."""

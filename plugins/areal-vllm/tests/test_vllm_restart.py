@@ -18,10 +18,12 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 
 import pytest
 
-from areal_kernel.testing.procs import live_processes
+from areal_kernel.testing.procs import ProcInfo, live_processes
 
 pytestmark = pytest.mark.slow
 
@@ -29,9 +31,27 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.a
 EXAMPLE = os.path.join(REPO, "examples", "grpo_arithmetic.yaml")
 
 
+def _vllm_api_servers(parent: int) -> list[ProcInfo]:
+    """The vLLM API-server processes of ``parent``'s servers. Each runs under
+    the kernel's parent guard, the controller's child that leads the server's
+    process group."""
+    guards = {p.pid for p in live_processes(lambda p: p.ppid == parent and p.runs("areal_kernel.inference.guard"))}
+    # The guard's direct child: vLLM's forked engine core keeps the same argv.
+    return live_processes(lambda p: p.ppid in guards and p.runs("vllm.entrypoints.openai.api_server"))
+
+
 def _vllm_servers_of(parent: int) -> list[int]:
-    """vLLM API-server processes started by ``parent`` (each leads its own process group)."""
-    return [p.pid for p in live_processes(lambda p: p.ppid == parent and p.runs("vllm.entrypoints.openai.api_server"))]
+    """The process groups (= guard pids) of the vLLM servers ``parent`` started."""
+    return sorted({p.pgid for p in _vllm_api_servers(parent)})
+
+
+def _status(url: str, token: str | None = None) -> int:
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
 
 
 def _steps(metrics: str) -> list[dict]:
@@ -39,6 +59,23 @@ def _steps(metrics: str) -> list[dict]:
         return []
     rows = [json.loads(line) for line in open(metrics) if line.strip()]
     return [r for r in rows if "perf/step_s" in r]
+
+
+TOKEN = "vllm-admin-t0ken"
+
+
+def _assert_routes_need_the_token(controller: int) -> None:
+    """Every route but /health needs the token: vLLM's RL control routes
+    (kernel middleware) as well as its /v1 API; the token is not on argv."""
+    (api,) = _vllm_api_servers(controller)
+    assert api.arg_after("--middleware") == "areal_kernel.inference.admin_auth.AdminTokenMiddleware"
+    assert not any(TOKEN in a for a in api.argv)
+    base = f"http://{api.arg_after('--host')}:{api.arg_after('--port')}"
+    assert _status(f"{base}/health") == 200
+    for path in ("/is_paused", "/weight_info", "/v1/models"):
+        assert _status(f"{base}{path}") == 401, path
+        assert _status(f"{base}{path}", "wrong") == 401, path
+    assert _status(f"{base}/is_paused", TOKEN) == 200
 
 
 def test_killed_vllm_server_is_restarted_with_the_current_weights(tmp_path):
@@ -50,6 +87,9 @@ def test_killed_vllm_server_is_restarted_with_the_current_weights(tmp_path):
         "rollout.backend=vllm", "rollout.vllm.startup_timeout_s=600", "weight_update.mode=disk",
         "rollout.max_server_restarts=1", "checkpoint.save_every=1", "trainer.max_steps=40",
         "trainer.batch_size=2", "trainer.eval_size=0", "algorithm.dynamic_filter=false", "logging.sinks=[jsonl]",
+        # A configured admin token (on loopback none is generated): the whole run,
+        # restart and weight replay included, goes through the kernel's middleware.
+        f"rollout.vllm.admin_token={TOKEN}",
     ]  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS="1")
     log_path = tmp_path / "train.log"
@@ -76,6 +116,7 @@ def test_killed_vllm_server_is_restarted_with_the_current_weights(tmp_path):
 
     try:
         wait(lambda: len(_steps(metrics)) >= 2, "two training steps")
+        _assert_routes_need_the_token(proc.pid)
         first_pid, killed_after = kill_server()
         wait(lambda: "inference server restarted" in plain(), "the restart")
         wait(lambda: len(_steps(metrics)) >= killed_after + 2, "two steps after the restart")
