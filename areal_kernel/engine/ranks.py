@@ -33,6 +33,7 @@ import multiprocessing.connection as mpc
 import os
 import pickle
 import secrets
+import signal
 import sys
 import tempfile
 import threading
@@ -264,7 +265,7 @@ def _watch_parent(parent_pid: int, name: str) -> None:
     while True:
         if os.getppid() != parent_pid:
             print(f"{name} rank: controller process is gone; exiting", file=sys.stderr, flush=True)
-            os._exit(3)
+            _exit_now(3)
         time.sleep(0.5)
 
 
@@ -362,7 +363,40 @@ def rank_main(make_engine: Callable[..., Any], name: str, argv: list[str] | None
 _TEARDOWN_S = 30.0
 
 
+def _descendants(pid: int) -> list[int]:
+    """Every live process below ``pid`` (children first), read from /proc;
+    empty where there is no /proc."""
+    children: dict[int, list[int]] = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return []
+    for d in entries:
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        children.setdefault(int(stat[stat.rfind(")") + 2 :].split()[1]), []).append(int(d))
+    out: list[int] = []
+    stack = [pid]
+    while stack:
+        for c in children.get(stack.pop(), []):
+            out.append(c)
+            stack.append(c)
+    return out
+
+
 def _exit_now(code: int) -> None:
+    # Processes the engine's libraries started (megatron-core's checkpoint
+    # workers, for one) would outlive the rank as orphans: they go with it.
+    for pid in _descendants(os.getpid()):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()

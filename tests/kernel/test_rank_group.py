@@ -16,9 +16,12 @@ import pytest
 from areal_kernel.config.models import ExperimentConfig
 from areal_kernel.engine.ranks import RankGroup
 from areal_kernel.scheduling.local import LocalScheduler
+from areal_kernel.testing.procs import wait_gone
 
 RANK_MODULE = '''
 import atexit
+import subprocess
+import sys
 import threading
 import time
 
@@ -26,12 +29,17 @@ from areal_kernel.engine.ranks import rank_main
 
 
 class Sticky:
-    """Leaves a non-daemon thread and a blocking exit handler behind."""
+    """Leaves a non-daemon thread, a blocking exit handler and a child
+    process (as a library's worker would be) behind."""
 
     def __init__(self, rank, world_size, tag):
         self.rank, self.world_size, self.tag = rank, world_size, tag
         threading.Thread(target=time.sleep, args=(10**6,), daemon=False).start()
         atexit.register(time.sleep, 10**6)
+        self.child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(10**6)"])
+
+    def child_pid(self):
+        return self.child.pid
 
     def whoami(self):
         import torch
@@ -55,21 +63,27 @@ if __name__ == "__main__":
 def group(tmp_path):
     (tmp_path / "sticky_rank.py").write_text(textwrap.dedent(RANK_MODULE))
     cfg = ExperimentConfig.model_validate({"actor": {"backend": "torch:d2"}})
+    # Not the group's own scheduler: its stop() would end the ranks' process
+    # groups, children included, and hide whether a rank ends its own.
+    sched = LocalScheduler(cfg)
     g = RankGroup(
-        "sticky", "sticky_rank", 2, LocalScheduler(cfg), str(tmp_path / "logs"),
-        owns_scheduler=True, startup_timeout_s=120, pythonpath=[str(tmp_path)],
-    )  # fmt: skip
+        "sticky", "sticky_rank", 2, sched, str(tmp_path / "logs"), startup_timeout_s=120, pythonpath=[str(tmp_path)]
+    )
     yield g
     g.stop()
+    sched.stop()
 
 
 def test_ranks_run_commands_and_exit_by_themselves_despite_what_the_engine_left(group):
     group.start()
     group.call("create", [{"tag": "a"}, {"tag": "b"}])
     assert group.call("whoami") == [("a", 0, 2, 3.0), ("b", 1, 2, 3.0)]
+    children = group.call("child_pid")
     procs = list(group.procs)
     group.shutdown(timeout_s=60)
     # 0 is the rank's own exit; a rank the group had to kill reports -9.
     codes = [p.poll() for p in procs]
     logs = {r: open(os.path.join(group.log_dir, f"rank-{r}.log")).read()[-2000:] for r in range(2)}
     assert codes == [0, 0], (codes, logs)
+    # The ranks' own child processes went with them.
+    assert [pid for pid in children if not wait_gone(pid, 10)] == []
