@@ -25,6 +25,8 @@ PY=${PYTHON:-python3}
 WHEELS=${GPU_CHECK_WHEELS:-.gpu-wheels}
 SITE=${GPU_CHECK_SITE:-/tmp/areal-gpu-site}
 export GPU_CHECK_LOG_DIR=${GPU_CHECK_LOG_DIR:-/tmp/areal-gpu-check}
+# Every model is built from a config or read from a local directory: never ask the hub.
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 
 fail() {
     echo "gpu_check: FAIL: $*" >&2
