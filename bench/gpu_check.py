@@ -735,10 +735,6 @@ def orchestrate(args: argparse.Namespace) -> int:
             print(f"gpu_check: unknown section(s) {unknown}; sections: {[s.name for s in SECTIONS]}", file=sys.stderr)
             return 2
         chosen = [s for s in SECTIONS if s.name in want]
-    os.makedirs(args.work, exist_ok=True)
-    os.makedirs(args.log_dir, exist_ok=True)
-    log_path = os.path.join(args.log_dir, "gpu_check.log")
-
     # No device, no run: one line, before anything heavy is imported.
     os.environ["AREAL_PLATFORM"] = args.device
     try:
@@ -753,6 +749,9 @@ def orchestrate(args: argparse.Namespace) -> int:
         args.timeout_scale = 1.0 if args.device != "cpu" else 3.0
     if args.budget_s is None:
         args.budget_s = 440.0 if args.device != "cpu" else 7200.0
+    os.makedirs(args.work, exist_ok=True)
+    os.makedirs(args.log_dir, exist_ok=True)
+    log_path = os.path.join(args.log_dir, "gpu_check.log")
     t_start = time.monotonic()
     results: list[Result] = []
     with open(log_path, "a") as log:
