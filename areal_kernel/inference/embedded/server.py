@@ -4,7 +4,7 @@ Routes (JSON; errors are ``{"error": msg}`` with 400 for bad input naming the
 field, 401 for a missing/wrong admin token, 503 while loading, 500 otherwise):
 
 - ``GET /health`` -> ``{"status": "ok"}``
-- ``GET /info`` -> ``{"model", "weight_version", "paused", "running", "queued", ...}``
+- ``GET /info`` -> ``{"model", "weight_version", "paused", "running", "queued", "device", ...}``
 - ``POST /generate {"rid", "input_ids", "sampling_params"}`` ->
   ``{"rid", "output_ids", "output_logprobs", "finish_reason", "weight_version", "matched_stop"}``
   (``sampling_params.stop``: strings that end the generation after the token
@@ -252,6 +252,8 @@ def build_app(state: ServerState) -> Any:
                 "queued": e.n_queued,
                 "tokens_generated": e.tokens_generated,
                 "dtype": state.args.dtype,
+                # Where the weights live (e.g. "cuda:0"): how a check tells a GPU server from a CPU one.
+                "device": str(next(state.model.parameters()).device),
                 "max_batch_size": state.args.max_batch_size,
                 "adapters": dict(e.lora.versions),
             }

@@ -279,6 +279,13 @@ class MegatronRankEngine:
             ps.destroy_model_parallel()
         ps.initialize_model_parallel(tensor_model_parallel_size=self.tp, pipeline_model_parallel_size=self.pp)
         plat.manual_seed(cfg.seed)
+        # Megatron's attention forks its tensor-parallel RNG state around
+        # dropout (even at p=0) and raises unless that state was added: on a
+        # device this call adds it; on host memory cpu_redirect made it a plain
+        # torch.manual_seed (looked up through the module so the redirect applies).
+        from megatron.core.tensor_parallel import random as mcore_random
+
+        mcore_random.model_parallel_cuda_manual_seed(cfg.seed)
         dtype = torch_dtype(cfg.param_dtype)
         tcfg = TransformerConfig(
             num_layers=arch.layers, hidden_size=arch.hidden, num_attention_heads=arch.heads,
