@@ -60,6 +60,7 @@ def unit_of(nodeid: str) -> str:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    _check_hardware_marks(items)
     big = [i for i in items if unit_of(i.nodeid) == BIG_MEMORY_UNIT]
     if big:
         chosen = set(map(id, big))
@@ -93,19 +94,16 @@ def pytest_configure(config: pytest.Config) -> None:
     )
 
 
-def _hardware_reason(item: pytest.Item) -> str | None:
-    """The marker's kinds and reason, or None when the test has no valid one."""
-    marks = list(item.iter_markers("needs_hardware"))
-    if not marks:
-        return None
-    for mark in marks:
-        kinds = set(mark.args)
-        if not kinds or not kinds <= HARDWARE or not mark.kwargs.get("reason"):
-            raise pytest.UsageError(
-                f"{item.nodeid}: needs_hardware takes one or more of {sorted(HARDWARE)} and a reason=..., "
-                f"got args={mark.args!r} kwargs={mark.kwargs!r}"
-            )
-    return "; ".join(f"{'/'.join(m.args)}: {m.kwargs['reason']}" for m in marks)
+def _check_hardware_marks(items: list[pytest.Item]) -> None:
+    """Every needs_hardware marker names known kinds and a reason."""
+    for item in items:
+        for mark in item.iter_markers("needs_hardware"):
+            kinds = set(mark.args)
+            if not kinds or not kinds <= HARDWARE or not mark.kwargs.get("reason"):
+                raise pytest.UsageError(
+                    f"{item.nodeid}: needs_hardware takes one or more of {sorted(HARDWARE)} and a reason=..., "
+                    f"got args={mark.args!r} kwargs={mark.kwargs!r}"
+                )
 
 
 def _skip_reason(report: pytest.TestReport | pytest.CollectReport) -> str:
@@ -121,7 +119,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     report: pytest.TestReport = outcome.get_result()
     if not (_ci() and report.skipped) or hasattr(report, "wasxfail"):
         return
-    if _hardware_reason(item) is not None:
+    if item.get_closest_marker("needs_hardware") is not None:
         return
     report.outcome = "failed"
     report.longrepr = (
