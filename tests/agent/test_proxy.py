@@ -4,10 +4,10 @@ template): what the client receives and what a session exports are exactly
 what the inference engine generated."""
 from __future__ import annotations
 
+import openai  # a test dependency (requirements-test.txt): missing is an error, not a skip
 import pytest
 from agent_helpers import http
 
-openai = pytest.importorskip("openai")
 
 
 def client(proxy, key):

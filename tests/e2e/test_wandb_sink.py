@@ -7,11 +7,11 @@ import json
 import os
 
 import pytest
+import wandb  # noqa: F401  a test dependency (requirements-test.txt): missing is an error, not a skip
 from e2e_paths import EXAMPLE
 
 from areal_kernel.testing.readback import wandb_history
 
-pytest.importorskip("wandb")
 
 
 def test_wandb_offline_run_holds_the_logged_metrics(run_areal, tiny_chat_model, tmp_path):

@@ -153,3 +153,34 @@ def test_abstract_scheduler_methods_are_the_documented_ones():
 
     # The table "What a scheduler writes" lists exactly these; adding one is a contract change.
     assert Scheduler.__abstractmethods__ == {"plan", "spawn", "free_port", "release"}
+
+
+README = DOC.parents[1] / "README.md"
+
+
+def _support_rows() -> list[list[str]]:
+    text = README.read_text(encoding="utf-8")
+    table = text[text.index("## Support table") : text.index("\nStand-ins:")]
+    rows = [line for line in table.splitlines() if line.startswith("| ")]
+    assert rows[0].startswith("| part |"), rows[0]
+    return [[c.strip() for c in line.strip("|").split(" | ")] for line in rows[1:]]
+
+
+def test_support_table_names_existing_test_files_for_every_row():
+    """Each row's "how it is tested" cell names the test files behind it (or
+    says "not run"), and every path the table names exists."""
+    import re
+
+    repo = README.parent
+    rows = _support_rows()
+    assert len(rows) >= 30
+    missing, untested = [], []
+    for part, _status, how in rows:
+        assert how, part
+        paths = re.findall(r"`((?:tests|plugins|bench|examples|docs)/[^`\s]+)`", how)
+        missing += [p for p in paths if not (repo / p).exists()]
+        named = [p for p in paths if re.search(r"(^|/)tests/(.*/)?test_[^/]+\.py$", p)]
+        if not named and how != "not run":
+            untested.append(part[:60])
+    assert missing == [], f"README support table names paths that do not exist: {missing}"
+    assert untested == [], f"README support table rows that name no test file (nor say 'not run'): {untested}"

@@ -17,10 +17,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+import openai  # noqa: F401  the example agent the workers run uses it (requirements-test.txt)
 import pytest
 from areal_kernel.testing.procs import live_processes, wait_gone
 
-pytest.importorskip("openai")
 AGENT = "examples/agent_openai.py:ArithmeticAgent"
 
 

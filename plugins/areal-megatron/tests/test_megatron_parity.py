@@ -19,6 +19,7 @@ export (streamed from both pipeline stages) against the torch engine's."""
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
 from megatron_helpers import CFG, LOSS, SMOL_CFG, TOL, check_against_torch, max_diff, run_steps
@@ -40,6 +41,7 @@ def smollm2_dir():
 def results(rank_pool, tiny_model_dir, smollm2_dir, tmp_path_factory):
     """Every layout trained once; the torch references too."""
     out = {}
+    scratch: list[str] = []
     for alloc, model_dir, vocab in (("megatron:t2", tiny_model_dir, 256), ("megatron:p2", smollm2_dir, 49152),
                                      ("megatron:d2", smollm2_dir, 49152)):  # fmt: skip
         ref_key = model_dir
@@ -52,14 +54,19 @@ def results(rank_pool, tiny_model_dir, smollm2_dir, tmp_path_factory):
         out[alloc] = (run_steps(eng, vocab), eng.full_weights())
         extra = {}
         if alloc == "megatron:t2":
-            extra["ckpt"] = _checkpoint_round_trip(eng, str(tmp_path_factory.mktemp("ckpt")))
+            scratch.append(str(tmp_path_factory.mktemp("ckpt")))
+            extra["ckpt"] = _checkpoint_round_trip(eng, scratch[-1])
         if alloc == "megatron:p2":
             d = str(tmp_path_factory.mktemp("export"))
+            scratch.append(d)
             eng.save_hf(os.path.join(d, "meg"), max_shard_bytes=64 << 20)
             out[ref_key][2].save_hf(os.path.join(d, "ref"))
             extra["export"] = d
         out[alloc] += (extra,)
     yield out
+    # Two SmolLM2 exports and a checkpoint (~1.1 GB): gone with the module, not at the session's end.
+    for d in scratch:
+        shutil.rmtree(d, ignore_errors=True)
 
 
 def _checkpoint_round_trip(eng, d):

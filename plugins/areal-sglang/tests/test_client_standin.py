@@ -237,3 +237,30 @@ def test_supervisor_restarts_a_killed_server_with_the_current_weights(model_dir,
     finally:
         sup.stop()
         engine.destroy()
+
+
+def test_a_request_with_images_fails_with_a_clear_error(model_dir, launch_standins):
+    """SGLang's protocol here has no ``add_images`` (README: vision-language
+    on SGLang is not supported): a request with images is refused by the
+    client before anything is sent, naming the protocol, and the engine
+    serves the next text request as usual."""
+    from areal_kernel.api.io import ImageInputs
+
+    _, (info,) = launch_standins(model_dir)
+    engine = SGLangInferenceEngine([info.address], retries=0)
+    # Any non-empty file: the refusal comes before an image is ever read.
+    req = ModelRequest([1, 2, 3], GenerationConfig(max_new_tokens=4, greedy=True), images=ImageInputs((b"\x89PNG",)))
+
+    async def go():
+        try:
+            return await engine.agenerate(req)
+        finally:
+            await engine.aclose(current_loop_only=True)
+
+    with pytest.raises(
+        NotImplementedError, match=r"SGLangProtocol does not take images .*serve vision-language models"
+    ):
+        asyncio.run(go())
+    (r,) = gen(engine, [[1, 2, 3]], max_new_tokens=4, greedy=True)
+    assert r.output_len == 4 and engine.stats["failovers"] == 0
+    engine.destroy()
