@@ -22,7 +22,12 @@ def _quiet() -> None:
 
 # Words and signs after which a completion states its result ("3 + 4 = 7",
 # "The answer is 7", "The answer would be 7", "Answer: 7", "3 plus 4 equals 7").
-_MARKER = re.compile(r"=|:|\b(?:is|are|be|equals|equal to|gives|makes|get|gets)\b", re.IGNORECASE)
+# An adverb may sit between the word and the result ("3 + 1 is actually 4").
+_MARKER = re.compile(
+    r"(?:=|:|\b(?:is|are|be|equals|equal to|gives|makes|get|gets)\b)"
+    r"(?:\s+(?:actually|simply|just|exactly|clearly|then|therefore|now)\b)?",
+    re.IGNORECASE,
+)
 # The end of a clause: a newline, the end of the text, or sentence/clause
 # punctuation followed by a space or the end ("8.5" does not end at its dot).
 _CLAUSE_END = re.compile(r"\n|[.!?,;:](?=\s|$)|$")
@@ -56,8 +61,9 @@ def final_answer(completion: str) -> str | None:
        returned: math-verify reads the boxed answer first).
     2. Else the last explicit result: the math that follows a marker
        (``=``, ``:``, ``is``, ``are``, ``be``, ``equals``, ``equal to``,
-       ``gives``, ``makes``, ``get(s)``) up to the end of its clause, when that is math
-       alone (``"3 + 4 = 7"``, ``"The answer is 7."``, ``"Answer: $7$"``).
+       ``gives``, ``makes``, ``get(s)``, maybe with an adverb such as
+       ``actually``) up to the end of its clause, when that is math alone
+       (``"3 + 4 = 7"``, ``"The answer is 7."``, ``"Answer: $7$"``).
     3. Else the completion's last line, when it is math alone (``"7"``,
        ``"$7$"``, ``"**7**"``, ``"3+4"``).
 

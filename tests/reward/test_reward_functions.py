@@ -112,6 +112,8 @@ STATED = [
     ("The answer is 11.", "11"),
     ("3 + 0 = 3\n\nIn the context", "3"),  # cut off after the answer
     ("The answer would be 3.", "3"),
+    ("3 + 1 is actually 4, which we do", "4"),
+    ("8 + 7 is 15, where 1", "15"),  # the last number is not the answer
     ('"2 + 5 = 7."', "7"),
     ("7", "7"),
     ("The sum of 3 and 4 is 7.", "7"),
