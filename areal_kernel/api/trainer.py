@@ -13,7 +13,9 @@ registered the same way, in ``areal_kernel.builtin``). ``areal train``:
    ``result`` to ``<run_dir>/result.json`` and exits with code 0;
 4. always calls ``trainer.close(status)`` last, with ``status``
    ``"completed"``, ``"failed"`` or ``"interrupted"`` (SIGTERM and Ctrl-C
-   arrive as ``KeyboardInterrupt``).
+   arrive as ``KeyboardInterrupt``; inside ``INTERRUPT.armed()`` of
+   ``areal_kernel.trainer.common`` the first one only sets
+   ``INTERRUPT.requested``, for the trainer to stop at a step boundary).
 
 An ``ArealError`` raised by the trainer is the user's mistake: one line
 ``areal: error: ...`` and exit code 2. Any other exception is reported as a

@@ -365,7 +365,18 @@ class CheckpointConfig(StrictModel):
         10,
         ge=0,
         description="Write a recovery checkpoint (model, optimizer, RNG, data position, rollout state) every N "
-        "steps under <run_dir>/recover (0: never; the run then cannot resume).",
+        "steps under <run_dir>/recover (0: never periodically; see on_interrupt).",
+    )
+    on_interrupt: bool = Field(
+        True,
+        description="On the first SIGINT (Ctrl-C) or SIGTERM, finish the current step and write a recovery "
+        "checkpoint before exiting, so that the same command resumes from that step (a second signal exits at once).",
+    )
+    interrupt_timeout_s: float = Field(
+        120.0,
+        gt=0,
+        description="At most this long for the checkpoint written on an interrupt (running rollouts finish first, "
+        "then the engine writes its state); past it the run exits without it.",
     )
 
 

@@ -182,13 +182,33 @@ class RolloutExecutor:
             trajs = [Trajectory.from_state(t, state.get("images", {}), cache) for t in g["trajectories"]]
             self._out.put((int(item["seq"]), TrajectoryGroup(trajs, g.get("group_id", ""), g.get("sample_uid", ""))))
 
-    def get_batch(self, n: int, timeout: float | None = None) -> list[TrajectoryGroup]:
+    def get_batch(
+        self, n: int, timeout: float | None = None, stop: threading.Event | None = None
+    ) -> list[TrajectoryGroup]:
         """Block until ``n`` groups are ready (first finished first, returned in
         admission order). Raises if episodes keep failing or the data ran out
-        before ``n`` groups."""
+        before ``n`` groups. Returns ``[]`` once ``stop`` is set (an
+        interrupted run); however it returns early, the groups it had taken
+        go back to the front of the queue, so ``state_dict`` still holds them."""
         groups: list[tuple[int, TrajectoryGroup]] = []
+        try:
+            got = self._collect(groups, n, timeout, stop)
+        finally:
+            if len(groups) < n and groups:
+                with self._out.mutex:
+                    self._out.queue.extendleft(reversed(groups))
+        if not got:
+            return []
+        self._rejected_since_batch = 0
+        return [g for _, g in sorted(groups, key=lambda x: x[0])]
+
+    def _collect(
+        self, groups: list[tuple[int, TrajectoryGroup]], n: int, timeout: float | None, stop: threading.Event | None
+    ) -> bool:
         deadline = None if timeout is None else time.monotonic() + timeout
         while len(groups) < n:
+            if stop is not None and stop.is_set():
+                return False
             if self._error is not None:
                 raise self._error
             if self.exhausted:
@@ -213,8 +233,7 @@ class RolloutExecutor:
                     self.budget.release()
                 continue
             groups.append((seq, g))
-        self._rejected_since_batch = 0
-        return [g for _, g in sorted(groups, key=lambda x: x[0])]
+        return True
 
     def _too_stale(self, group: TrajectoryGroup) -> bool:
         return any(t.staleness(self._version) > self.budget.max_staleness for t in group.trajectories)

@@ -11,11 +11,14 @@ alone (tests/kernel/test_trainer_imports.py).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import random
-from typing import Any, Callable
+import signal
+import threading
+from typing import Any, Callable, Iterator
 
 import yaml
 
@@ -120,22 +123,74 @@ def uses_rollout(cfg: ExperimentConfig) -> bool:
     return ROLLOUT_CAPABILITY in spec.capabilities
 
 
-def raise_on_sigterm() -> None:
-    """Turn SIGTERM into ``KeyboardInterrupt`` so servers and workers are stopped."""
-    import signal
-    import threading
+class GracefulInterrupt:
+    """SIGINT (Ctrl-C) and SIGTERM in the controller of ``areal train``.
 
-    if threading.current_thread() is not threading.main_thread():
-        return
+    Outside ``armed()`` a signal raises ``KeyboardInterrupt`` at once (set-up
+    and the final phase: there is nothing to save, so the run just stops).
+    While armed (a trainer's step loop), the first signal only sets
+    ``requested``: the trainer stops at its next step boundary and writes a
+    recovery checkpoint (a step cut in half could not be resumed exactly).
+    A second signal, or ``expire()`` from a watchdog when that checkpoint
+    takes too long, raises ``KeyboardInterrupt`` wherever the main thread is;
+    checkpoints are written atomically, so that leaves the last complete one
+    as it was.
+    """
 
-    def handler(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt(f"signal {signum}")
+    def __init__(self) -> None:
+        self.requested = threading.Event()
+        self.signal_name = ""
+        self.expired = False
+        self._armed = False
 
-    signal.signal(signal.SIGTERM, handler)
+    def install(self) -> None:
+        """Handle SIGINT and SIGTERM (main thread only). Also when SIGINT
+        was inherited ignored, as a non-interactive shell does for a background
+        job: ``kill -INT`` must still stop the run (as for ``areal inf``)."""
+        self.requested.clear()
+        self.signal_name, self.expired = "", False
+        if threading.current_thread() is not threading.main_thread():
+            return
+        signal.signal(signal.SIGINT, self._handle)
+        signal.signal(signal.SIGTERM, self._handle)
+
+    @contextlib.contextmanager
+    def armed(self) -> Iterator[None]:
+        self._armed = True
+        try:
+            yield
+        finally:
+            self._armed = False
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        name = signal.Signals(signum).name
+        if self._armed and not self.requested.is_set():
+            self.signal_name = name
+            self.requested.set()
+            # os.write, not print: the main thread may be inside a print of its own.
+            again = "Ctrl-C" if signum == signal.SIGINT else name
+            os.write(
+                2,
+                f"\nareal: {name} received: the run stops after the current step and writes a recovery checkpoint "
+                f"({again} again to exit at once)\n".encode(),
+            )
+            return
+        raise KeyboardInterrupt(f"signal {name}")
+
+    def expire(self) -> None:
+        """From another thread: end a checkpoint that is taking too long, as a second signal would."""
+        self.expired = True
+        ident = threading.main_thread().ident
+        if ident is not None:
+            signal.pthread_kill(ident, signal.SIGTERM)
+
+
+# The controller's one handler (installed by run_trainer, armed by a trainer's step loop).
+INTERRUPT = GracefulInterrupt()
 
 
 def run_trainer(factory: Callable[[TrainerContext], Trainer], context: TrainerContext) -> int:
-    """Set up logging and SIGTERM handling, build ``factory(context)``, run
+    """Set up logging and SIGINT/SIGTERM handling (``INTERRUPT``), build ``factory(context)``, run
     its ``setup`` and ``train``, write ``result.json``, and always ``close``
     it with the final status (the contract in ``areal_kernel.api.trainer``).
     Returns the exit code (0)."""
@@ -143,7 +198,7 @@ def run_trainer(factory: Callable[[TrainerContext], Trainer], context: TrainerCo
 
     cfg = context.config
     setup_logging(level=cfg.logging.level, json_logs=cfg.logging.json_logs)
-    raise_on_sigterm()
+    INTERRUPT.install()
     # A plain exception from plugin code (a trainer, a dataset, a sink, a hook,
     # ...) ends as one line naming the plugin; its traceback goes to <run_dir>/error.log.
     with plugin_failures_reported(context.run_dir):

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from dataclasses import dataclass
 from typing import Any
 
 from areal_kernel.checkpoint import Checkpoint, CheckpointManager
@@ -90,9 +91,20 @@ def read_state(ckpt: Checkpoint) -> dict[str, Any]:
     return state
 
 
-def plan_start(cfg: Any, run_dir: str) -> tuple[Checkpoint, dict[str, Any]] | None:
-    """The checkpoint to resume from and its trainer state, or ``None`` to
-    start at step 0. Refuses (``ConfigError``) rather than overwrite an
+@dataclass(frozen=True)
+class StartPlan:
+    """Where a run starts: ``checkpoint`` and its trainer ``state`` when it
+    resumes, else ``None`` and ``reason``, the sentence saying why it starts
+    at step 0 (printed for the user)."""
+
+    checkpoint: Checkpoint | None
+    state: dict[str, Any] | None
+    reason: str
+
+
+def plan_start(cfg: Any, run_dir: str) -> StartPlan:
+    """Resume from the newest complete recovery checkpoint, or start at step 0
+    (and say why). Refuses (``ConfigError``) rather than overwrite an
     unfinished run's checkpoints or resume one with a different config."""
     mgr = recovery_manager(run_dir, cfg.checkpoint.keep_last)
     gone = mgr.discard_partials()
@@ -100,14 +112,27 @@ def plan_start(cfg: Any, run_dir: str) -> tuple[Checkpoint, dict[str, Any]] | No
         log.info("removed partial recovery checkpoints of a killed save", paths=gone)
     latest = mgr.latest()
     if latest is None:
-        return None
+        earlier = any(os.path.exists(os.path.join(run_dir, n)) for n in ("metrics.jsonl", SAMPLES_FILE, "config.yaml"))
+        if not earlier:
+            return StartPlan(None, None, f"a new run in {run_dir}")
+        if cfg.recover == "off":
+            return StartPlan(None, None, f"recover: off ({run_dir} holds no recovery checkpoint either)")
+        return StartPlan(
+            None,
+            None,
+            f"no recovery checkpoint in {mgr.root} (the earlier run in {run_dir} stopped before writing one"
+            + (", and wrote it only partly" if gone else "")
+            + ")",
+        )
     finished = os.path.isfile(os.path.join(run_dir, "result.json"))
     if finished:
         # The run that wrote these completed (its HF checkpoint is the result):
         # its recovery checkpoints cannot be resumed and would confuse a new run.
         log.info("run_dir holds a completed run; starting a new one", run_dir=run_dir, removed=mgr.root)
         shutil.rmtree(mgr.root, ignore_errors=True)
-        return None
+        return StartPlan(
+            None, None, f"{run_dir} holds a completed run (result.json); its recovery checkpoints were removed"
+        )
     if cfg.recover == "off":
         raise ConfigError(
             f"recover: off, but {run_dir} holds an unfinished run (recovery checkpoint {latest.path}); starting over "
@@ -121,7 +146,20 @@ def plan_start(cfg: Any, run_dir: str) -> tuple[Checkpoint, dict[str, Any]] | No
             f"cannot resume {latest.path}: the config differs from the interrupted run's in {shown}. "
             f"Restore those fields to resume, or start a new run in another run_dir (or with recover=off after deleting {mgr.root})"
         )
-    return latest, state
+    return StartPlan(latest, state, f"resuming from step {latest.step} (recovery checkpoint {latest.path})")
+
+
+def set_aside_logs(run_dir: str, names: tuple[str, ...]) -> list[str]:
+    """A run starting at step 0 in a run_dir that holds an earlier run's logs:
+    rename each ``name`` to ``name.prev`` (replacing an older ``.prev``), so
+    the two runs' lines do not mix. Returns the names moved."""
+    moved = []
+    for name in names:
+        path = os.path.join(run_dir, name)
+        if os.path.exists(path):
+            os.replace(path, path + ".prev")
+            moved.append(name)
+    return moved
 
 
 def truncate_jsonl(path: str, max_step: int) -> int:

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
-from typing import Any
+from typing import Any, NoReturn
 
 from areal_kernel.api.engine import TrainEngine
 from areal_kernel.api.io import FinetuneSpec, TrajectoryBatch
@@ -20,7 +21,14 @@ from areal_kernel.errors import ArealError, ConfigError
 from areal_kernel.logging import get_logger
 from areal_kernel.plugins import get_plugin_manager, get_registry
 from areal_kernel.rollout.executor import RolloutExecutor, staleness_histogram, zero_variance
-from areal_kernel.trainer.common import SETUP_FIRST, RecordStream, make_sinks, save_hf_checkpoint, write_run_config
+from areal_kernel.trainer.common import (
+    INTERRUPT,
+    SETUP_FIRST,
+    RecordStream,
+    make_sinks,
+    save_hf_checkpoint,
+    write_run_config,
+)
 from areal_kernel.trainer.components import (
     Rollout,
     build_train_engine,
@@ -38,6 +46,7 @@ from areal_kernel.trainer.recovery import (
     SamplesLog,
     plan_start,
     recovery_manager,
+    set_aside_logs,
     truncate_jsonl,
 )
 
@@ -129,21 +138,29 @@ class RLTrainer(Trainer):
         self.model_dir = resolve_model_dir(cfg)
         self.tokenizer = load_tokenizer(self.model_dir)
         self.train_records, self.eval_records = load_data(cfg, workflow_required_fields(cfg))
-        planned = plan_start(cfg, self.run_dir)
-        if planned is not None:
-            self.resume_from = planned[0]
+        plan = plan_start(cfg, self.run_dir)
+        # Whether it resumes (and from where) or starts over (and why), and
+        # what happened to the earlier run's logs: said on every start.
+        if plan.checkpoint is not None:
+            self.resume_from = plan.checkpoint
             # Steps after the checkpoint are redone: their log lines go.
             k = self.resume_from.step
-            for name in ("metrics.jsonl", SAMPLES_FILE):
-                truncate_jsonl(os.path.join(self.run_dir, name), k)
+            dropped = {
+                name: truncate_jsonl(os.path.join(self.run_dir, name), k) for name in ("metrics.jsonl", SAMPLES_FILE)
+            }
             log.info("resuming from a recovery checkpoint", path=self.resume_from.path, step=k)
-            print(f"resuming from {self.resume_from.path} (step {k})", flush=True)
+            note = (
+                f"; lines of the {dropped[SAMPLES_FILE]} later step(s), which are redone now, "
+                "dropped from metrics.jsonl and samples.jsonl"
+                if any(dropped.values())
+                else "; metrics.jsonl continues"
+            )
+            print(plan.reason + note, flush=True)
         else:
-            for name in ("metrics.jsonl", SAMPLES_FILE, "result.json"):
-                # A new run: an earlier completed run's logs would mix with ours.
-                path = os.path.join(self.run_dir, name)
-                if os.path.exists(path):
-                    os.replace(path, path + ".prev")
+            # A new run: an earlier run's logs would mix with ours.
+            moved = set_aside_logs(self.run_dir, ("metrics.jsonl", SAMPLES_FILE, "result.json"))
+            note = f"; metrics of the earlier run kept in {', '.join(n + '.prev' for n in moved)}" if moved else ""
+            print(f"starting at step 0: {plan.reason}{note}", flush=True)
         write_run_config(cfg, self.run_dir)
         self.ft = FinetuneSpec(
             total_train_epochs=cfg.trainer.total_train_epochs,
@@ -194,7 +211,7 @@ class RLTrainer(Trainer):
             # Requests name the adapter this run trains; the servers serve it
             # beside the base weights from the first update on.
             self.rollout.engine.default_adapter = adapter.name
-            if planned is None:
+            if plan.checkpoint is None:
                 # Version 0 of the adapter (peft starts it as a no-op): the servers must know its name.
                 self.transport.update(self.version)
             log.info("training a LoRA adapter", adapter=adapter.name, rank=adapter.config.get("r"))
@@ -212,8 +229,9 @@ class RLTrainer(Trainer):
             keep=_keep_group(self.rl_cfg) if a.dynamic_filter else None,
             retry_budget=a.filter_retry_budget,
         )
-        if planned is not None:
-            self._restore(*planned)
+        if plan.checkpoint is not None:
+            assert plan.state is not None
+            self._restore(plan.checkpoint, plan.state)
         self.samples_log = SamplesLog(self.run_dir)
 
     # -- recovery ---------------------------------------------------------------
@@ -321,11 +339,8 @@ class RLTrainer(Trainer):
 
     # -- the loop ---------------------------------------------------------------
     def train(self) -> dict[str, Any]:
-        from areal_kernel.algo.rl import rl_train_step
-
         assert self.train_engine is not None and self.rollout is not None, SETUP_FIRST
         assert self.executor is not None and self.samples_log is not None, SETUP_FIRST
-        cfg = self.cfg
         eval_on = bool(self.eval_records)
         if self.before_eval is None:
             self.before_eval = self.evaluate()
@@ -342,11 +357,55 @@ class RLTrainer(Trainer):
         total = self.ft.total_train_steps
         self.executor.start()
         t_run = time.monotonic()
+        with INTERRUPT.armed():
+            self._train_steps(total, eval_on, t_run)
+            if INTERRUPT.requested.is_set():  # during the last step: the user still asked to stop
+                self._stop_for_interrupt()
+        self.executor.stop()
+        after = self.evaluate()
+        if eval_on:
+            self.log_metrics(total, self._eval_metrics(after))
+        final = self.save_hf("final")
+        elapsed = time.monotonic() - t_run
+        run = f"{total} steps, {self.trained_samples} samples, {elapsed:.0f}s training"
+        if eval_on:
+            print(
+                f"held-out greedy accuracy: before {before['eval/accuracy']:.3f} -> after {after['eval/accuracy']:.3f} "
+                f"(n={after['eval/n']}; mean reward {before.get('eval/reward', float('nan')):.3f} -> "
+                f"{after['eval/reward']:.3f}; {run})",
+                flush=True,
+            )
+        else:
+            print(f"training done, held-out evaluation was off ({run})", flush=True)
+        print(f"final HF checkpoint: {final}", flush=True)
+        return {
+            "before": before["eval/accuracy"],
+            "after": after["eval/accuracy"],
+            "reward_before": before.get("eval/reward"),
+            "reward_after": after.get("eval/reward"),
+            "steps": total,
+            "train_seconds": elapsed,
+            "samples": self.trained_samples,
+            "checkpoint": final,
+            "resumed_from_step": self.resume_from.step if self.resume_from is not None else None,
+        }
+
+    def _train_steps(self, total: int, eval_on: bool, t_run: float) -> None:
+        """Steps ``self.step + 1 .. total``; an interrupt stops at a step boundary."""
+        from areal_kernel.algo.rl import rl_train_step
+
+        assert self.train_engine is not None and self.rollout is not None, SETUP_FIRST
+        assert self.executor is not None and self.samples_log is not None, SETUP_FIRST
+        cfg = self.cfg
         samples_here = 0
         for step in range(self.step + 1, total + 1):
+            if INTERRUPT.requested.is_set():
+                self._stop_for_interrupt()
             self.rollout.check()  # a server that could not be restarted stops the run here
             t0 = time.monotonic()
-            groups = self.executor.get_batch(cfg.trainer.batch_size)
+            groups = self.executor.get_batch(cfg.trainer.batch_size, stop=INTERRUPT.requested)
+            if not groups:  # interrupted while waiting for rollouts: the state after self.step is intact
+                self._stop_for_interrupt()
             t_wait = time.monotonic() - t0
             batch = TrajectoryBatch.from_groups(groups)
             metrics = _batch_metrics(batch, self.version)
@@ -404,34 +463,55 @@ class RLTrainer(Trainer):
                 and not self.skipped_streak
             ):
                 self.save_recovery()
-        self.executor.stop()
-        after = self.evaluate()
-        if eval_on:
-            self.log_metrics(total, self._eval_metrics(after))
-        final = self.save_hf("final")
-        elapsed = time.monotonic() - t_run
-        run = f"{total} steps, {self.trained_samples} samples, {elapsed:.0f}s training"
-        if eval_on:
+
+    def _stop_for_interrupt(self) -> NoReturn:
+        """The first SIGINT/SIGTERM, at a step boundary: write a recovery
+        checkpoint of the state after ``self.step`` (the same one a periodic
+        checkpoint at that step holds: running rollouts finish first, the
+        finished ones are saved), say how to resume, and stop the run."""
+        k, cfg = self.step, self.cfg.checkpoint
+        latest = self.recovery.latest()
+        where = f"resume from step {latest.step}" if latest is not None else "start over"
+        if latest is not None and latest.step == k:
             print(
-                f"held-out greedy accuracy: before {before['eval/accuracy']:.3f} -> after {after['eval/accuracy']:.3f} "
-                f"(n={after['eval/n']}; mean reward {before.get('eval/reward', float('nan')):.3f} -> "
-                f"{after['eval/reward']:.3f}; {run})",
+                f"interrupted at step {k}: its recovery checkpoint is written; run the same command to {where}",
                 flush=True,
             )
-        else:
-            print(f"training done, held-out evaluation was off ({run})", flush=True)
-        print(f"final HF checkpoint: {final}", flush=True)
-        return {
-            "before": before["eval/accuracy"],
-            "after": after["eval/accuracy"],
-            "reward_before": before.get("eval/reward"),
-            "reward_after": after.get("eval/reward"),
-            "steps": total,
-            "train_seconds": elapsed,
-            "samples": self.trained_samples,
-            "checkpoint": final,
-            "resumed_from_step": self.resume_from.step if self.resume_from is not None else None,
-        }
+            raise KeyboardInterrupt(INTERRUPT.signal_name)
+        if k == 0:
+            print("interrupted before step 1 finished: nothing to save; the same command starts over", flush=True)
+            raise KeyboardInterrupt(INTERRUPT.signal_name)
+        if not cfg.on_interrupt:
+            print(
+                f"interrupted at step {k}: no recovery checkpoint written (checkpoint.on_interrupt=false); "
+                f"the same command will {where}",
+                flush=True,
+            )
+            raise KeyboardInterrupt(INTERRUPT.signal_name)
+        limit = cfg.interrupt_timeout_s
+        print(
+            f"interrupted at step {k}: writing a recovery checkpoint (at most {limit:g} s: running rollouts finish, "
+            "then the model and optimizer are written)...",
+            flush=True,
+        )
+        watchdog = threading.Timer(limit, INTERRUPT.expire)
+        watchdog.daemon = True
+        watchdog.start()
+        try:
+            path = self.save_recovery()
+        except KeyboardInterrupt:
+            why = f"not finished within {limit:g} s" if INTERRUPT.expired else "a second interrupt"
+            print(
+                f"recovery checkpoint of step {k} abandoned ({why}); its partial files are discarded, earlier checkpoints "
+                f"are intact; "
+                f"the same command will {where}",
+                flush=True,
+            )
+            raise
+        finally:
+            watchdog.cancel()
+        print(f"saved {path}; run the same command to resume from step {k}", flush=True)
+        raise KeyboardInterrupt(INTERRUPT.signal_name)
 
     def _reward_metrics(self) -> dict[str, float]:
         assert self.rollout is not None, SETUP_FIRST

@@ -67,6 +67,38 @@ def test_writer_raising_midway_leaves_previous_intact(tmp_path):
     assert snapshot(m.root) == before and m.latest().step == 1 and not m.partials()
 
 
+def test_second_ctrl_c_midway_leaves_previous_intact(tmp_path):
+    """What a second Ctrl-C does to the recovery checkpoint an interrupted run
+    is writing: a real SIGINT, raised as KeyboardInterrupt by the trainer's
+    handler while the writer is half-way, goes through as KeyboardInterrupt
+    (not a CheckpointError), and leaves the previous checkpoint as it was and
+    nothing partial."""
+    from areal_kernel.trainer.common import GracefulInterrupt
+
+    m = CheckpointManager(str(tmp_path / "ckpt"), keep_last=1)
+    m.save(1, writer_for(1))
+    before = snapshot(m.root)
+    handler = GracefulInterrupt()
+    old = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    handler.install()
+    try:
+        with handler.armed():
+            os.kill(os.getpid(), signal.SIGINT)  # the first: only requested
+            assert handler.requested.is_set()
+
+            def half_then_ctrl_c(path: str) -> None:
+                writer_for(2)(path)
+                os.kill(os.getpid(), signal.SIGINT)  # the second, delivered mid-write
+                raise AssertionError("the second SIGINT did not interrupt the writer")
+
+            with pytest.raises(KeyboardInterrupt):
+                m.save(2, half_then_ctrl_c)
+    finally:
+        for sig, h in old.items():
+            signal.signal(sig, h)
+    assert snapshot(m.root) == before and m.latest().step == 1 and not m.partials()
+
+
 def _in_child(fn, *, as_nobody: bool = False, fsize: int | None = None) -> tuple[int, str]:
     """Run ``fn()`` in a forked child (optionally as uid nobody, or under a
     file-size limit) and return (exit code, what it reported)."""

@@ -100,3 +100,61 @@ class TestExactMatchRewardContract(RewardContract):
     @pytest.fixture
     def reward_cases(self) -> list[tuple[str, str, float]]:
         return [("So 5 + 3 = 8", "8", 1.0), ("The answer is 9.", "8", 0.0)]
+
+
+# The `math` reward reads the completion's final answer (docs/algorithms.md).
+# Real completions of SmolLM2-135M-Instruct to the demo's questions (12 new
+# tokens, greedy and sampled at 0.7), then a few written to the same rule.
+# A stated answer scores 1, however it is phrased ...
+STATED = [
+    ("1. 5 + 3 = 8\n\n", "8"),
+    ("3 + 7 = 10", "10"),
+    ("The answer is 11.", "11"),
+    ("3 + 0 = 3\n\nIn the context", "3"),  # cut off after the answer
+    ("The answer would be 3.", "3"),
+    ("3 + 1 is actually 4, which we do", "4"),
+    ("8 + 7 is 15, where 1", "15"),  # the last number is not the answer
+    ('"2 + 5 = 7."', "7"),
+    ("7", "7"),
+    ("The sum of 3 and 4 is 7.", "7"),
+    ("Answer: $7$", "7"),
+    ("**7**", "7"),
+    ("To find the sum, add 3 and 4:\n3 + 4 = 7", "7"),
+    ("3 plus 4 equals 7", "7"),
+    ("The final answer is $\\boxed{7}$", "7"),
+]
+# ... and a completion that states no answer scores 0, whatever numbers it
+# mentions (the last number of each is the right answer, which the earlier
+# rule, "the last number in the text", scored 1).
+UNSTATED = [
+    ("To solve this puzzle, you simply add 3 to the", "3"),  # 3 + 0, cut off mid-sentence
+    ("Here's a possible answer: 3 + 0 =", "3"),  # cut off before the answer ("3 + 0" restates the question)
+    ("You have 3 apples and get 0 more, so you", "0"),
+    ("Let's add 4 and 3 together. First, we", "3"),
+    ("The answer is 7 apples, since", "7"),  # the number is inside prose
+]
+
+
+@pytest.mark.parametrize("completion,answer", STATED)
+def test_math_stated_final_answers_score_one(completion, answer):
+    assert math_verify_reward(completion, answer) == 1.0
+
+
+@pytest.mark.parametrize("completion,answer", UNSTATED)
+def test_math_completions_without_a_final_answer_score_zero(completion, answer):
+    assert math_verify_reward(completion, answer) == 0.0
+
+
+def test_math_question_restated_is_no_answer():
+    from areal_kernel.reward.math import final_answer
+
+    assert final_answer("What is 3+4? Let me think") == "3+4"  # math after "is", but the question's
+    assert math_verify_reward("What is 3+4? Let me think", "7") == 0.0  # numeric_needs_number
+
+
+def test_math_takes_the_last_stated_answer():
+    # A corrected answer counts, not the first one; a wrong final answer scores 0.
+    assert math_verify_reward("3 + 4 = 8. No wait, 3 + 4 = 7.", "7") == 1.0
+    assert math_verify_reward("3 + 4 = 7. No wait, 3 + 4 = 8.", "7") == 0.0
+    # The boxed answer wins over any later number.
+    assert math_verify_reward("\\boxed{7} (checked with 3 + 4 = 7 and 2 + 5)", "7") == 1.0

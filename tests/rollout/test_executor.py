@@ -186,3 +186,38 @@ def test_a_rollout_that_finishes_too_late_is_dropped_not_trained():
         assert wait_until(lambda: ex.budget.started <= (1 + ex._version + 1) * 2)
     finally:
         ex.stop()
+
+
+def test_get_batch_stopped_while_waiting_puts_its_groups_back_in_order():
+    """An interrupted run stops waiting for a batch: get_batch returns [] and
+    the groups it had already taken go back to the front of the queue, so a
+    recovery checkpoint (state_dict) holds them and the next batch is the
+    same one an uninterrupted run would have trained on."""
+    release = threading.Event()
+
+    class ThirdWaits(CountingWorkflow):
+        async def arun_episode(self, engine, record):
+            if record == 2:
+                while not release.is_set():
+                    await asyncio.sleep(0.01)
+            return await super().arun_episode(engine, record)
+
+    ex = RolloutExecutor(None, ThirdWaits(), records(3), batch_size=3, max_staleness=0, max_concurrent=8)
+
+    class StopOnceTaken:
+        """Set once get_batch has taken both finished groups (the queue is empty) and still waits for the third."""
+
+        def is_set(self):
+            return ex.stats.accepted == 2 and ex._out.empty()
+
+    ex.start()
+    try:
+        assert ex.get_batch(3, stop=StopOnceTaken()) == []
+        assert ex._out.qsize() == 2  # both back
+        release.set()
+        ex.drain()
+        state = ex.state_dict()
+        assert sorted(item["group"]["group_id"] for item in state["queued"]) == ["0", "1", "2"]
+        assert [g.group_id for g in ex.get_batch(3)] == ["0", "1", "2"]
+    finally:
+        ex.stop()
