@@ -16,6 +16,7 @@ from areal_kernel.trainer.components import (
     resolve_model_dir,
     workflow_required_fields,
 )
+from areal_kernel.utils import aio
 
 
 async def _episodes(rollout: Rollout, records: list[dict]) -> list[Any]:
@@ -46,7 +47,7 @@ def _run_check(cfg: ExperimentConfig, n: int) -> int:
     rollout = Rollout(cfg, os.path.join(cfg.resolved_run_dir(), "check"), model_dir, tok)
     try:
         rollout.start()
-        groups = asyncio.run(_episodes(rollout, records))
+        groups = aio.run(_episodes(rollout, records), "areal check")
     finally:
         rollout.stop()
     total, ok = 0, 0
