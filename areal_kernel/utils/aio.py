@@ -49,6 +49,7 @@ class _Scope:
 
 
 _SCOPE: contextvars.ContextVar[_Scope | None] = contextvars.ContextVar("areal_loop_scope", default=None)
+_told = False
 
 
 class KernelEventLoop(asyncio.SelectorEventLoop):
@@ -91,7 +92,13 @@ async def _cancel(tasks: set[asyncio.Task], what: str, timeout: float) -> None:
     for t in tasks - pending:
         if not t.cancelled() and t.exception() is not None:
             log.debug("a task left running ended with an error", where=what, error=repr(t.exception()))
-    log.info("cancelled tasks left running", where=what, tasks=len(tasks), still_pending=len(pending))
+    global _told
+    # Once at info (the agent's author may want to know), then quietly: one line per session would flood a run.
+    (log.debug if _told else log.info)(
+        "cancelled tasks left running (the kernel ends them; docs/agents.md)",
+        where=what, tasks=len(tasks), still_pending=len(pending),
+    )  # fmt: skip
+    _told = True
 
 
 @contextlib.asynccontextmanager
@@ -140,10 +147,13 @@ async def finish_loop(what: str = "event loop", timeout: float = 5.0) -> None:
 
 
 def close_loop(loop: asyncio.AbstractEventLoop, what: str = "event loop") -> None:
-    """``finish_loop`` on ``loop`` (not running), then close it."""
+    """``finish_loop`` on ``loop`` (not running), then close it. The default
+    executor is not waited for (``loop.close`` shuts it down without waiting):
+    a thread an agent left blocked must not hold up the end of a run."""
     try:
         loop.run_until_complete(finish_loop(what))
-        loop.run_until_complete(loop.shutdown_default_executor())
+    except Exception as e:  # cleaning up must never be what fails a run
+        log.warning("ending the event loop's leftovers failed", where=what, error=f"{type(e).__name__}: {e}")
     finally:
         loop.close()
 
