@@ -97,7 +97,8 @@ class ConsoleSink:
         new = [label for label, _ in shown if label in self.LEGEND and label not in self._explained]
         if new:
             self._explained.update(new)
-            print("  " + "; ".join(f"{label}: {self.LEGEND[label]}" for label in new), file=self.stream, flush=True)
+            for label in new:
+                print(f"  {label}: {self.LEGEND[label]}", file=self.stream, flush=True)
         parts = [f"{label} {'-' if v != v else f'{v:.3f}'}" for label, v in shown]
         print(f"{bar}step {step}{total}  " + "  ".join(parts), file=self.stream, flush=True)
 

@@ -97,11 +97,14 @@ def test_console_says_once_what_each_reward_is():
     sink.log(1, step)
     sink.log(2, {**step, "rollout/reward_mean": float("nan")})
     lines = out.getvalue().splitlines()
-    assert len(lines) == 3, lines  # the legend once, then one line per step
-    assert "sampled_reward: mean reward of every answer sampled since the last step, dropped groups included" in lines[0]
-    assert "trained_reward: mean reward of the batch this step trained on" in lines[0]
-    assert "sampled_reward 0.893  trained_reward 0.719" in lines[1]
-    assert "sampled_reward -  trained_reward 0.719" in lines[2]  # no sample finished between the steps
+    legend, steps = lines[:3], lines[3:]
+    assert len(steps) == 2, lines  # a line per explained label, once, then one line per step
+    assert legend[0].startswith("  sampled_reward: mean reward of every answer sampled since the last step, dropped "
+                                "groups included"), lines  # fmt: skip
+    assert legend[1].startswith("  trained_reward: mean reward of the batch this step trained on"), lines
+    assert legend[2].startswith("  stale: "), lines
+    assert "sampled_reward 0.893  trained_reward 0.719" in steps[0]
+    assert "sampled_reward -  trained_reward 0.719" in steps[1]  # no sample finished between the steps
 
 
 def test_wandb_settings_validate_without_importing_wandb(areal_env):
