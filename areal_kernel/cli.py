@@ -164,7 +164,14 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         from areal_kernel.platforms import current_platform
 
         plat = current_platform()
-        report["platform"] = plat.describe()
+        # device_count is what torch sees (the host counts as one cpu device);
+        # compute_units is what `areal plan` and the schedulers place processes on
+        # (host cores where devices are shared): both, labelled.
+        report["platform"] = {
+            **plat.describe(),
+            "compute_units": plat.compute_units(),
+            "compute_unit": plat.compute_unit_name,
+        }
         report["memory_gb"] = round(plat.total_memory() / 2**30, 1)
         # The device stack beside torch (e.g. CANN, torch_npu and driver on npu).
         report["device_software"] = plat.versions()
@@ -181,14 +188,47 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report, indent=2))
     else:
-        for k, v in report.items():
-            if k == "problems":
-                continue
+        for k, v in _doctor_lines(report):
             print(f"{k:<16} {v}")
         print("problems:" if problems else "problems: none")
         for p in problems:
             print(f"  - {p}")
     return 0
+
+
+def _doctor_lines(report: dict[str, Any]) -> list[tuple[str, str]]:
+    """The doctor's report as labelled lines of text (``--json`` has the raw values)."""
+    keys = ("python", "areal_kernel", "cpus", "OMP_NUM_THREADS")
+    lines: list[tuple[str, str]] = [(k, str(report[k])) for k in keys if k in report]
+    lines.append(("torch", report.get("torch") or "not importable"))
+    plat = report.get("platform")
+    if plat:
+        lines.append(("platform", f"{plat['name']} (device type {plat['device_type']}, collectives over "
+                                  f"{plat['dist_backend']})"))  # fmt: skip
+        devices = f"{plat['device_count']} {plat['device_type']} device(s) seen by torch"
+        if plat["exclusive_devices"]:
+            lines.append(("devices", f"{plat['compute_units']} {plat['compute_unit']}, one process each "
+                                     "(what `areal plan` counts)"))  # fmt: skip
+        else:
+            lines.append(("devices", f"{plat['compute_units']} {plat['compute_unit']}, shared by the processes "
+                                     f"(what `areal plan` counts); {devices}"))  # fmt: skip
+        if plat.get("visible_devices_env"):
+            lines.append(("visible devices", f"${plat['visible_devices_env']}"))
+        traits = [
+            "device memory is host memory" if plat["host_memory"] else "separate device memory",
+            "in-memory weight updates preferred" if plat["prefers_in_memory_weight_updates"] else
+            "weight updates through disk by default",
+            "CPU offload supported" if plat["supports_cpu_offload"] else "no CPU offload",
+        ]  # fmt: skip
+        lines.append(("", "; ".join(traits)))
+    if "memory_gb" in report:
+        lines.append(("memory", f"{report['memory_gb']} GiB"))
+    if "device_software" in report:
+        sw = report["device_software"] or {}
+        lines.append(("device software", ", ".join(f"{k} {v}" for k, v in sw.items()) or "none beside torch"))
+    plugins = report.get("plugins") or {}
+    lines.append(("plugins", ", ".join(f"{k} ({v})" for k, v in plugins.items()) or "none"))
+    return lines
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -277,6 +317,20 @@ def _plugin_error(exc: Exception) -> ArealError | None:
         return None
 
 
+def _reader_gone() -> int:
+    """stdout's reader closed the pipe (`areal agent status --json | head`):
+    it has what it wanted. No traceback; stdout goes to /dev/null so that
+    the interpreter's final flush does not fail again. 141 = 128 + SIGPIPE,
+    what a shell reports for a command that a closed pipe ended."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass
+    return 141
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     # Overrides may come before or after options (`check c.yaml -n 2 a.b=1`).
@@ -296,6 +350,8 @@ def main(argv: list[str] | None = None) -> int:
     func: Callable[[argparse.Namespace], int] = args.func
     try:
         return int(func(args) or 0)
+    except BrokenPipeError:
+        return _reader_gone()
     except ArealError as e:
         if args.debug:
             raise

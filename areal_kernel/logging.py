@@ -62,7 +62,11 @@ def setup_logging(level: str | None = None, json_logs: bool | None = None, strea
         cache_logger_on_first_use=False,
     )
     logging.basicConfig(level=level, stream=stream, format="%(levelname)s %(name)s: %(message)s", force=True)
-    for noisy in ("urllib3", "filelock", "datasets", "aiohttp.access", "asyncio"):
+    # HTTP clients log every request at INFO (the openai client's httpx: one
+    # line per agent turn); their warnings still show.
+    noisy_loggers = ("urllib3", "filelock", "datasets", "aiohttp.access", "asyncio", "httpx", "httpx2", "httpcore",
+                     "httpcore2", "openai")  # fmt: skip
+    for noisy in noisy_loggers:
         logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLevelName(level)))
     _configured = True
 

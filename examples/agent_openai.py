@@ -1,9 +1,10 @@
 """An arithmetic agent written with the official ``openai`` client, trained
 through the kernel's OpenAI-compatible proxy without knowing it.
 
-It asks the question; if the answer holds no number it asks once more for
-just the number (a second turn); it scores itself (1.0 when the last number
-it answered equals the record's answer) and returns that reward.
+It asks the question; if the answer's first line holds no number it asks
+once more for just the number (a second turn); it scores itself (1.0 when
+the last number on that line equals the record's answer) and returns that
+reward.
 
 The same file works in both agent modes (docs/agents.md):
 
@@ -29,22 +30,46 @@ NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 
 class ArithmeticAgent:
-    def __init__(self, system_prompt: str = "Answer with a number.", max_tokens: int | None = None) -> None:
+    """Asks ``record["prompt"]`` plus ``instruction``; reads the last number
+    on the answer's first line; without one, asks once more for just the
+    number. Returns 1.0 when that number is ``record["answer"]``, else 0.0.
+
+    ``temperature`` and ``max_tokens`` are set because a server's defaults
+    (temperature 1.0, 256 tokens) make a small model ramble for a minute, and
+    the number it ends on is rarely the answer. Measured with SmolLM2-135M
+    on examples/data/arith.jsonl (greedy, 16 tokens): 4 of 8 right with this
+    instruction, none with "Answer with a number." as the system prompt.
+    In training with ``proxy.sampling: run`` the run's sampler replaces the
+    temperature and ``rollout.gconfig.max_new_tokens`` caps the length.
+    """
+
+    def __init__(
+        self,
+        instruction: str = "Reply with just the number.",
+        system_prompt: str | None = None,
+        max_tokens: int | None = 16,
+        temperature: float = 0.0,
+    ) -> None:
+        self.instruction = instruction
         self.system_prompt = system_prompt
         self.max_tokens = max_tokens
+        self.temperature = temperature
 
     async def run(self, record: dict[str, Any], *, base_url: str, api_key: str) -> float:
         client = AsyncOpenAI(base_url=base_url, api_key=api_key)
-        messages: list[Any] = [
-            {"role": "system", "content": self.system_prompt},
-            {"role": "user", "content": str(record["prompt"])},
-        ]
-        extra = {"max_tokens": self.max_tokens} if self.max_tokens else {}
+        question = f"{record['prompt']} {self.instruction}".strip()
+        messages: list[Any] = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
+        messages.append({"role": "user", "content": question})
+        extra: dict[str, Any] = {"temperature": self.temperature}
+        if self.max_tokens:
+            extra["max_tokens"] = self.max_tokens
         try:
             for _ in range(2):
+                # The proxy answers as one model whatever `model` says (docs/agents.md).
                 reply = await client.chat.completions.create(model="areal", messages=messages, **extra)
                 text = reply.choices[0].message.content or ""
-                numbers = NUMBER.findall(text)
+                lines = text.strip().splitlines()
+                numbers = NUMBER.findall(lines[0]) if lines else []
                 if numbers:
                     return 1.0 if float(numbers[-1]) == float(record["answer"]) else 0.0
                 messages += [

@@ -15,6 +15,20 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from areal_kernel.agent.sessions import SessionError
 
 
+# The message roles of OpenAI's chat API; a template may render any string,
+# so an unknown one (a typo) is refused rather than rendered as a speaker.
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+
+
+def unknown_role(role: Any) -> str | None:
+    """Why ``role`` is not a chat role, or ``None`` when it is one."""
+    if not isinstance(role, str):
+        return "every message needs a string 'role'"
+    if role not in CHAT_ROLES:
+        return f"{role!r} is not a chat role; expected one of {', '.join(CHAT_ROLES)}"
+    return None
+
+
 class ChatRequest(BaseModel):
     """``POST /v1/chat/completions``. Fields clients send that change nothing
     here (``user``, ``metadata``, ``store``, ``parallel_tool_calls``, ...)
@@ -74,8 +88,9 @@ def check_supported(req: ChatRequest) -> None:
     if req.tool_choice not in (None, "auto", "none"):
         refuse("tool_choice", "only 'auto' and 'none' are supported (a call cannot be forced)")
     for i, m in enumerate(req.messages):
-        if not isinstance(m.get("role"), str):
-            refuse(f"messages.{i}.role", "every message needs a string 'role'")
+        why = unknown_role(m.get("role"))
+        if why:
+            refuse(f"messages.{i}.role", why)
 
 
 def error_body(

@@ -53,6 +53,7 @@ from areal_kernel.agent.sessions import Session
 from areal_kernel.api.io import GenerationConfig, Trajectory, TrajectoryGroup
 from areal_kernel.errors import ArealError, ConfigError, DataError
 from areal_kernel.logging import get_logger
+from areal_kernel.utils import aio
 from areal_kernel.workflow.scoring import RewardScoring
 
 log = get_logger(__name__)
@@ -184,7 +185,9 @@ class AgentWorkflow(RewardScoring):
             if self.config.mode == "inline":
                 coro = self.agent.run(dict(record), base_url=self.proxy.base_url, api_key=session.api_key)
                 try:
-                    out = await asyncio.wait_for(coro, self.config.timeout_s)
+                    # Tasks the agent leaves running end with its session (utils.aio).
+                    async with aio.scope(f"agent session {session.id}"):
+                        out = await asyncio.wait_for(coro, self.config.timeout_s)
                 except asyncio.TimeoutError:
                     raise AgentFailed(f"agent timed out after {self.config.timeout_s:g} s") from None
                 except Exception as e:

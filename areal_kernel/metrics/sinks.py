@@ -56,23 +56,35 @@ class TensorBoardSink:
 
 
 class ConsoleSink:
-    """A one-line progress report per step: step/total, reward, staleness, tokens/s."""
+    """A one-line progress report per step: step/total, rewards, staleness,
+    tokens/s. The first time a label appears, a line says what it means."""
 
     KEYS = (
-        ("reward", "rollout/reward_mean"),
-        ("batch_reward", "reward/mean"),
+        ("sampled_reward", "rollout/reward_mean"),
+        ("trained_reward", "reward/mean"),
         ("acc", "eval/accuracy"),
         ("stale", "rollout/staleness_mean"),
         ("tok/s", "perf/train_tokens_per_s"),
         ("loss", "train/loss"),
         ("step_s", "perf/step_s"),
     )
+    # The two rewards differ when groups are dropped (all answers scored alike):
+    # the first is the model's sampling reward, the second what the step trained on.
+    LEGEND = {
+        "sampled_reward": "mean reward of every answer sampled since the last step, dropped groups included "
+        "(metric rollout/reward_mean; '-': none finished in between)",
+        "trained_reward": "mean reward of the batch this step trained on, after groups whose answers all scored "
+        "alike were dropped (reward/mean)",
+        "acc": "held-out greedy accuracy (eval/accuracy)",
+        "stale": "mean staleness of the trained batch in weight versions (rollout/staleness_mean)",
+    }
 
     def __init__(
         self, run_dir: str | None = None, *, total_steps: int | None = None, stream: TextIO | None = None
     ) -> None:
         self.total = total_steps
         self.stream = stream or sys.stdout
+        self._explained: set[str] = set()
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         m = _clean(metrics)
@@ -81,7 +93,13 @@ class ConsoleSink:
         if self.total:
             done = int(20 * min(step, self.total) / self.total)
             bar = "[" + "#" * done + "." * (20 - done) + "] "
-        parts = [f"{label} {m[key]:.3f}" for label, key in self.KEYS if key in m]
+        shown = [(label, m[key]) for label, key in self.KEYS if key in m]
+        new = [label for label, _ in shown if label in self.LEGEND and label not in self._explained]
+        if new:
+            self._explained.update(new)
+            for label in new:
+                print(f"  {label}: {self.LEGEND[label]}", file=self.stream, flush=True)
+        parts = [f"{label} {'-' if v != v else f'{v:.3f}'}" for label, v in shown]
         print(f"{bar}step {step}{total}  " + "  ".join(parts), file=self.stream, flush=True)
 
     def close(self) -> None:

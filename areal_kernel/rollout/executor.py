@@ -17,6 +17,7 @@ from areal_kernel.api.io import Trajectory, TrajectoryGroup
 from areal_kernel.errors import ArealError
 from areal_kernel.logging import get_logger
 from areal_kernel.rollout.staleness import StalenessBudget
+from areal_kernel.utils.aio import KernelEventLoop, close_loop
 
 log = get_logger(__name__)
 
@@ -240,16 +241,23 @@ class RolloutExecutor:
 
     # -- event loop side -----------------------------------------------------------
     def _thread_main(self) -> None:
-        self._loop = asyncio.new_event_loop()
+        # A KernelEventLoop: what workflows (agents) leave on it, tasks and
+        # unclosed clients' connections, is ended before it closes.
+        self._loop = KernelEventLoop()
         try:
             self._loop.run_until_complete(self._run())
         except BaseException as e:  # surfaced to the controller by get_batch
             self._error = e
         finally:
-            close = getattr(self.engine, "aclose", None)
-            if close is not None:
-                self._loop.run_until_complete(close())
-            self._loop.close()
+            try:
+                close = getattr(self.engine, "aclose", None)
+                if close is not None:
+                    # Only this loop's sessions: other loops (the agent proxy's, an
+                    # evaluation's) close their own, on their own loop.
+                    self._loop.run_until_complete(close(current_loop_only=True))
+            except Exception as e:
+                log.warning("closing the inference client's sessions failed", error=f"{type(e).__name__}: {e}")
+            close_loop(self._loop, "rollout executor")
 
     async def _run(self) -> None:
         tasks: set[asyncio.Task] = set()

@@ -14,8 +14,10 @@ from areal_kernel.trainer.components import (
     load_data,
     load_tokenizer,
     resolve_model_dir,
+    stored_dtype,
     workflow_required_fields,
 )
+from areal_kernel.utils import aio
 
 
 async def _episodes(rollout: Rollout, records: list[dict]) -> list[Any]:
@@ -40,13 +42,13 @@ def _run_check(cfg: ExperimentConfig, n: int) -> int:
     # its check is cheap, so report it before importing transformers.
     train, evals = load_data(cfg, workflow_required_fields(cfg))
     tok = load_tokenizer(model_dir)
-    print(f"model: {model_dir}")
+    print(f"model: {model_dir} (weights stored as {stored_dtype(model_dir) or 'unknown'}, run in {cfg.model.dtype})")
     print(f"dataset '{cfg.dataset.type}': {len(train)} train / {len(evals)} eval records")
     records = train[:n]
     rollout = Rollout(cfg, os.path.join(cfg.resolved_run_dir(), "check"), model_dir, tok)
     try:
         rollout.start()
-        groups = asyncio.run(_episodes(rollout, records))
+        groups = aio.run(_episodes(rollout, records), "areal check")
     finally:
         rollout.stop()
     total, ok = 0, 0

@@ -71,7 +71,29 @@ def resolve_model_dir(cfg: ExperimentConfig) -> str:
         raise type(e)(f"model.path: {msg}") from None
     if not path:
         raise ConfigError(f"model.path: cannot resolve {cfg.model.path!r} to a local model directory")
+    # A known name resolves to a directory named for the dtype its weights are
+    # stored in (smollm2-135m-instruct -> ...-bfloat16), while model.dtype is the
+    # precision they are loaded and run in: say both.
+    stored = stored_dtype(path)
+    log.info("model", path=path, weights_stored_as=stored or "unknown", runs_as=f"{cfg.model.dtype} (model.dtype)")
+    if stored in ("bfloat16", "float16") and cfg.model.dtype == "float32":
+        log.info(f"the weights are {stored} values, loaded as float32 (exactly); a known model name with "
+                 "'@float32' (smollm2-135m-instruct@float32) is converted from its source in float32")  # fmt: skip
     return path
+
+
+def stored_dtype(model_dir: str) -> str | None:
+    """The dtype an HF directory's weights are stored in (``config.json``'s
+    ``dtype``, or ``torch_dtype`` in older files), or ``None`` if it says none."""
+    import json
+
+    try:
+        with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return None
+    dtype = config.get("dtype") or config.get("torch_dtype")
+    return str(dtype) if dtype else None
 
 
 def load_tokenizer(model_dir: str) -> Any:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from areal_kernel.utils import aio
+
 
 async def _aevaluate(
     workflow: Any, engine: Any, records: list[dict], max_new_tokens: int, concurrency: int
@@ -45,7 +47,8 @@ def evaluate(
     if not records:
         return {"eval/accuracy": float("nan"), "eval/reward": float("nan"), "eval/n": 0, "samples": []}
     threshold = DEFAULT_SUCCESS_THRESHOLD if success_threshold is None else success_threshold
-    results = asyncio.run(_aevaluate(workflow, engine, records, max_new_tokens, concurrency))
+    # A loop that ends clean: what an agent leaves on it is closed before it closes (utils.aio).
+    results = aio.run(_aevaluate(workflow, engine, records, max_new_tokens, concurrency), "evaluation")
     scores = [s for s, _ in results]
     return {
         "eval/accuracy": sum(s >= threshold for s in scores) / len(scores),

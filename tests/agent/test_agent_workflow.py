@@ -151,3 +151,28 @@ def test_agent_examples_validate(name, mode):
 
     cfg = load_config(os.path.join(REPO, "examples", name))
     assert cfg.workflow.type == "agent" and cfg.workflow.plugin_config.mode == mode
+
+
+def test_the_records_file_section_of_the_agent_docs_loads_its_records(tmp_path, monkeypatch):
+    """docs/agents.md's `dataset` section for a records file, put in place of
+    examples/agent_openai.yaml's, validates and loads the example records."""
+    import re
+
+    import yaml
+
+    from areal_kernel.config.loader import load_config
+    from areal_kernel.trainer.components import load_data
+
+    doc = open(os.path.join(REPO, "docs", "agents.md"), encoding="utf-8").read()
+    section = doc.split("### Training on your own records", 1)[1]
+    block = re.search(r"```yaml\n(.*?)```", section, re.S)
+    assert block, "no yaml block under 'Training on your own records'"
+    config = yaml.safe_load(open(os.path.join(REPO, "examples", "agent_openai.yaml"), encoding="utf-8"))
+    config["dataset"] = yaml.safe_load(block.group(1))["dataset"]
+    path = tmp_path / "agent_file.yaml"
+    path.write_text(yaml.safe_dump(config))
+    monkeypatch.chdir(REPO)  # the doc's path is relative to the repository root, where the commands run
+    cfg = load_config(str(path))
+    train, evals = load_data(cfg, ())
+    assert len(train) + len(evals) == 8 and len(evals) >= 1
+    assert all("prompt" in r and "answer" in r for r in train + evals)

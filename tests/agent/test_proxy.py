@@ -134,6 +134,10 @@ def test_streaming_sends_the_same_answer_as_openai_chunks(proxy, new_session):
 def test_models_lists_the_served_model(proxy, new_session):
     _, key = new_session()
     assert [m.id for m in client(proxy, key).models.list().data] == ["areal"]
+    # The proxy serves one model: a request's `model` is not looked up (docs/agents.md says so).
+    out = client(proxy, key).chat.completions.create(model="default", messages=[{"role": "user", "content": "x"}],
+                                                     max_tokens=2)  # fmt: skip
+    assert out.model == "areal" and out.choices[0].message.role == "assistant"
 
 
 def test_bad_input_is_one_clear_error_and_the_proxy_goes_on(proxy, new_session):
@@ -150,6 +154,8 @@ def test_bad_input_is_one_clear_error_and_the_proxy_goes_on(proxy, new_session):
         c.chat.completions.create(model="areal", messages=[])
     with pytest.raises(openai.BadRequestError, match="role"):
         c.chat.completions.create(model="areal", messages=[{"role": "robot", "content": "x"}])
+    with pytest.raises(openai.BadRequestError, match="'wizard' is not a chat role; expected one of system"):
+        c.chat.completions.create(model="areal", messages=[{"role": "wizard", "content": "x"}])
 
     def err(status_body):
         status, body = status_body

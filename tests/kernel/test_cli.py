@@ -47,6 +47,34 @@ def test_doctor_reports_health(run_areal, plugin_env):
     assert any("plugin 'broken' failed" in p for p in report["problems"])
 
 
+def test_doctor_counts_what_plan_counts_in_plain_text(run_areal):
+    plan = json.loads(run_areal("plan", "/dev/null", "--json").stdout)
+    report = json.loads(run_areal("doctor", "--json").stdout)
+    # What the schedulers place processes on (host cores here), the number plan uses, with its unit.
+    assert report["platform"]["compute_units"] == plan["available_devices"]
+    assert report["platform"]["compute_unit"] == plan["device_unit"]
+    human = run_areal("doctor").stdout
+    devices = next(line for line in human.splitlines() if line.startswith("devices "))
+    assert f"{plan['available_devices']} {plan['device_unit']}" in devices and "areal plan" in devices, human
+    assert "{" not in human and "': " not in human, human  # no raw Python dicts
+
+
+def test_a_reader_that_closes_the_pipe_gets_no_traceback():
+    """`areal schema | head -2`: the reader is gone before the output ends."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "areal_kernel.cli", "schema"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=dict(os.environ, OMP_NUM_THREADS="1"))  # fmt: skip
+    assert proc.stdout is not None and proc.stderr is not None
+    assert proc.stdout.read(10)  # the output began (it is ~90 kB: more than a pipe holds)
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    rc = proc.wait(timeout=120)
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err
+    assert rc == 141, (rc, err)  # 128 + SIGPIPE, what a shell shows for a command a closed pipe ended
+
+
 def test_no_command_prints_help(run_areal):
     proc = run_areal()
     assert proc.returncode == 2 and "usage: areal" in proc.stdout

@@ -86,6 +86,27 @@ def test_builtin_sinks_take_the_constructor_contract(tmp_path):
     assert ConsoleSink(str(tmp_path), total_steps=3).total == 3
 
 
+def test_console_says_once_what_each_reward_is():
+    import io
+
+    from areal_kernel.metrics.sinks import ConsoleSink
+
+    out = io.StringIO()
+    sink = ConsoleSink(None, total_steps=2, stream=out)
+    step = {"rollout/reward_mean": 0.893, "reward/mean": 0.719, "rollout/staleness_mean": 0.0, "train/loss": 0.1}
+    sink.log(1, step)
+    sink.log(2, {**step, "rollout/reward_mean": float("nan")})
+    lines = out.getvalue().splitlines()
+    legend, steps = lines[:3], lines[3:]
+    assert len(steps) == 2, lines  # a line per explained label, once, then one line per step
+    assert legend[0].startswith("  sampled_reward: mean reward of every answer sampled since the last step, dropped "
+                                "groups included"), lines  # fmt: skip
+    assert legend[1].startswith("  trained_reward: mean reward of the batch this step trained on"), lines
+    assert legend[2].startswith("  stale: "), lines
+    assert "sampled_reward 0.893  trained_reward 0.719" in steps[0]
+    assert "sampled_reward -  trained_reward 0.719" in steps[1]  # no sample finished between the steps
+
+
 def test_wandb_settings_validate_without_importing_wandb(areal_env):
     import subprocess
     import sys

@@ -66,3 +66,25 @@ def test_known_name_resolves_to_the_built_model(smollm2, monkeypatch):
         assert resolve_model_path(name) == str(smollm2.model_dir)
     # The built directory is itself a valid local path.
     assert resolve_model_path(str(smollm2.model_dir)) == str(smollm2.model_dir)
+
+
+def test_the_log_says_what_the_weights_are_stored_in_and_run_as(capsys):
+    """``smollm2-135m-instruct`` resolves to ``...-bfloat16``: its safetensors
+    hold bfloat16 tensors, while ``model.dtype: float32`` (the default) runs
+    them as float32. Both are said, each named for what it is."""
+    import os
+
+    from safetensors import safe_open
+
+    from areal_kernel.config.loader import load_config
+    from areal_kernel.trainer.components import resolve_model_dir, stored_dtype
+
+    cfg = load_config(None, ["model.path=smollm2-135m-instruct"])
+    assert cfg.model.dtype == "float32"
+    path = resolve_model_dir(cfg)
+    with safe_open(os.path.join(path, "model.safetensors"), "pt") as f:
+        held = {f.get_slice(k).get_dtype() for k in f.keys()}
+    assert held == {"BF16"} and stored_dtype(path) == "bfloat16" and path.endswith("-bfloat16")
+    err = capsys.readouterr().err
+    assert "weights_stored_as=bfloat16" in err and "float32 (model.dtype)" in err, err
+    assert "the weights are bfloat16 values, loaded as float32" in err and "@float32" in err, err

@@ -80,7 +80,9 @@ def test_workers_finish_rewarded_sessions_and_a_killed_worker_is_restarted(
                     "--model-path", areal_tiny_chat_model_dir, "--backend", "embedded:d2", "--records", str(records),
                     "--epochs", "0", "--max-new-tokens", "6", "--port", "0", "--timeout", "300").stdout  # fmt: skip
     assert "2 worker(s) of" in out, out
-    st = _wait(agent_cli, "sessions never finished", lambda s: s["sessions"]["finished"] >= 6)
+    # Both workers take sessions (one may finish several before the other's first: sessions are short).
+    st = _wait(agent_cli, "sessions never finished on both workers",
+               lambda s: s["sessions"]["finished"] >= 6 and all(w["sessions"] > 0 for w in s["workers"]))  # fmt: skip
     assert st["service"]["state"] == "running" and st["service"]["mode"] == "local"
     assert st["sessions"]["failed"] == 0 and st["sessions"]["rewarded"] == st["sessions"]["finished"]
     assert isinstance(st["reward_mean"], float) and st["tokens"] > 0 and st["tokens_per_s"] > 0
@@ -134,3 +136,27 @@ def test_workers_finish_rewarded_sessions_and_a_killed_worker_is_restarted(
     assert not _alive(agent_cli)
     line = agent_cli.fails("status")
     assert "not running" in line and "areal agent run" in line, line
+
+
+def test_when_the_records_run_out_status_says_done_and_the_log_has_every_session(
+    agent_cli: Any, records: Path, areal_tiny_chat_model_dir: str
+) -> None:
+    agent_cli("run", "--agent", AGENT, "--agent-kwargs", '{"max_tokens": 6}', "--workers", "2",
+              "--model-path", areal_tiny_chat_model_dir, "--records", str(records), "--epochs", "1",
+              "--port", "0", "--timeout", "300")  # fmt: skip
+    try:
+        st = _wait(agent_cli, "the records never ran out", lambda s: s["records"]["done"])
+        assert st["sessions"]["finished"] + st["sessions"]["failed"] == 4 and st["sessions"]["open"] == 0
+        assert st["records"] == {"total": 4, "queued": 0, "epoch": 1, "epochs": 1, "done": True}
+        text = agent_cli("status").stdout
+        assert "epoch 1 of 1" in text and "done: every record ran" in text, text
+        # This run's part of the service log (a module's tests share one AREAL_HOME; each run appends).
+        log = agent_cli("logs", "-n", "500").stdout.rsplit("=== areal agent run:", 1)[-1]
+        finished = [line for line in log.splitlines() if "session finished" in line]
+        assert len(finished) == 4 and all("reward=" in line and "record=r" in line for line in finished), log
+        assert "every record ran" in log, log
+        for i in range(2):  # the openai client's per-request httpx lines stay out of the workers' logs
+            worker_log = agent_cli("logs", "--worker", str(i), "-n", "500").stdout
+            assert "running" in worker_log and "HTTP Request" not in worker_log, worker_log
+    finally:
+        agent_cli("stop")

@@ -107,3 +107,32 @@ def test_admin_token_required_beyond_loopback(inf_cli: Any) -> None:
     finally:
         inf_cli("stop")
     assert inf_cli.state() is None
+
+
+def test_run_prints_the_openai_base_url_and_unknown_routes_answer_openai_errors(inf_cli: Any) -> None:
+    port = find_free_port()
+    out = inf_cli("run", "--port", str(port)).stdout
+    try:
+        # What an OpenAI client takes as base_url, as the README shows it.
+        assert f"gateway on http://127.0.0.1:{port}/v1 (pid" in out, out
+        code, body = _get(f"http://127.0.0.1:{port}/v1/nope")
+        assert code == 404 and body["error"]["code"] == "unknown_route", body
+        assert (
+            "GET /v1/nope: no such route" in body["error"]["message"]
+            and "/v1/chat/completions" in body["error"]["message"]
+        )
+        code, body = _get(f"http://127.0.0.1:{port}/v1/chat/completions")  # a GET where only POST is served
+        assert code == 405 and body["error"]["code"] == "method_not_allowed", body
+    finally:
+        inf_cli("stop")
+
+
+def test_logs_of_an_unknown_model_name_only_registered_ones(inf_cli: Any) -> None:
+    # What a deregistered model leaves: its logs, no entry in config.toml.
+    old = inf_cli.home / "models" / "old"
+    old.mkdir(parents=True, exist_ok=True)
+    (old / "server-0.log").write_text("served once\n")
+    line = inf_cli.fails("logs", "nope")
+    assert "no logs for a model named 'nope'" in line and "registered models: none" in line, line
+    assert "logs kept of deregistered models: old" in line, line
+    assert "served once" in inf_cli("logs", "old").stdout  # its logs stay readable

@@ -192,12 +192,15 @@ def _render(st: dict[str, Any]) -> str:
     s, n = st["service"], st["sessions"]
     mean = "-" if st["reward_mean"] is None else f"{st['reward_mean']:.3f}"
     model = f"model {s['model_name']} ({s['backend']})" if s["mode"] == "local" else "online RL"
+    r = st["records"]
+    epochs = f"epoch {r['epoch']}" + (
+        f" of {r['epochs']}" if r.get("epochs") else ", repeating" if "epochs" in r else ""
+    )
     lines = [
         f"agent service {s['state']} (pid {s['pid']}, {s['url']}, up {s['uptime_s']:.0f} s): {s['agent']}; "
         f"{model}; proxy {s['proxy']}",
         f"sessions: {n['open']} open, {n['finished']} finished, {n['failed']} failed; reward mean {mean}; "
-        f"{st['tokens_per_s']:.1f} tokens/s; records {st['records']['total']} ({st['records']['queued']} queued, "
-        f"epoch {st['records']['epoch']})",
+        f"{st['tokens_per_s']:.1f} tokens/s; records {r['total']} ({r['queued']} queued, {epochs})",
         "",
         table(
             [
@@ -207,6 +210,8 @@ def _render(st: dict[str, Any]) -> str:
             ["WORKER", "PID", "STATE", "RESTARTS", "SESSIONS", "SESSION"],
         ),
     ]
+    if r.get("done"):
+        lines.insert(2, "done: every record ran; the workers are idle (`areal agent stop` ends the service)")
     if s.get("error"):
         lines.insert(1, f"error: {s['error']}")
     return "\n".join(lines)

@@ -177,6 +177,7 @@ class AgentService:
         self.stop_event = asyncio.Event()
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="areal-agent")
         self._snapshot: Any = None
+        self._done_logged = False
         self._session_log = open(home / SESSION_LOG, "a", encoding="utf-8")
 
     @property
@@ -238,6 +239,28 @@ class AgentService:
             self.epoch += 1
             self.queue.extend(self.records)
         return self.queue.popleft() if self.queue else None
+
+    @property
+    def done(self) -> bool:
+        """Every record of every epoch ran (``--epochs N``, N > 0): nothing queued, nothing open."""
+        return (
+            self.spec.epochs > 0
+            and self.epoch >= self.spec.epochs
+            and not self.queue
+            and not self.inflight
+            and self.state == "running"
+        )
+
+    def check_done(self) -> None:
+        if self.done and not self._done_logged:
+            self._done_logged = True
+            log.info("every record ran; the workers are idle (`areal agent stop` ends the service)",
+                     sessions=self.finished + self.failed, finished=self.finished, failed=self.failed,
+                     reward_mean=self.reward_mean)  # fmt: skip
+
+    @property
+    def reward_mean(self) -> float | None:
+        return round(self.reward_sum / self.rewarded, 4) if self.rewarded else None
 
     def open_session(self, record: dict[str, Any], worker: int) -> Work | None:
         meta = {"record_id": str(record.get("id")), "worker": worker}
@@ -326,6 +349,9 @@ class AgentService:
         }  # fmt: skip
         self._session_log.write(json.dumps(entry) + "\n")
         self._session_log.flush()
+        log.info("session finished", session=work.session_id, record=entry["record_id"], worker=work.worker,
+                 reward=final, turns=entry["turns"], output_tokens=out_tokens, seconds=round(time.time() - work.started, 1),
+                 **({"error": error} if error else {}))  # fmt: skip
 
     def abandon(self, work: Work, why: str) -> None:
         """A worker died mid-session: end the session unrewarded (never trained on), hand the record out again."""
@@ -402,7 +428,8 @@ class AgentService:
             "workers": workers,
             "sessions": {"open": len(self.inflight), "finished": self.finished, "failed": self.failed,
                          "rewarded": self.rewarded},
-            "records": {"total": len(self.records), "queued": len(self.queue), "epoch": self.epoch},
+            "records": {"total": len(self.records), "queued": len(self.queue), "epoch": self.epoch,
+                        "epochs": self.spec.epochs, "done": self.done},
             "reward_mean": self.reward_sum / self.rewarded if self.rewarded else None,
             "tokens": self.tokens,
             "tokens_per_s": round(self.tokens / elapsed, 2) if elapsed > 0 else 0.0,
@@ -464,6 +491,7 @@ class AgentService:
             await self.run_in_pool(self.finish, work, reward if isinstance(reward, (int, float)) else None,
                                    body.get("error"))  # fmt: skip
             self.workers[index].sessions += 1
+            self.check_done()
             return web.json_response({"ok": True})
 
         async def agent_spec(_: web.Request) -> web.Response:

@@ -22,6 +22,7 @@ import urllib.request
 from typing import Any
 
 from areal_kernel.services.agent.spec import WORKER_TOKEN_ENV
+from areal_kernel.utils import aio
 
 
 class Control:
@@ -61,9 +62,12 @@ async def run(control: Control) -> None:
         reward: float | None = None
         error: str | None = None
         try:
-            out = await asyncio.wait_for(
-                agent.run(dict(work["record"]), base_url=work["base_url"], api_key=work["api_key"]), work["timeout_s"]
-            )
+            # Tasks the agent leaves running end with its session (areal_kernel.utils.aio).
+            async with aio.scope(f"agent session {work['session_id']}"):
+                out = await asyncio.wait_for(
+                    agent.run(dict(work["record"]), base_url=work["base_url"], api_key=work["api_key"]),
+                    work["timeout_s"],
+                )
             if out is not None:
                 if isinstance(out, bool) or not isinstance(out, (int, float)) or not math.isfinite(out):
                     raise ValueError(f"run() returned {out!r}; expected a finite number or None")
@@ -87,7 +91,7 @@ def main(argv: list[str] | None = None) -> None:
     # The agent's module may live next to where `areal agent run` ran (the service starts us there).
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
-    asyncio.run(run(Control(args.control, token, args.index)))
+    aio.run(run(Control(args.control, token, args.index)), f"agent worker {args.index}")
 
 
 if __name__ == "__main__":

@@ -129,7 +129,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         )
     n = len(cfg.models)
     restoring = f"; starting {n} registered model(s): {', '.join(cfg.models)} (areal inf status)" if n else ""
-    print(f"areal inf: gateway on http://{host}:{port} (pid {proc.pid}){restoring}")
+    shown = f"[{host}]" if ":" in host else host
+    print(f"areal inf: gateway on http://{shown}:{port}/v1 (pid {proc.pid}){restoring}")
     if state.get("admin_token") and not (args.admin_token or os.environ.get(INF.token_env)):
         print(f"areal inf: control routes need the admin token stored in {home / STATE_NAME}")
     return 0
@@ -291,9 +292,13 @@ def _log_path(home: Path, model: str | None, replica: int) -> Path:
     # The gateway is gone (or does not know it): the logs stay on disk.
     mdir = home / "models" / model
     if not mdir.is_dir():
-        known = sorted(p.name for p in (home / "models").iterdir()) if (home / "models").is_dir() else []
+        registered = sorted(load_config(home).models)
+        on_disk = sorted(p.name for p in (home / "models").iterdir()) if (home / "models").is_dir() else []
+        gone = [m for m in on_disk if m not in registered]
+        kept = f"; logs kept of deregistered models: {', '.join(gone)}" if gone else ""
         raise ArealError(
-            f"no logs for a model named '{model}' under {home / 'models'}; known: {', '.join(known) or 'none'}"
+            f"no logs for a model named '{model}' under {home / 'models'}; registered models: "
+            f"{', '.join(registered) or 'none'}{kept}"
         )
     found = sorted(mdir.rglob(f"*server-{replica}.log"))
     if not found:

@@ -604,8 +604,18 @@ class Gateway:
                 return await handler(request)
             except oa.OpenAIError as e:
                 return error(e)
-            except web.HTTPException:
-                raise
+            except web.HTTPException as e:
+                if e.status < 400:
+                    raise
+                # aiohttp's own answers (no such route, wrong method) in OpenAI's shape too: clients parse them.
+                if e.status == 404:
+                    msg = (f"{request.method} {request.path}: no such route; the gateway serves GET /v1/models, "
+                           "POST /v1/chat/completions and POST /v1/completions")  # fmt: skip
+                    return error(oa.OpenAIError(404, msg, code="unknown_route"))
+                if e.status == 405:
+                    return error(oa.OpenAIError(405, f"{request.method} {request.path}: method not allowed",
+                                                code="method_not_allowed"))  # fmt: skip
+                return error(oa.OpenAIError(e.status, f"{request.method} {request.path}: {e.reason}"))
             except Exception as e:  # the gateway keeps serving; the caller sees why
                 log.exception("request failed", path=request.path)
                 return error(oa.OpenAIError(500, f"{type(e).__name__}: {e}"))

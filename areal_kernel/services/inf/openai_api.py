@@ -16,7 +16,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from areal_kernel.agent.openai_wire import error_body, usage
+from areal_kernel.agent.openai_wire import error_body, unknown_role, usage
 
 __all__ = ["OpenAIError", "Sampling", "parse_sampling", "usage"]  # usage: the proxy's, shared
 MAX_N = 16
@@ -147,6 +147,9 @@ def chat_prompt_ids(tokenizer: Any, body: dict[str, Any], model: str) -> list[in
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise OpenAIError(400, f"messages[{i}] must be an object with a 'role'", param="messages")
+        why = unknown_role(m["role"])
+        if why:
+            raise OpenAIError(400, f"messages[{i}].role: {why}", param="messages")
         clean.append({**m, "content": _message_text(m.get("content"), i)})
     if not getattr(tokenizer, "chat_template", None):
         raise OpenAIError(
