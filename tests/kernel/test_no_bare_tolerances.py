@@ -83,13 +83,6 @@ ALLOWED: dict[str, tuple[int, str]] = {
         2, PENDING + ": the embedded server after an update vs the Megatron ranks' recompute (the FSDP twin "
         "measured 0.3-2.3x the sdpa/eager floor, ~1.4-3e-6; 1e-4 is ~40x that)",
     ),
-    "tests/algo/test_rl_step.py": (
-        2, PENDING + ": interpolated vs recomputed proximal logprobs (one step: the same numbers by two routes), "
-        "and the critic's values of a sequence alone vs packed",
-    ),
-    "tests/offline/test_pair_gradients.py": (
-        4, PENDING + ": the trainers' surrogate gradients through the engine vs autograd through transformers"
-    ),
     "tests/vlm/test_vlm_shapes_learns.py": (
         1, PENDING + ": the first step's mean importance weight (server vs engine logprobs, exp of their mean "
         "difference) in a whole training run, within 1e-3 of 1",
