@@ -49,6 +49,7 @@ __all__ = [
     "assert_within_noise",
     "max_difference",
     "measure_noise_floor",
+    "sum_rounding",
 ]
 
 # Machine epsilon of the dtypes the engines compute in (2**-23, 2**-7, 2**-10, 2**-52).
@@ -97,8 +98,8 @@ class NoiseFloor:
     def __str__(self) -> str:
         return (
             f"noise floor {self.value:.3g} for {self.what} (measured: reference vs its same-path alternative, "
-            f"{self.measured}; lower bound {self.ulps:g} ulps of {self.dtype} x scale {self.measured.scale:.3g} "
-            f"= {self.lower_bound:.3g})"
+            f"{self.measured}; lower bound {self.lower_bound:.3g}: {self.ulps:g} ulps of {self.dtype} x scale "
+            f"{self.measured.scale:.3g}, or a derived rounding bound where larger)"
         )
 
 
@@ -194,6 +195,17 @@ def max_difference(a: Any, b: Any, *, relative: bool = False) -> Difference:
     )
 
 
+def sum_rounding(n_terms: int, dtype: str = "float32") -> float:
+    """The typical relative rounding error of a float sum of ``n_terms``
+    terms: ``sqrt(n) x u`` (``u`` = half an ulp at 1; rounding errors of a
+    sum add like a random walk). A value reduced over a model's whole
+    vocabulary (a logsumexp, an entropy) carries this much even when two runs
+    sum in the *same* order and so show no difference at all."""
+    if dtype not in _EPS:
+        raise ValueError(f"dtype {dtype!r}: one of {sorted(_EPS)}")
+    return math.sqrt(n_terms) * _EPS[dtype] / 2
+
+
 def measure_noise_floor(
     what: str,
     reference: Any,
@@ -202,15 +214,19 @@ def measure_noise_floor(
     relative: bool = False,
     dtype: str = "float32",
     ulps: float = DEFAULT_ULPS,
+    lower_bound: float = 0.0,
 ) -> NoiseFloor:
     """The floor for ``what``: the reference path's result against the same
     path computed in another summation order (``alternative``: another
     micro-batch split, another attention kernel), bounded below by ``ulps``
-    units in the last place of ``dtype`` at the reference's magnitude."""
+    units in the last place of ``dtype`` at the reference's magnitude, and by
+    ``lower_bound`` (a derived rounding bound the alternative cannot show,
+    e.g. ``sum_rounding(vocab)`` for a logprob whose logsumexp both paths
+    reduce in the same order)."""
     if dtype not in _EPS:
         raise ValueError(f"dtype {dtype!r}: one of {sorted(_EPS)}")
     measured = max_difference(alternative, reference, relative=relative)
-    return NoiseFloor(what, measured, ulps * _EPS[dtype] * measured.scale, dtype, ulps)
+    return NoiseFloor(what, measured, max(ulps * _EPS[dtype] * measured.scale, lower_bound), dtype, ulps)
 
 
 def assert_within_noise(

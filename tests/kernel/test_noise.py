@@ -9,7 +9,13 @@ import math
 import pytest
 import torch
 
-from areal_kernel.testing.noise import DEFAULT_ULPS, assert_within_noise, max_difference, measure_noise_floor
+from areal_kernel.testing.noise import (
+    DEFAULT_ULPS,
+    assert_within_noise,
+    max_difference,
+    measure_noise_floor,
+    sum_rounding,
+)
 
 REF = [[0.0, -3.25, -7.5], [0.0, -1.0]]
 
@@ -71,3 +77,15 @@ def test_nan_fails_and_a_multiple_below_one_is_refused():
         assert_within_noise([math.nan], [1.0], floor, 4.0)
     with pytest.raises(ValueError, match="multiple"):
         assert_within_noise([1.0], [1.0], floor, 0.5)
+
+
+def test_a_derived_bound_stands_in_where_the_alternative_cannot_show_the_rounding():
+    # Two runs that reduce a 49152-term sum in the same order agree exactly;
+    # the rounding of that sum (sqrt(n) half-ulps) is still there.
+    bound = sum_rounding(49152)
+    assert bound == pytest.approx(math.sqrt(49152) * 2.0**-24)
+    floor = measure_noise_floor("entropy", [5.26], [5.26], relative=True, lower_bound=bound)
+    assert floor.measured.value == 0.0 and floor.value == bound
+    assert_within_noise([5.26 * (1 + 3 * bound)], [5.26], floor, 4.0)
+    with pytest.raises(AssertionError, match="derived rounding bound"):
+        assert_within_noise([5.26 * (1 + 10 * bound)], [5.26], floor, 4.0)
