@@ -18,7 +18,7 @@ from __future__ import annotations
 import gc
 
 import pytest
-from megatron_helpers import CFG, SMOL_CFG, check_against_torch, floors, noise_cfg, run_steps
+from megatron_helpers import CFG, SMOL_CFG, check_against_torch, entropy_rounding, floors, noise_cfg, run_steps
 
 from areal_kernel.engine.torch_engine import TorchTrainEngine
 
@@ -59,11 +59,14 @@ def results(engines, tiny_model_dir):
         ref = TorchTrainEngine(cfg)
         ref.initialize(models[model], 10)
         ref_run, ref_w = run_steps(ref, vocab), dict(ref.named_weights_for_transfer())
+        ent_rounding = entropy_rounding(ref, vocab)
         del ref  # its optimizer state goes; the weights stay referenced by ref_w
         gc.collect()
         noise = TorchTrainEngine(noise_cfg(cfg))  # the floor: the reference with another micro-batch split
         noise.initialize(models[model], 10)
-        floor = floors(ref_run, run_steps(noise, vocab), ref_w, dict(noise.named_weights_for_transfer()))
+        floor = floors(
+            ref_run, run_steps(noise, vocab), ref_w, dict(noise.named_weights_for_transfer()), vocab, ent_rounding
+        )
         del noise
         gc.collect()
         out[alloc] = ((ref_run, ref_w), *got, floor)

@@ -9,7 +9,8 @@ parallel state between layouts:
 Per layout, 4 optimizer steps (PPO loss, clipping active, linear schedule):
 loss, grad norm, logprobs and the weights after the steps must match the
 torch engine within ``MULTIPLE`` x a noise floor measured in the same run
-(the torch engine with another micro-batch split; ``megatron_helpers``);
+(the torch engine with another micro-batch split and attention kernel;
+``megatron_helpers``);
 a wrong reduction or a lost micro-batch is off by > 1e-2. The t2 engine
 also checks save -> load -> identical steps
 through megatron's distributed checkpointing, and the p2 engine the HF
@@ -27,6 +28,7 @@ from megatron_helpers import (
     MULTIPLE,
     SMOL_CFG,
     check_against_torch,
+    entropy_rounding,
     floors,
     max_diff,
     noise_cfg,
@@ -63,7 +65,9 @@ def results(rank_pool, tiny_model_dir, smollm2_dir, tmp_path_factory):
             noise = TorchTrainEngine(noise_cfg(cfg))
             noise.initialize(model_dir, 10)
             noise_run = run_steps(noise, vocab)
-            floor = floors(ref_run, noise_run, ref_w, dict(noise.named_weights_for_transfer()))
+            floor = floors(
+                ref_run, noise_run, ref_w, dict(noise.named_weights_for_transfer()), vocab, entropy_rounding(ref, vocab)
+            )
             del noise  # before any Megatron rank builds on SmolLM2: the two never share memory
             gc.collect()
             out[ref_key] = (ref_run, ref_w, ref, floor)
