@@ -10,7 +10,11 @@ Engines and platforms: ``areal_kernel.testing.contracts``; the other kinds
 (datasets, metric sinks, advantage estimators, losses, workflows, weight
 transports, schedulers, tool-call parsers, tools): ``areal_kernel.testing.kinds``. The names resolve
 on first use, so importing a helper module of this package (``models``,
-``waits``) does not import pytest.
+``waits``, ``noise``) does not import pytest.
+
+Float comparisons across code paths (two engines, a server and an engine):
+``areal_kernel.testing.noise`` measures the noise floor in the same test and
+asserts within a stated multiple of it.
 """
 
 from __future__ import annotations

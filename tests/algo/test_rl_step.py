@@ -12,6 +12,7 @@ from areal_kernel.api.io import Trajectory, TrajectoryBatch
 from areal_kernel.engine.critic import TorchCriticEngine
 from areal_kernel.engine.torch_engine import TorchTrainEngine
 from areal_kernel.errors import ConfigError
+from areal_kernel.testing.noise import assert_within_noise, measure_noise_floor
 
 
 def test_prox_interpolation_alpha_hand_values():
@@ -49,8 +50,13 @@ def test_interpolated_prox_equals_recompute_for_one_step(tiny_llama_dir):
     batch = _fixed_batch()
     a = rl_train_step(batch, _engine(tiny_llama_dir), RLConfig(recompute_proximal=True, behav_imp_weight_cap=5.0))
     b = rl_train_step(batch, _engine(tiny_llama_dir), RLConfig(recompute_proximal=False, prox_interpolate=True, behav_imp_weight_cap=5.0))
+    # Floor (areal_kernel.testing.noise): the recompute again with the other attention kernel.
+    # Measured: the two routes are bit-identical here (AVX-512 and avx2); 4x the floor.
+    n = rl_train_step(batch, _engine(tiny_llama_dir, attn_implementation="eager"),
+                      RLConfig(recompute_proximal=True, behav_imp_weight_cap=5.0))  # fmt: skip
     for key in ("loss", "importance_weight", "behav_imp_weight", "behav_masked_frac", "grad_norm"):
-        assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), key
+        floor = measure_noise_floor(key, a[key], n[key], relative=True)
+        print(assert_within_noise(b[key], a[key], floor, 4.0))
     assert b["importance_weight"] == pytest.approx(1.0)
 
 
@@ -102,7 +108,14 @@ def test_critic_values_align_and_fit_returns(tiny_llama_dir):
     # Packing does not change the values: score each sequence alone.
     packed = critic.compute_values(batch)
     alone = critic.compute_values(TrajectoryBatch(batch.trajectories[:1]))
-    assert alone[0] == pytest.approx(packed[0], abs=1e-5)
+    # Floor: the same weights with the other attention kernel, packed too
+    # (measured 0.16-0.33x it on AVX-512 and avx2; 4x).
+    eager = TorchCriticEngine({"lr": 1e-2, "seed": 0, "max_tokens_per_mb": 16, "attn_implementation": "eager"})
+    eager.initialize(tiny_llama_dir, 20)
+    eager.decoder.load_state_dict(critic.decoder.state_dict())
+    eager.head.load_state_dict(critic.head.state_dict())
+    floor = measure_noise_floor("values", packed[0], eager.compute_values(batch)[0])
+    print(assert_within_noise(alone[0], packed[0], floor, 4.0))
 
 
 def test_critic_state_round_trip_continues_exactly(tiny_llama_dir, tmp_path):

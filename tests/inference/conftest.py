@@ -67,6 +67,19 @@ def hf_model(tiny_model_dir):
 
 
 @pytest.fixture(scope="session")
+def hf_eager(tiny_model_dir):
+    """The same model with eager attention: the forward again in another
+    summation order, whose distance from ``hf_model`` is the noise floor of a
+    server-vs-forward comparison (``areal_kernel.testing.noise``)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(
+        tiny_model_dir, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+
+
+@pytest.fixture(scope="session")
 def servers(tiny_model_dir, tmp_path_factory):
     """Two fp32 servers with an admin token; stopped at the end of the session."""
     from areal_kernel.inference.embedded.launcher import EmbeddedLauncher, EmbeddedServerConfig

@@ -9,6 +9,7 @@ import torch
 
 from areal_kernel.inference.embedded.engine import GenerationEngine
 from areal_kernel.inference.embedded.protocol import GenerateBody, parse_sampling
+from areal_kernel.testing.noise import assert_within_noise, measure_noise_floor
 
 
 @pytest.fixture(scope="module")
@@ -105,11 +106,15 @@ def test_areal_sdpa_equals_sdpa_on_a_padded_batch(tiny_model_dir, hf_model):
     mask = torch.ones(3, 11, dtype=torch.long)
     mask[0, :4] = 0
     mask[2, :9] = 0
+    eager = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32, attn_implementation="eager")
     with torch.inference_mode():
         a = ours(input_ids=ids, attention_mask=mask).logits
         b = hf_model(input_ids=ids, attention_mask=mask).logits
+        c = eager(input_ids=ids, attention_mask=mask).logits
     keep = mask.bool()
-    assert (a - b)[keep].abs().max().item() < 1e-5
+    # Floor (areal_kernel.testing.noise): transformers' eager attention against its sdpa.
+    floor = measure_noise_floor("logits", b[keep], c[keep])
+    print(assert_within_noise(a[keep], b[keep], floor, 4.0))
 
 
 def test_growing_layer_matches_concatenation():
@@ -130,7 +135,7 @@ def test_growing_layer_matches_concatenation():
     assert torch.equal(keys[:, :, :-1], ref_k[:1, :, 10:]) and torch.equal(keys[:, :, -1], torch.ones(1, 3, 4))
 
 
-def test_identical_prompts_are_prefilled_once_and_sample_independently(engine, hf_model):
+def test_identical_prompts_are_prefilled_once_and_sample_independently(engine, hf_model, hf_eager):
     """A GRPO group sends n copies of one prompt: the engine prefills the
     distinct prompts once (fewer prefill rows), yet every copy's greedy output
     and logprobs equal a lone request's, and sampled copies differ."""
@@ -154,8 +159,13 @@ def test_identical_prompts_are_prefilled_once_and_sample_independently(engine, h
     assert calls[0] == (2, 5)  # one prefill row per distinct prompt
     for i, o in enumerate(outs):
         assert o["output_ids"] == (lone["output_ids"] if i % 2 else greedy(hf_model, q, 6))
+    # Floor: one full forward over the lone request's tokens, sdpa against eager.
+    full = torch.tensor([p + lone["output_ids"]])
+    with torch.inference_mode():
+        lps = [m(full).logits[0, len(p) - 1 : -1].log_softmax(-1) for m in (hf_model, hf_eager)]
+    floor = measure_noise_floor("logprobs", *(lp.gather(-1, full[0, len(p) :, None])[:, 0] for lp in lps))
     for o in outs[1::2]:
-        assert max(abs(a - b) for a, b in zip(o["output_logprobs"], lone["output_logprobs"])) < 1e-4
+        print(assert_within_noise(o["output_logprobs"], lone["output_logprobs"], floor, 8.0))
     sampled = [
         engine.submit(GenerateBody(f"s{i}", p, parse_sampling({"max_new_tokens": 8, "temperature": 1.0})))
         for i in range(6)

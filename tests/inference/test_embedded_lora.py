@@ -13,12 +13,21 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from areal_kernel.api.engine import WeightUpdateMeta
+from areal_kernel.testing.noise import assert_within_noise, measure_noise_floor
 from areal_kernel.api.io import GenerationConfig, ModelRequest, Trajectory, TrajectoryBatch
 from areal_kernel.engine.torch_engine import TorchTrainEngine
 
 VOCAB = 384
 PROMPT = [5, 17, 101, 33, 250, 7]
-TOL = 1e-4  # the embedded server's fp32 logprob tolerance (test_embedded_server.py)
+# Server logprobs against the engine's recompute: within SERVER_MULTIPLE x a
+# floor measured in the same test (areal_kernel.testing.noise): the engine's
+# recompute with the same weights and the other attention kernel (eager).
+# The server decodes token by token with a KV cache, the reference is one full
+# forward: measured 1.1-1.9x (AVX-512) and up to 2.6x (avx2) of the floor on AVX-512 and with
+# ATEN_CPU_CAPABILITY=avx2; 8x leaves 3x headroom over the largest server
+# ratio seen in tests/inference and tests/vlm (2.6x), while a stale weight
+# or a wrong adapter is off by > 1e-2, thousands of floors.
+SERVER_MULTIPLE = 8.0
 
 
 def _loss(logprobs, entropy, data):
@@ -50,9 +59,18 @@ def _recompute(engine: TorchTrainEngine, prompt: list[int], out: dict) -> list[f
     return engine.compute_logprobs(TrajectoryBatch([t]))[0][len(prompt) :]
 
 
-def _max_diff(a: list[float], b: list[float]) -> float:
-    assert len(a) == len(b)
-    return max(abs(x - y) for x, y in zip(a, b))
+def _eager_twin(engine: TorchTrainEngine, model_dir: str) -> TorchTrainEngine:
+    """The same weights (adapter included) with eager attention."""
+    twin = TorchTrainEngine({**engine.config.model_dump(), "attn_implementation": "eager"})
+    twin.initialize(model_dir, 10)
+    twin.model.load_state_dict(engine.model.state_dict())
+    return twin
+
+
+def _check(got: list[float], eng: TorchTrainEngine, model_dir: str, prompt: list[int], out: dict, k: int = 0) -> None:
+    want = _recompute(eng, prompt, out)[k:]
+    floor = measure_noise_floor("logprobs", want, _recompute(_eager_twin(eng, model_dir), prompt, out)[k:])
+    print(assert_within_noise(got[k:], want, floor, SERVER_MULTIPLE))
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +81,7 @@ def engines(tiny_model_dir):
     return base, a, b
 
 
-def test_two_adapters_and_the_base_in_one_batch(servers, engines, tmp_path):
+def test_two_adapters_and_the_base_in_one_batch(servers, engines, tmp_path, tiny_model_dir):
     base, a, b = engines
     srv = servers[0]
     for eng, version in ((a, 1), (b, 3)):
@@ -90,7 +108,7 @@ def test_two_adapters_and_the_base_in_one_batch(servers, engines, tmp_path):
         for adapter, eng, version in (("task-a", a, 1), ("task-b", b, 3), (None, base, base_version)):
             out = outs[adapter]
             assert out["weight_version"] == version
-            assert _max_diff(out["output_logprobs"], _recompute(eng, PROMPT, out)) < TOL, adapter
+            _check(out["output_logprobs"], eng, tiny_model_dir, PROMPT, out)
         # Each adapter changes what the model says.
         assert outs["task-a"]["output_ids"] != outs[None]["output_ids"]
         assert outs["task-b"]["output_ids"] != outs[None]["output_ids"]
@@ -139,10 +157,7 @@ def test_adapter_broadcast_update_interrupts_a_generation(servers, engines, tmp_
         assert set(resp.output_versions) == {1, 2} and resp.n_interruptions >= 1
         assert resp.output_versions == sorted(resp.output_versions)
         k = resp.output_versions.index(2)
-        ids = PROMPT + resp.output_ids
-        t = Trajectory(ids, [0] * len(PROMPT) + [1] * len(resp.output_ids), [0.0] * len(ids), [-1] * len(ids), 0.0)
-        recomputed = eng.compute_logprobs(TrajectoryBatch([t]))[0][len(PROMPT) :]
-        assert _max_diff(resp.output_logprobs[k:], recomputed[k:]) < TOL
+        _check(resp.output_logprobs, eng, tiny_model_dir, PROMPT, {"output_ids": resp.output_ids}, k)
     finally:
         srv.ok("/unload_adapter", {"name": "live"})
         client.destroy()

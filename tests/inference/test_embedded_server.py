@@ -8,6 +8,15 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
+from areal_kernel.testing.noise import assert_within_noise, measure_noise_floor
+
+# The server decodes token by token with a KV cache, the reference is one full
+# forward: measured 0.7-2.5x of the floor on AVX-512 and with
+# ATEN_CPU_CAPABILITY=avx2; 8x leaves 3x headroom over the largest server
+# ratio seen in tests/inference and tests/vlm (2.6x), while a stale weight
+# or a wrong adapter is off by > 1e-2, thousands of floors.
+SERVER_MULTIPLE = 8.0
+
 PROMPTS = [[5, 17, 33], [101, 7, 250, 9, 12, 77, 3], [42], list(range(200, 230))]
 
 
@@ -53,16 +62,20 @@ def test_greedy_matches_hf_generate(servers, hf_model):
         assert out["output_ids"] == hf_greedy(hf_model, p, 24)
 
 
-def test_logprobs_match_forward_recompute(servers, hf_model):
+def test_logprobs_match_forward_recompute(servers, hf_model, hf_eager):
+    # The server decodes token by token with a KV cache; the reference is one
+    # full forward. Floor: that forward with the other attention kernel.
     s = servers[0]
     g = s.generate("lp-greedy", PROMPTS[1], max_new_tokens=16, greedy=True)
     ref = hf_logprobs(hf_model, PROMPTS[1], g["output_ids"])
     assert len(g["output_logprobs"]) == 16
-    assert max(abs(a - b) for a, b in zip(g["output_logprobs"], ref)) < 1e-4
+    floor = measure_noise_floor("logprobs", ref, hf_logprobs(hf_eager, PROMPTS[1], g["output_ids"]))
+    print(assert_within_noise(g["output_logprobs"], ref, floor, SERVER_MULTIPLE))
     # Sampled with temperature: logprob is of the tempered distribution.
     t = s.generate("lp-sampled", PROMPTS[0], max_new_tokens=16, temperature=0.7, top_p=0.9, top_k=50)
     ref = hf_logprobs(hf_model, PROMPTS[0], t["output_ids"], temperature=0.7)
-    assert max(abs(a - b) for a, b in zip(t["output_logprobs"], ref)) < 1e-4
+    floor = measure_noise_floor("logprobs", ref, hf_logprobs(hf_eager, PROMPTS[0], t["output_ids"], temperature=0.7))
+    print(assert_within_noise(t["output_logprobs"], ref, floor, SERVER_MULTIPLE))
     # top_k=1 must pick the argmax whatever the temperature.
     k1 = s.generate("topk1", PROMPTS[0], max_new_tokens=8, temperature=1.5, top_k=1)
     assert k1["output_ids"] == hf_greedy(hf_model, PROMPTS[0], 8)

@@ -18,7 +18,15 @@ from areal_kernel.errors import ServerError
 from areal_kernel.inference.client import RemoteInferenceEngine
 from areal_kernel.inference.embedded.backend import EmbeddedProtocol
 from areal_kernel.inference.embedded.launcher import EmbeddedLauncher, EmbeddedServerConfig
+from areal_kernel.testing.noise import assert_within_noise, measure_noise_floor
 from areal_kernel.testing.waits import embedded_tokens_generated, wait_for_embedded_tokens
+
+# The server decodes token by token with a KV cache, the reference is one full
+# forward: measured 0.5-1.6x (AVX-512) and up to 2.2x (avx2) of the floor on AVX-512 and with
+# ATEN_CPU_CAPABILITY=avx2; 8x leaves 3x headroom over the largest server
+# ratio seen in tests/inference and tests/vlm (2.6x), while a stale weight
+# or a wrong adapter is off by > 1e-2, thousands of floors.
+SERVER_MULTIPLE = 8.0
 
 
 @pytest.fixture
@@ -53,7 +61,7 @@ def hf_logprobs(model, ids: list[int]) -> list[float]:
     return [0.0] + [logp[i - 1, ids[i]].item() for i in range(1, len(ids))]
 
 
-def test_generates_across_servers_and_matches_hf_greedy(tiny_model_dir, hf_model, launch):
+def test_generates_across_servers_and_matches_hf_greedy(tiny_model_dir, hf_model, hf_eager, launch):
     _, infos = launch(tiny_model_dir, n=2)
     engine = RemoteInferenceEngine([i.address for i in infos], EmbeddedProtocol())
     prompts = [[5, 6, 7], [9, 1], [3, 3, 3, 3], [42], [7, 8, 9, 10, 11], [100, 2], [17], [250, 251]]
@@ -74,7 +82,9 @@ def test_generates_across_servers_and_matches_hf_greedy(tiny_model_dir, hf_model
         assert r.output_ids == ref
         assert r.output_versions == [0] * 12 and r.stop_reason == StopReason.LENGTH
         lp = hf_logprobs(hf_model, p + r.output_ids)[len(p):]
-        assert max(abs(a - b) for a, b in zip(lp, r.output_logprobs)) < 1e-4
+        # Floor: the full forward with the other attention kernel (areal_kernel.testing.noise).
+        floor = measure_noise_floor("logprobs", lp, hf_logprobs(hf_eager, p + r.output_ids)[len(p):])
+        print(assert_within_noise(r.output_logprobs, lp, floor, SERVER_MULTIPLE))
 
 
 def test_interrupted_generation_resumes_on_new_weights(tiny_model_dir, hf_model, launch, tmp_path):

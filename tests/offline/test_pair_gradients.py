@@ -11,6 +11,7 @@ import torch
 from areal_kernel.algo.dpo_losses import dpo_pair_losses, make_sequence_linear_loss_fn, pair_loss_and_grads
 from areal_kernel.algo.rm_losses import bradley_terry_losses
 from areal_kernel.api.io import Trajectory, TrajectoryBatch
+from areal_kernel.testing.noise import assert_within_noise, measure_noise_floor
 from areal_kernel.trainer.preference import seq_coef_rows
 
 pytestmark = pytest.mark.slow
@@ -46,11 +47,33 @@ def surrogate_grads(engine, batch, gc, gr, per_token=False):
     return {n: p.grad.clone() for n, p in engine.model.named_parameters() if p.grad is not None}
 
 
-def assert_same_grads(got, model):
-    want = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+# The engine's packed, micro-batched surrogate against plain autograd through
+# transformers: a comparison across code paths, against a floor measured in the
+# same test (areal_kernel.testing.noise): the autograd reference again with the
+# other attention kernel (eager). Measured 0-0.74x the floor on AVX-512 and
+# with ATEN_CPU_CAPABILITY=avx2: 4x leaves 5x headroom.
+MULTIPLE = 4.0
+
+
+def _autograd(model, direct_of, loss_of):
+    """The reference: per-sequence forwards, the pair loss, backward; returns
+    (per-sequence values, loss, gradients)."""
+    direct = direct_of(model)
+    loss = loss_of(torch.stack(direct[0::2]).double(), torch.stack(direct[1::2]).double()).mean()
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return [float(d.detach()) for d in direct], float(loss.detach()), grads
+
+
+def assert_like_autograd(reference, direct_of, loss_of, scores, loss, got):
+    eager = copy.deepcopy(reference)
+    eager.set_attn_implementation("eager")
+    values, want_loss, want = _autograd(reference, direct_of, loss_of)
+    n_values, n_loss, n_grads = _autograd(eager, direct_of, loss_of)
+    print(assert_within_noise(scores, values, measure_noise_floor("scores", values, n_values), MULTIPLE))
+    print(assert_within_noise(loss, want_loss, measure_noise_floor("loss", want_loss, n_loss, relative=True), MULTIPLE))
     assert set(got) == set(want)
-    for n in want:
-        torch.testing.assert_close(got[n], want[n], rtol=1e-4, atol=1e-6, msg=n)
+    print(assert_within_noise(got, want, measure_noise_floor("gradients", want, n_grads), MULTIPLE))
 
 
 @pytest.mark.parametrize("loss_type, average", [("dpo", False), ("ipo", True)])
@@ -81,17 +104,17 @@ def test_dpo_surrogate_gradient_equals_autograd(tiny_dir, loss_type, average):
     assert max(abs(g) for g in gc) > 0
 
     # Plain autograd: each sequence on its own, no packing.
-    direct = []
-    for t in batch.trajectories:
-        ids = torch.tensor([t.input_ids])
-        logp = torch.log_softmax(reference(input_ids=ids).logits[0, :-1].float(), -1)
-        tok = logp.gather(-1, ids[0, 1:, None])[:, 0]
-        m = torch.tensor(t.loss_mask[1:], dtype=tok.dtype)
-        direct.append((tok * m).sum() / (m.sum() if average else 1.0))
-    direct_loss = loss_of(torch.stack(direct[0::2]).double(), torch.stack(direct[1::2]).double()).mean()
-    direct_loss.backward()
-    assert float(direct_loss.detach()) == pytest.approx(loss, rel=1e-5)
-    assert_same_grads(got, reference)
+    def direct_of(model):
+        direct = []
+        for t in batch.trajectories:
+            ids = torch.tensor([t.input_ids])
+            logp = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float(), -1)
+            tok = logp.gather(-1, ids[0, 1:, None])[:, 0]
+            m = torch.tensor(t.loss_mask[1:], dtype=tok.dtype)
+            direct.append((tok * m).sum() / (m.sum() if average else 1.0))
+        return direct
+
+    assert_like_autograd(reference, direct_of, loss_of, scores, loss, got)
     engine.destroy()
 
 
@@ -112,10 +135,8 @@ def test_reward_head_surrogate_gradient_equals_autograd(tiny_dir):
     loss, gc, gr = pair_loss_and_grads(loss_of, scores[0::2], scores[1::2])
     got = surrogate_grads(engine, batch, gc, gr)
 
-    direct = [reference(input_ids=torch.tensor([t.input_ids])).logits[0, 0] for t in batch.trajectories]
-    assert [float(d.detach()) for d in direct] == pytest.approx(scores, abs=1e-5)
-    direct_loss = loss_of(torch.stack(direct[0::2]).double(), torch.stack(direct[1::2]).double()).mean()
-    direct_loss.backward()
-    assert float(direct_loss.detach()) == pytest.approx(loss, rel=1e-5)
-    assert_same_grads(got, reference)
+    def direct_of(model):
+        return [model(input_ids=torch.tensor([t.input_ids])).logits[0, 0] for t in batch.trajectories]
+
+    assert_like_autograd(reference, direct_of, loss_of, scores, loss, got)
     engine.destroy()

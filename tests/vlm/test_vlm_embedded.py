@@ -13,11 +13,20 @@ import pytest
 from areal_kernel.api.engine import WeightUpdateMeta
 from areal_kernel.api.io import GenerationConfig, ImageInputs, ModelRequest, Trajectory, TrajectoryBatch
 from areal_kernel.engine.torch_engine import TorchTrainEngine
+from areal_kernel.testing.noise import assert_within_noise, measure_noise_floor
 from areal_kernel.testing.waits import embedded_tokens_generated, wait_for_embedded_tokens
 
 from vlm_helpers import image_prompt, png
 
-TOL = 1e-4  # fp32 server vs fp32 engine
+# fp32 server vs fp32 engine: within SERVER_MULTIPLE x a floor measured in the
+# same test (areal_kernel.testing.noise): the engine's recompute with the same
+# weights and the other attention kernel (``eager_twin``).
+# The server decodes token by token with a KV cache, the reference is one full
+# forward: measured 0-0.4x of the floor on AVX-512 and with
+# ATEN_CPU_CAPABILITY=avx2; 8x leaves 3x headroom over the largest server
+# ratio seen in tests/inference and tests/vlm (2.6x), while a stale weight
+# or a wrong adapter is off by > 1e-2, thousands of floors.
+SERVER_MULTIPLE = 8.0
 
 
 @pytest.fixture(scope="module")
@@ -37,6 +46,19 @@ def engine(vlm_dir):
     e = TorchTrainEngine({"lr": 5e-2, "max_tokens_per_mb": 4096})
     e.initialize(vlm_dir, 10)
     return e
+
+
+@pytest.fixture(scope="module")
+def eager_twin(vlm_dir):
+    """Call with the engine: an eager-attention engine holding its current weights."""
+    twin = TorchTrainEngine({"lr": 5e-2, "max_tokens_per_mb": 4096, "attn_implementation": "eager"})
+    twin.initialize(vlm_dir, 10)
+
+    def sync(engine: TorchTrainEngine) -> TorchTrainEngine:
+        twin.model.load_state_dict(engine.model.state_dict())
+        return twin
+
+    return sync
 
 
 def _client(info):
@@ -63,7 +85,7 @@ def _prompts(processor):
     return out
 
 
-def test_server_logprobs_equal_engine_recompute_for_image_prompts(server, engine, vlm_processor):
+def test_server_logprobs_equal_engine_recompute_for_image_prompts(server, engine, vlm_processor, eager_twin):
     client = _client(server)
     prompts = _prompts(vlm_processor)
     reqs = [
@@ -88,14 +110,17 @@ def test_server_logprobs_equal_engine_recompute_for_image_prompts(server, engine
     assert trajs[0].images is trajs[1].images
     batch = TrajectoryBatch(trajs)
     recomputed = engine.compute_logprobs(batch)  # all six packed into micro-batches together
-    for t, r, lp in zip(trajs, resps, recomputed):
+    floor_lp = eager_twin(engine).compute_logprobs(batch)
+    for t, r, lp, fl in zip(trajs, resps, recomputed, floor_lp):
         n = len(r.input_ids)
         assert len(r.output_ids) == 12
-        assert _max_diff(r.output_logprobs, lp[n:]) < TOL
+        floor = measure_noise_floor("logprobs", lp[n:], fl[n:])
+        print(assert_within_noise(r.output_logprobs, lp[n:], floor, SERVER_MULTIPLE))
     # Without its pixels the model scores the same tokens differently: images mattered.
     blind = engine.compute_logprobs(TrajectoryBatch([Trajectory.from_response(resps[0], 1.0)]))[0]
     n0 = len(resps[0].input_ids)
-    assert _max_diff(blind[n0:], recomputed[0][n0:]) < TOL  # alone == packed
+    floor = measure_noise_floor("logprobs", recomputed[0][n0:], floor_lp[0][n0:])
+    print(assert_within_noise(blind[n0:], recomputed[0][n0:], floor, SERVER_MULTIPLE, what="alone vs packed"))
     same_ids_other_image = Trajectory.from_response(resps[0], 1.0)
     same_ids_other_image.images = prompts[2][1] if len(prompts[2][1]) == 1 else ImageInputs((png((0, 0, 0)),))
     other = engine.compute_logprobs(TrajectoryBatch([same_ids_other_image]))[0]
@@ -107,7 +132,9 @@ def test_server_logprobs_equal_engine_recompute_for_image_prompts(server, engine
     assert stats["n_model_tokens"] == stats["n_tokens"] == sum(len(t.input_ids) for t in trajs)
 
 
-def test_generation_resumes_with_its_images_after_a_weight_update(server, engine, vlm_processor, tmp_path):
+def test_generation_resumes_with_its_images_after_a_weight_update(
+    server, engine, vlm_processor, tmp_path, eager_twin
+):
     client = _client(server)
     ids, images = _prompts(vlm_processor)[1]
     req = ModelRequest(ids, GenerationConfig(max_new_tokens=300, seed=7), images=images)
@@ -129,8 +156,10 @@ def test_generation_resumes_with_its_images_after_a_weight_update(server, engine
         client.destroy()
     assert resp.n_interruptions >= 1 and set(resp.output_versions) == {0, 1}
     k = resp.output_versions.index(1)
-    recomputed = engine.compute_logprobs(TrajectoryBatch([_trajectory(resp)]))[0][len(ids) :]
-    assert _max_diff(resp.output_logprobs[k:], recomputed[k:]) < TOL
+    batch = TrajectoryBatch([_trajectory(resp)])
+    recomputed = engine.compute_logprobs(batch)[0][len(ids) :]
+    floor = measure_noise_floor("logprobs", recomputed[k:], eager_twin(engine).compute_logprobs(batch)[0][len(ids) + k :])
+    print(assert_within_noise(resp.output_logprobs[k:], recomputed[k:], floor, SERVER_MULTIPLE))
 
 
 def test_bad_image_requests_get_one_clear_error(server, vlm_processor):

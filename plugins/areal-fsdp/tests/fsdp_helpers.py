@@ -36,3 +36,22 @@ def ppo_step_inputs(batch, engine):
     """GRPO-style extras: +1/-1 advantages by reward, proximal logprobs from ``engine``."""
     adv = [[(1.0 if t.reward > 0 else -1.0) * m for m in t.loss_mask] for t in batch.trajectories]
     return {"advantages": adv, "prox_logprobs": engine.compute_logprobs(batch, only_loss_tokens=True)}
+
+
+def forward_floor(model_dir: str, weights: dict, ids: list[int], start: int):
+    """The noise floor of a comparison with these weights' logprobs of
+    ``ids[start:]``: transformers' forward with sdpa against eager attention
+    (``areal_kernel.testing.noise``)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from areal_kernel.testing.noise import measure_noise_floor
+
+    rows = []
+    for attn in ("sdpa", "eager"):
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation=attn).eval()
+        model.load_state_dict(weights, strict=False)  # a tied lm_head is not in the transfer names
+        with torch.no_grad():
+            logp = model(torch.tensor([ids])).logits[0].log_softmax(-1)
+        rows.append([logp[i - 1, ids[i]].item() for i in range(start, len(ids))])
+    return measure_noise_floor("logprobs, same weights", rows[0], rows[1])

@@ -7,12 +7,19 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from fsdp_helpers import ppo_step_inputs, random_batch
+from fsdp_helpers import forward_floor, ppo_step_inputs, random_batch
 
 from areal_kernel.algo.losses import make_ppo_loss_fn
+from areal_kernel.testing.noise import assert_within_noise
 
 pytestmark = pytest.mark.slow
 PROMPT = [5, 6, 7, 8, 9]
+# The server (KV-cache decoding) against the ranks' recompute: within
+# SERVER_MULTIPLE x the sdpa-vs-eager floor of a forward with the same weights
+# (fsdp_helpers.forward_floor), as in tests/inference. Measured here 0.3-1.4x
+# (AVX-512) and 1.8-2.3x (ATEN_CPU_CAPABILITY=avx2): 8x leaves 3x headroom; a
+# stale weight is off by > 1e-3 (asserted below).
+SERVER_MULTIPLE = 8.0
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +70,12 @@ def _agree(engine, resp) -> float:
     return max(abs(a - b) for a, b in zip(resp.output_logprobs, _engine_logprobs(engine, resp)))
 
 
+def _check_agree(engine, resp) -> None:
+    ids = list(resp.input_ids) + list(resp.output_ids)
+    floor = forward_floor(engine.model_path, engine.full_weights(), ids, len(resp.input_ids))
+    print(assert_within_noise(resp.output_logprobs, _engine_logprobs(engine, resp), floor, SERVER_MULTIPLE))
+
+
 def test_broadcast_from_two_ranks_changes_server_outputs(shared_engine, server_client, tmp_path):
     engine, client = shared_engine, server_client
     # Asked for by name (the kernel default on cpu is disk): the kernel hook then hands out its broadcast transport.
@@ -75,7 +88,7 @@ def test_broadcast_from_two_ranks_changes_server_outputs(shared_engine, server_c
     assert stats["weights/mb"] > 0.05
     first = _greedy(client)
     assert set(first.output_versions) == {v1}
-    assert _agree(engine, first) < 1e-4
+    _check_agree(engine, first)
     # (2) Train: the engine moves away from what the server serves.
     loss = make_ppo_loss_fn(eps_clip=0.2)
     for seed in range(3):
@@ -89,7 +102,7 @@ def test_broadcast_from_two_ranks_changes_server_outputs(shared_engine, server_c
     transport.update(v2)
     second = _greedy(client)
     assert client.get_version() == v2 and set(second.output_versions) == {v2}
-    assert _agree(engine, second) < 1e-4
+    _check_agree(engine, second)
     assert second.output_logprobs != first.output_logprobs
     transport.close()
 
@@ -106,4 +119,4 @@ def test_disk_transport_uses_the_streamed_export(shared_engine, server_client, t
     transport.update(version)
     after = _greedy(client)
     assert set(after.output_versions) == {version}
-    assert max(abs(a - b) for a, b in zip(after.output_logprobs, _engine_logprobs(engine, after))) < 1e-4
+    _check_agree(engine, after)

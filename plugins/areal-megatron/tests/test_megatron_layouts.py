@@ -1,6 +1,6 @@
 """The two layouts the 2-rank parity test cannot reach, against the kernel's
 single-process torch engine with the parity test's batches, loss, config and
-tolerance (``megatron_helpers``):
+noise-floor rule (``megatron_helpers``):
 
 - ``megatron:t1``: one rank (Megatron with no parallelism at all) on
   SmolLM2-135M-Instruct;
@@ -18,7 +18,7 @@ from __future__ import annotations
 import gc
 
 import pytest
-from megatron_helpers import CFG, SMOL_CFG, check_against_torch, run_steps
+from megatron_helpers import CFG, SMOL_CFG, check_against_torch, entropy_rounding, floors, noise_cfg, run_steps
 
 from areal_kernel.engine.torch_engine import TorchTrainEngine
 
@@ -58,13 +58,22 @@ def results(engines, tiny_model_dir):
         eng.destroy()
         ref = TorchTrainEngine(cfg)
         ref.initialize(models[model], 10)
-        out[alloc] = ((run_steps(ref, vocab), dict(ref.named_weights_for_transfer())), *got)
-        del ref  # its optimizer state goes; the weights stay referenced by out
+        ref_run, ref_w = run_steps(ref, vocab), dict(ref.named_weights_for_transfer())
+        ent_rounding = entropy_rounding(ref, vocab)
+        del ref  # its optimizer state goes; the weights stay referenced by ref_w
         gc.collect()
+        noise = TorchTrainEngine(noise_cfg(cfg))  # the floor: the reference with another micro-batch split
+        noise.initialize(models[model], 10)
+        floor = floors(
+            ref_run, run_steps(noise, vocab), ref_w, dict(noise.named_weights_for_transfer()), vocab, ent_rounding
+        )
+        del noise
+        gc.collect()
+        out[alloc] = ((ref_run, ref_w), *got, floor)
     return out
 
 
 @pytest.mark.parametrize("alloc,world,clip", [(a, w, c["max_grad_norm"]) for a, w, _, _, c in LAYOUTS])
 def test_layout_matches_the_torch_engine(results, alloc, world, clip):
-    (ref, ref_w), got, weights = results[alloc]
-    check_against_torch(alloc, got, ref, weights, ref_w, world, clip)
+    (ref, ref_w), got, weights, floor = results[alloc]
+    check_against_torch(alloc, got, ref, weights, ref_w, floor, world, clip)
