@@ -143,10 +143,11 @@ ARITHMETIC = LearningCheck("mean sampling reward, steps 3-6", late=(3, 6), bar=0
 # policy: 0.80-0.89 with lr (4 runs) and 0.33-0.48 with lr=0 (mean 0.40, std
 # 0.06 over 4): the bar is 4 frozen std above their mean.
 ARITHMETIC_VLLM = LearningCheck("mean sampling reward, steps 3-6 (vLLM sampling)", late=(3, 6), bar=0.65)
-# examples/grpo_multi_turn.yaml (a corrected answer scores half): 0.90 with lr
-# (2 runs of seed 1; steps 3-4 of 4-step runs: 0.78-0.92 over 3 seeds) and
-# 0.40 with lr=0 (steps 3-4 of 4-step runs: 0.28-0.46 over 3 seeds).
-MULTI_TURN = LearningCheck("mean sampling reward, steps 3-6 (multi-turn)", late=(3, 6), bar=0.65)
+# examples/grpo_multi_turn.yaml (a corrected answer scores half), seeds 1-3:
+# 0.60-0.90 with lr (4 runs; seed 3 rose to 0.88 at step 4, then fell back to
+# 0.38-0.41) and 0.34-0.40 with lr=0 (mean 0.37, std 0.03 over 3): the bar is
+# 3.8 frozen std above their mean and 0.10 under the lowest learning run.
+MULTI_TURN = LearningCheck("mean sampling reward, steps 3-6 (multi-turn)", late=(3, 6), bar=0.50)
 # examples/vlm_shapes.yaml after its SFT stage, 20 steps: gains of 0.164-0.248
 # with lr (4 runs) and 0.019-0.038 with lr=0 (mean 0.025, std 0.009 over 4; a
 # frozen run's step-to-step noise implies ~0.034 for this statistic).

@@ -24,7 +24,7 @@ this file with those overrides). Sharing it keeps two more SmolLM2 ranks per
 control off the big-memory unit, the suite's longest.
 
 Wall time seen (other helpers' jobs loading both cores ~6x): learning 316 s,
-frozen 221 s; unloaded, each run is about a minute and a half.
+frozen 221 s.
 """
 
 import pytest
