@@ -1,31 +1,22 @@
 """Can the end-to-end learning tests tell learning from noise?
 
-Runs the demo config for a few steps (its peak lr held constant, as the
-tests do) several times with its learning rate and
-several times with ``lr=0`` (the negative control: same sampling, same data
-order, weights frozen), and reports, for each candidate statistic, its mean
-and standard deviation in both arms and the separation between them in
-units of their pooled standard deviation. The e2e tests assert on the
-statistic with the widest separation, with a margin set from these numbers.
+For each backend, runs the configuration its learning test runs several
+times with the test's learning rate and several times with every learning
+rate at 0 (the negative control: same sampling, same data order, weights
+frozen), and reports the test's statistic (``areal_kernel.testing.learning``)
+for both arms: the frozen runs' mean and standard deviation, the learning
+runs' minimum, the bar, and where the bar sits in frozen standard deviations
+(goal: at least 3 above the frozen mean, and below every learning run).
 
-Statistics (per run):
-- ``trend``: mean sampling reward over steps 3..end minus step 1's
-  (``areal_kernel.testing.trends.sampling_reward_trend``);
-- ``trend12``: mean over the second half of the steps minus the mean of
-  steps 1 and 2 (with staleness 1, step 2 still samples mostly from the
-  initial weights: a baseline twice as large, biased towards no gain);
-- ``eval_gain``: held-out greedy accuracy after minus before (the same fixed
-  held-out sums in every run; greedy, so a frozen policy scores exactly its
-  "before" figure).
+    OMP_NUM_THREADS=1 .venv/bin/python bench/bench_learning_signal.py --backend torch --seeds 3 [--out runs.jsonl]
+    ... --backend lora | multi_turn | vlm         (cheap: a few GB, one process each)
+    ... --backend fsdp | megatron | vllm          (several GB: two ranks, or a vLLM server)
+    ... --table runs.jsonl [more.jsonl ...]       (the table again from saved runs, no run)
 
-    OMP_NUM_THREADS=1 .venv/bin/python bench/bench_learning_signal.py [--runs 4] [--controls 2] [--steps 6] [key=value ...]
-
-The same for the plugins' learning tests (vLLM rollout; FSDP ranks):
-
-    ... bench_learning_signal.py --runs 3 --controls 3 trainer.eval_size=0 rollout.backend=vllm \
-        weight_update.mode=broadcast rollout.vllm.startup_timeout_s=1200
-    ... bench_learning_signal.py --runs 3 --controls 3 --engine-section actor.fsdp \
-        --example plugins/areal-fsdp/examples/grpo_arithmetic_fsdp.yaml trainer.eval_size=0
+Each run is one line of JSON in ``--out`` (backend, arm, seed, per-step
+sampling reward, wall time), so a long measurement can be stopped and its
+table printed from what finished. ``--steps`` and extra ``key=value``
+overrides change every run (the bar is then not the test's).
 """
 
 from __future__ import annotations
@@ -43,71 +34,112 @@ from summary import report  # bench/summary.py: one table of ratios for `make be
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
-from areal_kernel.testing.trends import sampling_reward_trend  # noqa: E402
+from areal_kernel.testing import learning  # noqa: E402
 
-EXAMPLE = os.path.join(REPO, "examples", "grpo_arithmetic.yaml")
+ARITH = ["trainer.eval_size=0", "logging.sinks=[jsonl]"]
+# What each backend's learning test runs: its config, every learning rate it
+# trains with, its steps and its check (the statistic and the bar).
+BACKENDS: dict[str, dict] = {
+    "torch": {"example": "examples/grpo_arithmetic.yaml", "lr": ["actor.torch.lr"], "steps": 6,
+              "check": learning.ARITHMETIC, "overrides": [*ARITH, "actor.torch.lr_scheduler=constant"]},
+    "lora": {"example": "examples/grpo_lora.yaml", "lr": ["actor.torch.lr"], "steps": 6,
+             "check": learning.ARITHMETIC, "overrides": [*ARITH, "actor.torch.lr_scheduler=constant"]},
+    "multi_turn": {"example": "examples/grpo_multi_turn.yaml", "lr": ["actor.torch.lr"], "steps": 6,
+                   "check": learning.MULTI_TURN, "overrides": [*ARITH, "actor.torch.lr_scheduler=constant"]},
+    "vlm": {"example": "examples/vlm_shapes.yaml", "lr": ["actor.torch.lr"], "steps": 20,
+            "check": learning.VLM_SHAPES, "overrides": ARITH, "sft": "examples/vlm_shapes_sft.yaml"},
+    "fsdp": {"example": "plugins/areal-fsdp/examples/grpo_arithmetic_fsdp.yaml", "lr": ["actor.fsdp.lr"],
+             "steps": 6, "check": learning.ARITHMETIC, "overrides": ARITH},
+    "megatron": {"example": "plugins/areal-megatron/examples/grpo_arithmetic_megatron.yaml",
+                 "lr": ["actor.megatron.lr"], "steps": 6, "check": learning.ARITHMETIC, "overrides": ARITH},
+    "vllm": {"example": "examples/grpo_arithmetic.yaml", "lr": ["actor.torch.lr"], "steps": 6,
+             "check": learning.ARITHMETIC_VLLM,
+             "overrides": [*ARITH, "actor.torch.lr_scheduler=constant", "rollout.backend=vllm",
+                           "weight_update.mode=broadcast", "rollout.vllm.startup_timeout_s=1200"]},
+}  # fmt: skip
 
 
-def run(seed: int, steps: int, lr0: bool, root: str, overrides: list[str], example: str, section: str) -> dict:
-    run_dir = os.path.join(root, f"{'lr0' if lr0 else 'lr'}-seed{seed}")
-    cmd = [sys.executable, "-m", "areal_kernel.cli", "train", example, f"seed={seed}", f"run_dir={run_dir}",
-           f"trainer.max_steps={steps}", "logging.sinks=[jsonl]", f"{section}.lr_scheduler=constant",
-           *([f"{section}.lr=0"] if lr0 else []),
-           *overrides]  # fmt: skip
-    t0 = time.monotonic()
-    proc = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), cwd=REPO, capture_output=True, text=True)
+def areal(args: list[str]) -> None:
+    proc = subprocess.run([sys.executable, "-m", "areal_kernel.cli", *args], env=dict(os.environ, OMP_NUM_THREADS="1"),
+                          cwd=REPO, capture_output=True, text=True)  # fmt: skip
     if proc.returncode != 0:
-        raise SystemExit(f"seed {seed} (lr0={lr0}): areal train failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
-    rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
-    step_rows = [r for r in rows if "perf/step_s" in r]
-    first, later, rewards = sampling_reward_trend(step_rows)
-    result = json.load(open(os.path.join(run_dir, "result.json")))
-    # NaN when the run had no held-out evaluation (trainer.eval_size=0).
-    gain = result["after"] - result["before"] if "after" in result and "before" in result else float("nan")
-    return {"seed": seed, "lr0": lr0, "later": later, "trend": later - first, "trend12": trend12(rewards),
-            "eval_gain": gain, "rewards": rewards, "wall_s": time.monotonic() - t0}
+        raise SystemExit(f"areal {' '.join(args)} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
 
 
-def trend12(rewards: list[float]) -> float:
-    half = [x for x in rewards[len(rewards) // 2 :] if x == x]  # NaN: a step without finished rollouts
-    base = [x for x in rewards[:2] if x == x]
-    return sum(half) / len(half) - sum(base) / len(base)
+def run(backend: str, seed: int, frozen: bool, steps: int, root: str, extra: list[str]) -> dict:
+    spec = BACKENDS[backend]
+    arm = "frozen" if frozen else "learning"
+    run_dir = os.path.join(root, f"{backend}-{arm}-seed{seed}")
+    t0 = time.monotonic()
+    model: list[str] = []
+    if "sft" in spec:  # stage 1 (SFT) once per seed, shared by both arms
+        sft_dir = os.path.join(root, f"{backend}-sft-seed{seed}")
+        if not os.path.isdir(os.path.join(sft_dir, "checkpoints", "final")):
+            areal(["train", spec["sft"], f"seed={seed}", f"run_dir={sft_dir}", "logging.sinks=[jsonl]"])
+        model = [f"model.path={sft_dir}/checkpoints/final"]
+    t1 = time.monotonic()
+    areal(["train", spec["example"], f"seed={seed}", f"run_dir={run_dir}", f"trainer.max_steps={steps}",
+           *model, *spec["overrides"], *(learning.frozen_overrides(*spec["lr"]) if frozen else []), *extra])  # fmt: skip
+    rows = learning.step_rows(run_dir)
+    return {"backend": backend, "arm": arm, "seed": seed, "steps": steps,
+            "rewards": spec["check"].series(rows), "wall_s": time.monotonic() - t1, "sft_s": t1 - t0}  # fmt: skip
+
+
+def table(rows: list[dict]) -> None:
+    print("\n| backend | check | frozen: n, mean, std | learning: n, min, mean | bar | bar - frozen mean (frozen std) "
+          "| wall s per run: learning / frozen |")
+    print("|---|---|---|---|---|---|---|")
+    for backend, spec in BACKENDS.items():
+        check: learning.LearningCheck = spec["check"]
+        mine = [r for r in rows if r["backend"] == backend and r["steps"] == spec["steps"]]
+        stat = {arm: [check.statistic([{check.metric: x} for x in r["rewards"]]) for r in mine if r["arm"] == arm]
+                for arm in ("learning", "frozen")}  # fmt: skip
+        wall = {arm: [r["wall_s"] for r in mine if r["arm"] == arm] for arm in ("learning", "frozen")}
+        if not stat["learning"] and not stat["frozen"]:
+            continue
+        fz, ln = stat["frozen"], stat["learning"]
+        f_mean = statistics.mean(fz) if fz else float("nan")
+        f_std = statistics.stdev(fz) if len(fz) > 1 else float("nan")
+        sigmas = (check.bar - f_mean) / f_std if len(fz) > 1 and f_std > 0 else float("nan")
+        ln_text = f"{len(ln)}, {min(ln):.3f}, {statistics.mean(ln):.3f}" if ln else "0"
+        w = " / ".join(f"{statistics.mean(v):.0f}" if v else "-" for v in wall.values())
+        print(f"| {backend} | {check.name} | {len(fz)}, {f_mean:.3f}, {f_std:.3f} | {ln_text} | {check.bar:.2f} "
+              f"| {sigmas:.1f} | {w} |")  # fmt: skip
+        for arm in ("learning", "frozen"):
+            for r in mine:
+                if r["arm"] == arm:
+                    print(f"    {arm} seed {r['seed']}: {[round(x, 3) for x in r['rewards']]}")
+        if len(fz) > 1 and ln:
+            report(f"learning signal {backend}: (bar - frozen mean) / frozen std", sigmas, 3.0)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--runs", type=int, default=4, help="runs with the config's learning rate (seeds 1..N)")
-    ap.add_argument("--controls", type=int, default=2, help="runs with lr=0 (seeds 1..N)")
-    ap.add_argument("--steps", type=int, default=6)
-    ap.add_argument("--example", default=EXAMPLE, help="the config every run starts from")
-    ap.add_argument("--engine-section", default="actor.torch", help="where the train engine's lr lives")
+    ap.add_argument("--backend", action="append", choices=sorted(BACKENDS), help="repeatable; default torch")
+    ap.add_argument("--seeds", type=int, default=3, help="seeds 1..N, each run with lr and with lr=0")
+    ap.add_argument("--seed", type=int, action="append", help="these seeds instead of 1..N (repeatable)")
+    ap.add_argument("--steps", type=int, default=None, help="override the test's number of steps")
+    ap.add_argument("--out", default=None, help="append each run as a JSON line here")
+    ap.add_argument("--table", nargs="+", default=None, help="print the table from saved runs and stop")
     ap.add_argument("overrides", nargs="*", help="config overrides passed to every run")
     args = ap.parse_args()
+    if args.table:
+        table([json.loads(line) for path in args.table for line in open(path) if line.strip()])
+        return 0
     rows = []
-    with tempfile.TemporaryDirectory() as root:
-        for lr0, n in ((False, args.runs), (True, args.controls)):
-            for seed in range(1, n + 1):
-                r = run(seed, args.steps, lr0, root, args.overrides, args.example, args.engine_section)
-                print(f"{'lr=0' if lr0 else 'lr  '} seed {seed}: later {r['later']:.3f}, trend {r['trend']:+.3f}, trend12 {r['trend12']:+.3f}, "
-                      f"eval gain {r['eval_gain']:+.3f}; per step {[round(x, 3) for x in r['rewards']]} "
-                      f"({r['wall_s']:.0f} s)", flush=True)  # fmt: skip
-                rows.append(r)
-    print("\n| statistic | lr: mean | lr: std | lr=0: mean | lr=0: std | separation (pooled std) |")
-    print("|---|---|---|---|---|---|")
-    for stat in ("later", "trend", "trend12", "eval_gain"):
-        a = [r[stat] for r in rows if not r["lr0"] and r[stat] == r[stat]]
-        b = [r[stat] for r in rows if r["lr0"] and r[stat] == r[stat]]
-        if not a or not b:
-            continue
-        sa = statistics.stdev(a) if len(a) > 1 else 0.0
-        sb = statistics.stdev(b) if len(b) > 1 else 0.0
-        pooled = max(((sa**2 + sb**2) / 2) ** 0.5, 1e-9)
-        sep = (statistics.mean(a) - statistics.mean(b)) / pooled
-        print(f"| {stat} | {statistics.mean(a):+.3f} | {sa:.3f} | {statistics.mean(b):+.3f} | {sb:.3f} | {sep:.1f} |")
-        print(f"  {stat} min with lr: {min(a):+.3f}; max with lr=0: {max(b):+.3f}")
-        # The tests assert on ``later``; the others are reported for comparison.
-        goal = 3.0 if stat == "later" else None
-        report(f"learning signal, {stat}: separation of lr from lr=0 in pooled std ({args.steps} steps)", sep, goal)
+    with tempfile.TemporaryDirectory(prefix="learning-signal-") as root:
+        for backend in args.backend or ["torch"]:
+            steps = args.steps or BACKENDS[backend]["steps"]
+            for seed in args.seed or range(1, args.seeds + 1):
+                for frozen in (False, True):
+                    r = run(backend, seed, frozen, steps, root, args.overrides)
+                    rows.append(r)
+                    print(f"{backend} {r['arm']} seed {seed}: {[round(x, 3) for x in r['rewards']]} "
+                          f"({r['wall_s']:.0f} s)", flush=True)  # fmt: skip
+                    if args.out:
+                        with open(args.out, "a") as f:
+                            f.write(json.dumps(r) + "\n")
+    table(rows)
     return 0
 
 

@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from typing import Any
 
@@ -25,36 +26,41 @@ def run_train(args: list[str], timeout: float = 900) -> subprocess.CompletedProc
 
 
 def kill_after_checkpoint(args: list[str], run_dir: str, step: int, timeout: float = 600) -> str:
-    """Start ``areal <args>``; once recovery checkpoint ``step`` is complete
-    and step ``step + 1`` has trained (so work after the checkpoint is lost),
-    SIGKILL its whole process group. Returns the run's output so far."""
+    """Start ``areal <args>`` held after step ``step + 1`` (the trainer's
+    ``AREAL_TEST_HOLD_AFTER_STEP`` testing aid: that step is trained and
+    logged, its checkpoint not yet written), and SIGKILL its whole process
+    group once it holds there. So recovery checkpoint ``step`` is the newest
+    one whatever the timing, and the work of step ``step + 1`` is lost.
+    Needs checkpoints at ``step`` (``checkpoint.save_every`` dividing it).
+    Returns the run's output so far."""
+    from areal_kernel.trainer.recovery import HELD_MARKER, HOLD_ENV
+
+    held = step + 1
+    marker = os.path.join(run_dir, HELD_MARKER.format(step=held))
     proc = subprocess.Popen(
         [sys.executable, "-m", "areal_kernel.cli", *args],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(), start_new_session=True,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**_env(), HOLD_ENV: str(held)},
+        start_new_session=True,
     )  # fmt: skip
-    marker = os.path.join(run_dir, "recover", f"step{step}", "COMPLETE")
-    samples = os.path.join(run_dir, "samples.jsonl")
-    deadline = time.monotonic() + timeout
-    reached = False
-    try:
-        while time.monotonic() < deadline and proc.poll() is None:
-            if os.path.isfile(marker) and os.path.isfile(samples):
-                with open(samples) as f:
-                    if sum(1 for _ in f) >= step + 1:
-                        reached = True
-                        break
-            time.sleep(0.05)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(30)
-        out = proc.stdout.read() if proc.stdout else ""
-        if proc.stdout:
-            proc.stdout.close()
+    # The output goes to a file-like pipe a thread drains, so a chatty run
+    # cannot block on a full pipe before it reaches the hold.
+    chunks: list[str] = []
+    reader = threading.Thread(target=lambda: chunks.extend(iter(proc.stdout.readline, "")), daemon=True)  # type: ignore[union-attr]
+    reader.start()
+    reached = _wait_for_file(marker, proc, timeout)
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(30)
+    reader.join(30)
+    if proc.stdout:
+        proc.stdout.close()
+    out = "".join(chunks)
+    if os.path.exists(marker):
+        os.unlink(marker)  # leave the run dir as a plain killed run leaves it
     if not reached:
-        raise AssertionError(
-            f"the run never reached checkpoint {step} + one step (rc {proc.returncode}):\n{out[-3000:]}"
-        )
+        raise AssertionError(f"the run never held after step {held} (rc {proc.returncode}):\n{out[-3000:]}")
+    if not os.path.isfile(os.path.join(run_dir, "recover", f"step{step}", "COMPLETE")):
+        raise AssertionError(f"the run held after step {held} without recovery checkpoint {step}:\n{out[-3000:]}")
     return out
 
 
@@ -107,6 +113,19 @@ def interrupt_after_step(
     if not reached:
         raise AssertionError(f"the run never reached step {step} (rc {proc.returncode}):\n{out[-3000:]}")
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, "")
+
+
+def _wait_for_file(path: str, proc: subprocess.Popen, timeout: float) -> bool:
+    """Wait until ``path`` exists (True), or ``proc`` ends or ``timeout``
+    passes (False). Polls the file system: the marker is the event."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if os.path.exists(path):
+            return True
+        if proc.poll() is not None:
+            return os.path.exists(path)
+        time.sleep(0.05)
+    return False
 
 
 def read_samples(run_dir: str) -> list[dict[str, Any]]:

@@ -1,4 +1,6 @@
-"""Learning-trend checks shared by end-to-end tests (kernel and plugins)."""
+"""Learning-trend statistics (kept for callers of these names). The suite's
+learning tests use ``areal_kernel.testing.learning`` instead: a declared
+statistic and bar, and a frozen (``lr=0``) control that must fail it."""
 
 from __future__ import annotations
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +35,9 @@ RECOVER_DIR = "recover"
 STATE_FILE = "trainer_state.json"
 STATE_FORMAT = 1
 SAMPLES_FILE = "samples.jsonl"
+# Testing aid, off unless set: hold the run after this step (see ``hold_after_step``).
+HOLD_ENV = "AREAL_TEST_HOLD_AFTER_STEP"
+HELD_MARKER = ".held-after-step{step}"
 
 # Settings a resumed run may change without breaking exactness of what was
 # already trained (how long to run, how to log, how to checkpoint, budgets).
@@ -208,3 +212,31 @@ class SamplesLog:
 def read_samples(run_dir: str) -> list[dict[str, Any]]:
     with open(os.path.join(run_dir, SAMPLES_FILE), encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def hold_step_from_env() -> int | None:
+    """The step named by ``AREAL_TEST_HOLD_AFTER_STEP`` (a testing aid), or
+    None when it is unset or empty: production runs never hold."""
+    raw = os.environ.get(HOLD_ENV, "").strip()
+    if not raw:
+        return None
+    try:
+        step = int(raw)
+    except ValueError:
+        step = 0
+    if step < 1:
+        raise ConfigError(f"{HOLD_ENV}={raw!r}: expected a step number >= 1 (a testing aid; unset it for real runs)")
+    return step
+
+
+def hold_after_step(run_dir: str, step: int) -> None:
+    """Testing aid for kill-and-resume tests: once step ``step`` is logged
+    (metrics and ``samples.jsonl``) and before its checkpoint could be
+    written, create ``<run_dir>/.held-after-step<step>`` and block this
+    thread for good, so the test SIGKILLs the run at a known point instead of
+    racing a poll against the checkpoint writer. Called only when
+    ``AREAL_TEST_HOLD_AFTER_STEP`` names this step."""
+    log.warning("%s=%d: holding the run after step %d until it is killed (testing aid)", HOLD_ENV, step, step)
+    with open(os.path.join(run_dir, HELD_MARKER.format(step=step)), "w") as f:
+        f.write(f"{os.getpid()}\n")
+    threading.Event().wait()  # never set: only the test's kill ends the process

@@ -44,6 +44,8 @@ from areal_kernel.trainer.recovery import (
     STATE_FORMAT,
     Checkpoint,
     SamplesLog,
+    hold_after_step,
+    hold_step_from_env,
     plan_start,
     recovery_manager,
     set_aside_logs,
@@ -355,6 +357,7 @@ class RLTrainer(Trainer):
         else:
             print("held-out evaluation is off (trainer.eval_size=0 or no held-out records)", flush=True)
         total = self.ft.total_train_steps
+        hold_at = hold_step_from_env()  # a testing aid; None unless asked for
         self.executor.start()
         t_run = time.monotonic()
         with INTERRUPT.armed():
@@ -450,6 +453,8 @@ class RLTrainer(Trainer):
                 metrics.update(self._eval_metrics(self.evaluate()))
             self.log_metrics(step, metrics)
             self.hook.areal_on_train_step(step=step, metrics=metrics)
+            if step == hold_at:
+                hold_after_step(self.run_dir, step)
             self._check_reward_health()
             self._check_skipped(train_stats)
             if cfg.checkpoint.save_hf_every and step % cfg.checkpoint.save_hf_every == 0 and step < total:

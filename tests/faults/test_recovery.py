@@ -138,3 +138,22 @@ def test_resume_with_a_changed_config_is_refused(tiny_model, tmp_path):
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "trainer.batch_size" in proc.stderr and "cannot resume" in proc.stderr, proc.stderr
     assert os.path.isfile(run_dir / "recover" / "step1" / "trainer_state.json")
+
+
+def test_the_hold_is_off_unless_asked_for(monkeypatch):
+    """``AREAL_TEST_HOLD_AFTER_STEP`` (the testing aid ``kill_after_checkpoint``
+    uses): unset or empty, no run holds; a step number is taken; anything
+    else is one error naming the variable."""
+    from areal_kernel.errors import ConfigError
+    from areal_kernel.trainer.recovery import HOLD_ENV, hold_step_from_env
+
+    monkeypatch.delenv(HOLD_ENV, raising=False)
+    assert hold_step_from_env() is None
+    monkeypatch.setenv(HOLD_ENV, "")
+    assert hold_step_from_env() is None
+    monkeypatch.setenv(HOLD_ENV, "3")
+    assert hold_step_from_env() == 3
+    for bad in ("0", "three", "-1"):
+        monkeypatch.setenv(HOLD_ENV, bad)
+        with pytest.raises(ConfigError, match=HOLD_ENV):
+            hold_step_from_env()

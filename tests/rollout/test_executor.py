@@ -63,6 +63,9 @@ def test_staleness_zero_is_synchronous():
     ex.start()
     try:
         assert wait_until(lambda: ex.stats.accepted == 4)
+        # The 0.2 s sleeps here are observation windows for admissions that
+        # must NOT happen (there is no event for "nothing started"), not
+        # synchronisation.
         time.sleep(0.2)
         assert wf.started == 4  # nothing beyond one batch before the update
         batch = ex.get_batch(4)
@@ -83,7 +86,7 @@ def test_staleness_one_runs_one_batch_ahead_and_respects_concurrency():
     ex.start()
     try:
         assert wait_until(lambda: ex.stats.accepted == 8)
-        time.sleep(0.2)
+        time.sleep(0.2)  # an observation window: no ninth episode may start
         assert wf.started == 8
         assert wf.max_running <= 3
     finally:
@@ -152,14 +155,18 @@ def test_a_rollout_that_finishes_too_late_is_dropped_not_trained():
     """Admission bounds staleness in admission order only: a slow episode
     admitted at version 0 that finishes after later ones would reach the
     trainer at version >= 2 with max_staleness 1. It must be dropped (and its
-    slot freed), never handed out."""
+    slot freed), never handed out. The slow episode is held on an event the
+    test sets once the trainer is 5 versions on, not on a longer sleep."""
     box = {}
+    release = threading.Event()
 
     class SlowFirst:
         async def arun_episode(self, engine, record):
             v = box["ex"]._version  # stamped like a server would: the weights at generation time
-            await asyncio.sleep(1.0 if record == 0 else 0.02)
             if record == 0:
+                box["slow_started"] = True
+                await asyncio.to_thread(release.wait, 60)
+                assert release.is_set(), "the test never released the slow episode"
                 box["slow_done"] = True
             return group([0.0, 1.0], version=v, gid=str(record))
 
@@ -168,10 +175,13 @@ def test_a_rollout_that_finishes_too_late_is_dropped_not_trained():
     ex.start()
     handed = []
     try:
+        assert wait_until(lambda: "slow_started" in box)
         for v in range(5):
             batch = ex.get_batch(2, timeout=10)
             handed += [(g.group_id, max(t.staleness(v) for t in g.trajectories)) for g in batch]
             ex.set_version(v + 1)
+        assert "slow_done" not in box  # still held: it finishes only now, 5 versions late
+        release.set()
         assert wait_until(lambda: "slow_done" in box, timeout=30)  # the slow episode has finished
         for v in range(5, 10):
             if ex.stats.stale_dropped:
@@ -185,6 +195,7 @@ def test_a_rollout_that_finishes_too_late_is_dropped_not_trained():
         # The freed slot was given to another rollout: admissions continue.
         assert wait_until(lambda: ex.budget.started <= (1 + ex._version + 1) * 2)
     finally:
+        release.set()  # a failed assertion must not leave the episode holding stop()
         ex.stop()
 
 
