@@ -357,7 +357,6 @@ class RLTrainer(Trainer):
         else:
             print("held-out evaluation is off (trainer.eval_size=0 or no held-out records)", flush=True)
         total = self.ft.total_train_steps
-        hold_at = hold_step_from_env()  # a testing aid; None unless asked for
         self.executor.start()
         t_run = time.monotonic()
         with INTERRUPT.armed():
@@ -398,6 +397,7 @@ class RLTrainer(Trainer):
         from areal_kernel.algo.rl import rl_train_step
 
         assert self.train_engine is not None and self.rollout is not None, SETUP_FIRST
+        hold_at = hold_step_from_env()  # a testing aid; None unless asked for
         assert self.executor is not None and self.samples_log is not None, SETUP_FIRST
         cfg = self.cfg
         samples_here = 0
