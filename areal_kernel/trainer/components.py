@@ -71,15 +71,21 @@ def resolve_model_dir(cfg: ExperimentConfig) -> str:
         raise type(e)(f"model.path: {msg}") from None
     if not path:
         raise ConfigError(f"model.path: cannot resolve {cfg.model.path!r} to a local model directory")
-    # A known name resolves to a directory named for the dtype its weights are
-    # stored in (smollm2-135m-instruct -> ...-bfloat16), while model.dtype is the
-    # precision they are loaded and run in: say both.
-    stored = stored_dtype(path)
-    log.info("model", path=path, weights_stored_as=stored or "unknown", runs_as=f"{cfg.model.dtype} (model.dtype)")
+    return path
+
+
+def log_model_precision(cfg: ExperimentConfig, model_dir: str) -> None:
+    """Say the dtype the weights are stored in beside ``model.dtype``, the
+    precision they run in, where the two differ: a known name resolves to a
+    directory named for its storage dtype (smollm2-135m-instruct ->
+    ...-bfloat16) while the default ``model.dtype`` is float32. Called once
+    the user's input has passed its checks, so a bad-input error stays one
+    line."""
+    stored = stored_dtype(model_dir)
     if stored in ("bfloat16", "float16") and cfg.model.dtype == "float32":
+        log.info("model", path=model_dir, weights_stored_as=stored, runs_as=f"{cfg.model.dtype} (model.dtype)")
         log.info(f"the weights are {stored} values, loaded as float32 (exactly); a known model name with "
                  "'@float32' (smollm2-135m-instruct@float32) is converted from its source in float32")  # fmt: skip
-    return path
 
 
 def stored_dtype(model_dir: str) -> str | None:

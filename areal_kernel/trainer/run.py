@@ -34,6 +34,7 @@ from areal_kernel.trainer.components import (
     build_train_engine,
     load_data,
     load_tokenizer,
+    log_model_precision,
     resolve_model_dir,
     workflow_required_fields,
 )
@@ -164,6 +165,7 @@ class RLTrainer(Trainer):
             note = f"; metrics of the earlier run kept in {', '.join(n + '.prev' for n in moved)}" if moved else ""
             print(f"starting at step 0: {plan.reason}{note}", flush=True)
         write_run_config(cfg, self.run_dir)
+        log_model_precision(cfg, self.model_dir)
         self.ft = FinetuneSpec(
             total_train_epochs=cfg.trainer.total_train_epochs,
             dataset_size=len(self.train_records),

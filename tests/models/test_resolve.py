@@ -77,7 +77,7 @@ def test_the_log_says_what_the_weights_are_stored_in_and_run_as(capsys):
     from safetensors import safe_open
 
     from areal_kernel.config.loader import load_config
-    from areal_kernel.trainer.components import resolve_model_dir, stored_dtype
+    from areal_kernel.trainer.components import log_model_precision, resolve_model_dir, stored_dtype
 
     cfg = load_config(None, ["model.path=smollm2-135m-instruct"])
     assert cfg.model.dtype == "float32"
@@ -85,6 +85,7 @@ def test_the_log_says_what_the_weights_are_stored_in_and_run_as(capsys):
     with safe_open(os.path.join(path, "model.safetensors"), "pt") as f:
         held = {f.get_slice(k).get_dtype() for k in f.keys()}
     assert held == {"BF16"} and stored_dtype(path) == "bfloat16" and path.endswith("-bfloat16")
+    log_model_precision(cfg, path)  # what `areal train` logs once its input checks passed
     err = capsys.readouterr().err
     assert "weights_stored_as=bfloat16" in err and "float32 (model.dtype)" in err, err
     assert "the weights are bfloat16 values, loaded as float32" in err and "@float32" in err, err
