@@ -15,6 +15,7 @@ import pytest
 
 from areal_kernel.testing.models import make_tiny_chat_llama
 from areal_kernel.testing.recovery import kill_after_checkpoint, load_weights, read_samples, run_train
+from resume_checks import assert_async_run_complete  # pytest puts this directory on sys.path
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXAMPLE = os.path.join(REPO, "examples", "grpo_arithmetic.yaml")
@@ -94,15 +95,8 @@ def test_killed_async_run_resumes_without_losing_or_repeating_samples(tiny_model
     before = read_samples(run_dir)
     resumed = run_train(args)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
-    got = read_samples(run_dir)
-    assert [s["step"] for s in got] == list(range(1, STEPS + 1))
+    got = assert_async_run_complete(run_dir, STEPS, per_step=2, batch=8, staleness=1)
     assert got[:2] == before[:2]  # what was checkpointed is what the resumed run continued from
-    flat = [u for s in got for u in s["uids"]]
-    assert len(flat) == STEPS * 2 and len(set(flat)) == len(flat)
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        rows = [json.loads(line) for line in f if "perf/step_s" in line]
-    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
-    assert all(r["rollout/staleness_max"] <= 1 and r["batch/sequences"] == 8 for r in rows)
 
 
 def test_recover_off_refuses_to_overwrite_an_unfinished_run(tiny_model, tmp_path):
