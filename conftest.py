@@ -7,7 +7,8 @@
 - The files in ``BIG_MEMORY_FILES`` are ONE unit together: each needs several
   GB (a vLLM server, SmolLM2 train ranks), and two of them side by side would
   not fit in the machine's memory. That unit is handed out first, since it
-  is the longest; the other worker takes the remaining files meanwhile.
+  is the longest; the other worker takes the remaining files meanwhile,
+  the longest ones (``LONG_FILES``) first.
 
 Without ``-n`` only the order changes (these files run first).
 
@@ -53,6 +54,26 @@ BIG_MEMORY_FILES = frozenset({
 })  # fmt: skip
 
 
+# The longest other files, longest first (seconds on a 2-core AVX-512 machine,
+# from the slowest-tests lists of fresh-clone CI runs): handed out right after
+# the big-memory unit, so that the run ends on short files. In collection
+# order, the plugins' long files came last, and a worker that finished early
+# sat idle while the other still ran one of them (xdist gives a worker its
+# next unit while its current one still has two tests to run).
+LONG_FILES: tuple[str, ...] = (
+    "tests/e2e/test_multi_turn_learns.py",  # ~290: a learning run and its lr=0 control
+    "tests/e2e/test_grpo_learns.py",  # ~205: the same
+    "tests/e2e/test_readme_walkthrough.py",  # ~200: every README command, SmolLM2 included
+    "tests/vlm/test_vlm_shapes_learns.py",  # ~135: SFT, then GRPO and its control
+    "tests/e2e/test_grpo_lora.py",  # ~130: a learning run and its control
+    "plugins/areal-megatron/tests/test_megatron_recovery.py",  # ~90: kill -9 and resume, t2 and p2
+    "plugins/areal-ray/tests/test_ray_scheduler.py",  # ~90: a real Ray cluster, servers and controller killed
+    "plugins/areal-fsdp/tests/test_fsdp_recovery.py",  # ~70: kill -9 and resume on two ranks
+    "tests/faults/test_interrupt.py",  # SIGTERM mid-run, resumed
+    "tests/faults/test_recovery.py",  # kill -9 mid-run, resumed
+)  # fmt: skip
+
+
 def unit_of(nodeid: str) -> str:
     """The unit of work a test belongs to: its file, or the big-memory unit."""
     path = nodeid.split("::", 1)[0]
@@ -61,10 +82,10 @@ def unit_of(nodeid: str) -> str:
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     _check_hardware_marks(items)
-    big = [i for i in items if unit_of(i.nodeid) == BIG_MEMORY_UNIT]
-    if big:
-        chosen = set(map(id, big))
-        items[:] = big + [i for i in items if id(i) not in chosen]
+    # Big-memory unit first, then LONG_FILES in their order, then the rest
+    # in collection order (a stable sort keeps the order inside each group).
+    rank = {BIG_MEMORY_UNIT: 0, **{path: 1 + n for n, path in enumerate(LONG_FILES)}}
+    items.sort(key=lambda i: rank.get(unit_of(i.nodeid), len(rank) + 1))
 
 
 @pytest.hookimpl(optionalhook=True)

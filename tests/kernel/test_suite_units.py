@@ -45,3 +45,16 @@ def test_every_file_that_starts_a_vllm_server_is_a_big_memory_file():
     small = {"plugins/areal-vllm/tests/test_config_launcher.py"}
     assert small <= set(starts), "the exemption names a file the scan no longer flags: drop it"
     assert sorted(set(starts) - mod.BIG_MEMORY_FILES - small) == []
+
+
+def test_long_files_exist_and_are_their_own_units():
+    """``LONG_FILES`` orders real files that are not in the big-memory unit
+    (listed there, they would be ordered twice), each named once."""
+    spec = importlib.util.spec_from_file_location("areal_root_conftest", os.path.join(REPO, "conftest.py"))
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    missing = [p for p in mod.LONG_FILES if not os.path.isfile(os.path.join(REPO, p))]
+    assert not missing, f"conftest.py LONG_FILES names files that do not exist: {missing}"
+    assert len(set(mod.LONG_FILES)) == len(mod.LONG_FILES)
+    assert not set(mod.LONG_FILES) & mod.BIG_MEMORY_FILES
