@@ -118,6 +118,8 @@ def main() -> int:
     ap.add_argument("--backend", action="append", choices=sorted(BACKENDS), help="repeatable; default torch")
     ap.add_argument("--seeds", type=int, default=3, help="seeds 1..N, each run with lr and with lr=0")
     ap.add_argument("--seed", type=int, action="append", help="these seeds instead of 1..N (repeatable)")
+    ap.add_argument("--arm", choices=["learning", "frozen"], default=None,
+                    help="only this arm (e.g. learning for a backend whose test shares another's lr=0 control)")
     ap.add_argument("--steps", type=int, default=None, help="override the test's number of steps")
     ap.add_argument("--out", default=None, help="append each run as a JSON line here")
     ap.add_argument("--table", nargs="+", default=None, help="print the table from saved runs and stop")
@@ -131,7 +133,7 @@ def main() -> int:
         for backend in args.backend or ["torch"]:
             steps = args.steps or BACKENDS[backend]["steps"]
             for seed in args.seed or range(1, args.seeds + 1):
-                for frozen in (False, True):
+                for frozen in [f for f in (False, True) if args.arm in (None, "frozen" if f else "learning")]:
                     r = run(backend, seed, frozen, steps, root, args.overrides)
                     rows.append(r)
                     print(f"{backend} {r['arm']} seed {seed}: {[round(x, 3) for x in r['rewards']]} "
