@@ -28,6 +28,16 @@ def echo_value(completion: str, answer: str, *, value: float = 0.0, tags: list[s
     return float(value)
 
 
+class ScaledConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    scale: float = 2.0  # the only default: the function's keyword has none
+
+
+def scaled(completion: str, answer: str, *, scale: float) -> float:
+    return scale * float(completion.strip() == answer.strip())
+
+
 class ContractDataConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")  # a misspelt dataset.contract_data key is an error
 

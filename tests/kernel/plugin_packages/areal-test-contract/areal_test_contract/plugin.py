@@ -19,6 +19,12 @@ def areal_register_rewards(register):
         config_model=f"{_IMPL}:EchoValueConfig",
         description="scores reward.echo_value.value (checks the types that arrive)",
     )
+    register(
+        "scaled",
+        f"{_IMPL}:scaled",
+        config_model=f"{_IMPL}:ScaledConfig",
+        description="scale for a correct answer; scale's default lives only in the config model",
+    )
 
 
 @hookimpl
