@@ -39,4 +39,6 @@ def areal_register_datasets(register):
 
 @hookimpl
 def areal_register_workflows(register):
+    register("minimal", f"{_IMPL}:MinimalWorkflow", description="only the documented required workflow members")
+    register("inflating", f"{_IMPL}:InflatingWorkflow", description="rewards above its reward calls' scores")
     register("crashy", f"{_IMPL}:CrashyWorkflow", description="every episode raises a plain KeyError (a plugin bug)")
