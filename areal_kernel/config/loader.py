@@ -60,22 +60,60 @@ def json_schema() -> dict[str, Any]:
     # Sections holding settings named after a registered factory: the plugin
     # sections, plus algorithm (estimators, losses) and logging (metric sinks).
     sections: list[tuple[str, tuple[str, ...]]] = [(c.__name__, (c.registry_kind,)) for c in _plugin_section_classes()]
-    sections += [("AlgorithmConfig", ("advantage_estimator", "loss", "trainer")), ("LoggingConfig", ("metric_sink",))]
+    sections += [
+        ("AlgorithmConfig", ("advantage_estimator", "loss", "trainer")),
+        ("LoggingConfig", ("metric_sink",)),
+        ("SchedulerConfig", ("scheduler",)),
+    ]
     for section_name, kinds in sections:
         if section_name not in defs:
             continue
         props = defs[section_name].setdefault("properties", {})
         for spec in (s for kind in kinds for s in reg.specs(kind)):
-            model_cls = spec.config_model_cls()
-            if model_cls is None or spec.name in props:
-                continue
-            sub = model_cls.model_json_schema()
-            for k, v in sub.pop("$defs", {}).items():
-                defs.setdefault(k, v)
-            sub["description"] = f"Settings of {spec.kind} '{spec.name}' (plugin '{spec.plugin}')."
-            props[spec.name] = sub
+            sub = _settings_schema(spec, defs)
+            if sub is not None and spec.name not in props:
+                props[spec.name] = sub
         defs[section_name]["additionalProperties"] = False
     return schema
+
+
+# Fields of a settings model that hold settings per registered name of
+# another kind (``workflow.multi_turn.tool_settings.<tool>: {...}``),
+# validated against that kind's config models like a section of their own.
+_NESTED_SETTINGS = {"tool_settings": "tool"}
+
+
+def _settings_schema(spec: Any, defs: dict[str, Any]) -> dict[str, Any] | None:
+    """The JSON schema of ``spec``'s config model (its definitions merged into
+    ``defs``), or None for a factory without settings."""
+    from areal_kernel.plugins.registry import get_registry
+
+    model_cls = spec.config_model_cls()
+    if model_cls is None:
+        return None
+    sub: dict[str, Any] = model_cls.model_json_schema()
+    for k, v in sub.pop("$defs", {}).items():
+        defs.setdefault(k, v)
+    sub["description"] = f"Settings of {spec.kind} '{spec.name}' (plugin '{spec.plugin}')."
+    for field, kind in _NESTED_SETTINGS.items():
+        if field not in sub.get("properties", {}):
+            continue
+        per_name: dict[str, Any] = {}
+        for inner in get_registry().specs(kind):
+            # A factory without a config model takes no settings: only {} validates.
+            per_name[inner.name] = _settings_schema(inner, defs) or {
+                "type": "object",
+                "maxProperties": 0,
+                "description": f"{kind} '{inner.name}' (plugin '{inner.plugin}') takes no settings.",
+            }
+        description = sub["properties"][field].get("description", "")
+        sub["properties"][field] = {
+            "type": "object",
+            "properties": per_name,
+            "additionalProperties": False,
+            "description": description,
+        }
+    return sub
 
 
 def _plugin_section_classes():

@@ -67,15 +67,33 @@ class PlatformContract:
 
 
 class RewardContract:
-    """Fixtures: ``reward_target`` (``"pkg.mod:fn"``) and ``reward_cases``
-    (a list of ``(completion, answer, expected_score)`` covering a right and a
-    wrong answer); optionally ``reward_settings``, the keyword arguments the
-    kernel passes (your validated ``reward.<name>`` section as JSON data;
-    default ``{}``, i.e. your keyword defaults)."""
+    """Fixtures: ``reward_target`` (``"pkg.mod:fn"``, registered with
+    ``areal_register_rewards``) and ``reward_cases`` (a list of
+    ``(completion, answer, expected_score)`` covering a right and a wrong
+    answer); optionally ``reward_settings``, your ``reward.<name>`` section as
+    a user writes it (default ``{}``). The suite validates it through your
+    registered ``config_model`` and passes the result as the kernel does
+    (every field, defaults included, as JSON data), so the config model's
+    defaults are the ones your reward receives."""
 
     @pytest.fixture
     def reward_settings(self) -> dict[str, Any]:
         return {}
+
+    def _keywords(self, reward_target: str, reward_settings: dict[str, Any]) -> dict[str, Any]:
+        """What the kernel passes the reward: ``reward_settings`` validated
+        like a ``reward.<name>`` section and dumped like ``reward_settings(cfg)``."""
+        from areal_kernel.config.sections import validate_settings
+        from areal_kernel.plugins.registry import get_registry
+        from areal_kernel.trainer.components import reward_keywords
+
+        specs = [s for s in get_registry().specs("reward") if s.target == reward_target]
+        assert specs, (
+            f"no reward is registered with target {reward_target!r}: the kernel only calls rewards registered "
+            "with areal_register_rewards (is the plugin installed in the test process?)"
+        )
+        name = specs[0].name
+        return reward_keywords(validate_settings(f"reward.{name}", "reward", name, reward_settings, spec=specs[0]))
 
     def test_scores_cases(
         self, reward_target: str, reward_cases: list[tuple[str, str, float]], reward_settings: dict[str, Any]
@@ -83,9 +101,10 @@ class RewardContract:
         from areal_kernel.plugins.registry import import_target
 
         fn = import_target(reward_target)
+        kwargs = self._keywords(reward_target, reward_settings)
         assert len({exp for _, _, exp in reward_cases}) >= 2, "give at least one right and one wrong case"
         for completion, answer, expected in reward_cases:
-            score = fn(completion, answer, **reward_settings)
+            score = fn(completion, answer, **kwargs)
             assert isinstance(score, float), f"reward returned {type(score).__name__}, expected float"
             assert score == pytest.approx(expected), (completion, answer)
 
@@ -95,7 +114,7 @@ class RewardContract:
         from areal_kernel.plugins.registry import import_target
 
         fn = import_target(reward_target)
-        assert isinstance(fn("", reward_cases[0][1], **reward_settings), float)
+        assert isinstance(fn("", reward_cases[0][1], **self._keywords(reward_target, reward_settings)), float)
 
     def test_runs_in_the_kernel_reward_pool(
         self, reward_target: str, reward_cases: list[tuple[str, str, float]], reward_settings: dict[str, Any]
@@ -103,7 +122,8 @@ class RewardContract:
         from areal_kernel.reward.pool import RewardPool
 
         # Bound the way the trainer binds reward.<name>: the settings cross into the worker as JSON.
-        pool = RewardPool(n_workers=1, timeout_s=60, preload=(), settings={reward_target: reward_settings})
+        kwargs = self._keywords(reward_target, reward_settings)
+        pool = RewardPool(n_workers=1, timeout_s=60, preload=(), settings={reward_target: kwargs})
         try:
             completion, answer, expected = reward_cases[0]
             result = asyncio.run(pool.ascore(reward_target, completion, answer))

@@ -784,6 +784,19 @@ async def _closing(engine: Any, coro: Any) -> Any:
             await close(current_loop_only=True)
 
 
+def _responses_text(tokenizer: Any, trajectory: Any) -> list[str]:
+    """Each run of loss tokens of ``trajectory`` (one engine response) decoded
+    with special tokens skipped."""
+    out, run = [], []
+    for tok, m in zip([*trajectory.input_ids, None], [*trajectory.loss_mask, 0]):
+        if m:
+            run.append(tok)
+        elif run:
+            out.append(tokenizer.decode(run, skip_special_tokens=True))
+            run = []
+    return out
+
+
 class WorkflowContract:
     """Fixture: ``workflow_name`` (your ``workflow.type``). Optional:
     ``workflow_settings`` (your ``workflow.<name>`` section, default
@@ -793,7 +806,12 @@ class WorkflowContract:
     ``workflow_engine`` (class-scoped; default the kernel's embedded server
     on that model). The reward is ``areal_kernel.testing.probe_reward``, run
     in the kernel's reward workers. Override ``expected_completion`` if your
-    reward sees something else than the decoded generated tokens."""
+    reward sees something else than the decoded generated tokens (or one
+    response of them).
+
+    A trajectory's reward must come from reward calls on its own generated
+    text, combined as the workflow likes (``multi_turn`` discounts a retry),
+    within ``[min(0, scores), max(0, scores)]`` of those calls."""
 
     N_SAMPLES = 3
     MAX_NEW_TOKENS = 6
@@ -919,9 +937,17 @@ class WorkflowContract:
         calls = read_probe_calls(log_path)
         assert calls, "the reward was never called"
         assert all(c["answer"] == str(workflow_record["answer"]) for c in calls), calls
-        for t in group.trajectories:
-            want = self.expected_completion(tok, t)
-            assert any(c["completion"] == want and c["score"] == t.reward for c in calls), (want, t.reward, calls)
+        for k, t in enumerate(group.trajectories):
+            # The rule (docs: Workflows): a trajectory's reward comes from the
+            # reward calls made on its own generated text (all of it, or one
+            # response of it), combined as the workflow likes (a discounted
+            # retry is fine) but never outside [min(0, scores), max(0, scores)].
+            texts = {self.expected_completion(tok, t)} | set(_responses_text(tok, t))
+            scores = [c["score"] for c in calls if c["completion"] in texts]
+            assert scores, f"trajectory {k}: no reward call on its generated text {sorted(texts)}; calls {calls}"
+            assert min(0.0, *scores) <= t.reward <= max(0.0, *scores), (
+                f"trajectory {k}: reward {t.reward} is outside the scores of its reward calls {scores} (and 0)"
+            )
         assert (getattr(wf, "reward_calls", None), getattr(wf, "reward_failures", None)) == (len(calls), 0)
 
     def test_failed_reward_calls_are_counted(

@@ -27,6 +27,30 @@ async def _episodes(rollout: Rollout, records: list[dict]) -> list[Any]:
         await rollout.engine.aclose(current_loop_only=True)
 
 
+def prompt_ids(workflow: Any, record: dict[str, Any], group: Any) -> list[int]:
+    """The prompt ``areal check`` shows for ``record``: the workflow's optional
+    ``encode_prompt(record)`` when it has one, else the tokens before the
+    first generated token of the group's first trajectory (what the engine
+    was asked to continue), so a workflow with only the required members works."""
+    encode = getattr(workflow, "encode_prompt", None)
+    if callable(encode):
+        return list(encode(record))
+    t = group.trajectories[0]
+    first = next((i for i, m in enumerate(t.loss_mask) if m), len(t.input_ids))
+    return list(t.input_ids[:first])
+
+
+def completion_text(tokenizer: Any, trajectory: Any) -> str:
+    """The completion ``areal check`` shows: the trajectory's optional
+    ``metadata["completion"]`` (a workflow's own rendering, e.g. the last
+    turn), else its generated tokens decoded with special tokens skipped."""
+    text = trajectory.metadata.get("completion")
+    if text is not None:
+        return str(text)
+    generated = [t for t, m in zip(trajectory.input_ids, trajectory.loss_mask) if m]
+    return str(tokenizer.decode(generated, skip_special_tokens=True))
+
+
 def run_check(cfg: ExperimentConfig, n: int = 4) -> int:
     from areal_kernel.plugins.blame import plugin_failures_reported
 
@@ -53,18 +77,20 @@ def _run_check(cfg: ExperimentConfig, n: int) -> int:
         rollout.stop()
     total, ok = 0, 0
     for rec, group in zip(records, groups):
-        prompt_ids = rollout.workflow.encode_prompt(rec)
         print("=" * 72)
         print(f"record {rec.get('id')}  answer={rec.get('answer')!r}")
+        if group is None:
+            print("  (the workflow rejected this record: arun_episode returned None)")
+            continue
         print("prompt (as the model sees it):")
-        print("  " + tok.decode(prompt_ids).replace("\n", "\n  "))
+        print("  " + tok.decode(prompt_ids(rollout.workflow, rec, group)).replace("\n", "\n  "))
         for t in group.trajectories:
             gen_versions = sorted({v for v, m in zip(t.versions, t.loss_mask) if m})
             total += 1
             ok += t.reward > 0
             print(
                 f"  -> reward {t.reward:.2f}  tokens {t.n_generated:3d}  versions {gen_versions}  "
-                f"completion {t.metadata.get('completion', '')!r}"
+                f"completion {completion_text(tok, t)!r}"
             )
     print("=" * 72)
     print(f"{ok}/{total} samples scored above 0 (reward '{cfg.reward.type}', workflow '{cfg.workflow.type}')")

@@ -132,7 +132,13 @@ def reward_settings(cfg: ExperimentConfig) -> dict[str, Any]:
     """The selected reward's validated ``reward.<name>`` section as JSON data
     (every field of its ``config_model``, defaults included); ``{}`` when the
     reward declares no settings. These are the keywords the reward receives."""
-    settings = cfg.reward.plugin_config
+    return reward_keywords(cfg.reward.plugin_config)
+
+
+def reward_keywords(settings: Any) -> dict[str, Any]:
+    """Validated reward settings (what ``validate_settings`` returns for a
+    ``reward.<name>`` section) as the keywords the reward receives; the reward
+    contract suite passes its settings through here too."""
     if settings is None:
         return {}
     if isinstance(settings, BaseModel):

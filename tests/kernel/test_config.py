@@ -151,3 +151,36 @@ def test_allocation_parsing(text, expected):
 def test_bad_allocations(text, message):
     with pytest.raises(AllocationError, match=message):
         parse_allocation(text)
+
+
+def _settings_nodes(node, found):
+    """Every schema node the schema generator marked 'Settings of <kind> '<name>''."""
+    if isinstance(node, dict):
+        d = node.get("description", "")
+        if isinstance(d, str) and d.startswith("Settings of "):
+            found[d.split(" (plugin ")[0][len("Settings of ") :]] = node
+        for v in node.values():
+            _settings_nodes(v, found)
+    elif isinstance(node, list):
+        for v in node:
+            _settings_nodes(v, found)
+    return found
+
+
+def test_schema_holds_every_registered_settings_model():
+    """`areal schema` shows each registered config model where its settings
+    go, tools included (`workflow.multi_turn.tool_settings.<tool>`), so that
+    an editor validating against the schema refuses what `areal validate` refuses."""
+    from areal_kernel.config.loader import json_schema
+    from areal_kernel.plugins.registry import KINDS, get_registry
+
+    schema = json_schema()
+    found = _settings_nodes(schema, {})
+    want = {f"{k} '{s.name}'" for k in KINDS for s in get_registry().specs(k) if s.config_model is not None}
+    assert "tool 'calculator'" in want
+    assert want - set(found) == set(), "registered settings models missing from the schema"
+    multi = schema["$defs"]["WorkflowConfig"]["properties"]["multi_turn"]
+    tools = multi["properties"]["tool_settings"]
+    assert tools["additionalProperties"] is False
+    calc = tools["properties"]["calculator"]["properties"]
+    assert calc["max_length"]["minimum"] == 1 and calc["max_length"]["default"] == 200

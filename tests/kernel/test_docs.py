@@ -1,5 +1,6 @@
 """The plugin-authoring page documents every hook with its exact signature."""
 import dataclasses
+import re
 import inspect
 from pathlib import Path
 
@@ -184,3 +185,48 @@ def test_support_table_names_existing_test_files_for_every_row():
             untested.append(part[:60])
     assert missing == [], f"README support table names paths that do not exist: {missing}"
     assert untested == [], f"README support table rows that name no test file (nor say 'not run'): {untested}"
+
+
+# -- the kinds table ("Every kind in one place") ------------------------------------------------
+
+
+def _table_cells(heading: str) -> list[list[str]]:
+    """The rows of the first table after ``heading``, split into cells (``\\|`` stays in its cell)."""
+    text = DOC.read_text(encoding="utf-8")
+    start = text.index(heading)
+    lines = text[start:].splitlines()
+    first = next(i for i, line in enumerate(lines) if line.startswith("|"))
+    rows = []
+    for line in lines[first + 2 :]:  # after the header and its |---| line
+        if not line.startswith("|"):
+            break
+        cells = [c.strip() for c in re.split(r"(?<!\\)\|", line.strip())[1:-1]]
+        rows.append(cells)
+    return rows
+
+
+def test_kinds_table_is_the_kernel_kind_table():
+    """Cell for cell what ``areal_kernel.plugins.kinds.KIND_DOCS`` says, one row per registry kind."""
+    from areal_kernel.plugins.kinds import KIND_DOCS
+    from areal_kernel.plugins.registry import KINDS
+
+    import areal_kernel.testing as testing
+
+    assert sorted(d.kind for d in KIND_DOCS) == sorted(KINDS), "KIND_DOCS must hold every registry kind once"
+    for d in KIND_DOCS:
+        assert d.suite.startswith("none") or d.suite in testing.__all__, f"{d.kind}: no suite {d.suite}"
+    rows = _table_cells("### Every kind in one place")
+    want = [d.cells() for d in KIND_DOCS]
+    assert [len(r) for r in rows] == [5] * len(rows), [r for r in rows if len(r) != 5]
+    assert rows == want, "docs/plugin-authoring.md 'Every kind in one place' differs from KIND_DOCS:\n" + "\n".join(
+        f"row {i}: {a} != {b}" for i, (a, b) in enumerate(zip(rows, want)) if a != b
+    )
+    # Every link in a cell points at a heading of the page.
+    text = DOC.read_text(encoding="utf-8")
+    anchors = {
+        re.sub(r"[^\w\- ]", "", h.lstrip("#").strip().lower()).replace(" ", "-")
+        for h in text.splitlines()
+        if h.startswith("#")
+    }
+    links = {a for d in KIND_DOCS for a in re.findall(r"\]\(#([\w-]+)\)", d.target)}
+    assert links - anchors == set(), links - anchors

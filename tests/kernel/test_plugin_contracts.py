@@ -256,3 +256,24 @@ def test_areal_error_from_a_plugin_stays_its_own_line(run_areal, contract_env, t
     line = _check_error_line(run_areal, contract_env, tmp_path, "areal_error")
     assert line == "areal: error: contract_data: the record server is down; set dataset.contract_data.mode=list"
     assert not list(tmp_path.rglob("error.log"))  # a reported user error is not a crash
+
+
+# -- 5. areal check with only the documented workflow members --------------------------------
+
+
+def test_check_runs_a_workflow_with_only_the_documented_members(run_areal, contract_env, tiny_chat_model, tmp_path):
+    """`minimal` has no ``encode_prompt`` and puts no ``metadata["completion"]``
+    on its trajectories (both optional): `areal check` shows the prompt the
+    engine continued and the decoded generated tokens instead."""
+    proc = run_areal(
+        "check", "/dev/null", "-n", "2", f"model.path={tiny_chat_model}", f"run_dir={tmp_path / 'run'}",
+        "workflow.type=minimal", "rollout.gconfig.n_samples=2", "rollout.gconfig.max_new_tokens=6",
+        env=contract_env, cwd=str(tmp_path), timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert "prompt (as the model sees it)" in out and "<|im_start|>assistant" in out and "What is" in out, out
+    lines = [line for line in out.splitlines() if "-> reward" in line]
+    assert len(lines) == 4, out
+    # Six random tokens of a 49k vocabulary decode to text; an empty one means the fallback is missing.
+    assert all("completion ''" not in line for line in lines), lines

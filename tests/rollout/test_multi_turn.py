@@ -212,10 +212,15 @@ def test_bad_settings_name_the_field():
         assert where in str(e.value), (bad, str(e.value))
 
 
+# The contract's settings: several turns, and the default discount of a retry (0.5).
+CONTRACT_SETTINGS = {"max_turns": 3, "turn_discount": 0.5, "feedback": "No.", "tools": ["calculator"]}
+
+
 class TestMultiTurnWorkflow(WorkflowContract):
     """The contract on the taught model, tools on: it answers the contract's
     question with "hello", which the probe reward scores below 1, so every
-    episode takes several turns (checked below)."""
+    episode takes several turns and its reward is a discounted score
+    (checked below): the suite's reward rule admits a discounting workflow."""
 
     @pytest.fixture
     def workflow_name(self):
@@ -223,7 +228,7 @@ class TestMultiTurnWorkflow(WorkflowContract):
 
     @pytest.fixture
     def workflow_settings(self):
-        return {"max_turns": 3, "turn_discount": 1.0, "feedback": "No.", "tools": ["calculator"]}
+        return dict(CONTRACT_SETTINGS)
 
     @pytest.fixture(scope="class")
     @classmethod
@@ -254,11 +259,14 @@ def test_contract_episodes_took_several_turns(tok, engine, tmp_path):
     try:
         wf = MultiTurnWorkflow(
             tokenizer=tok, gconfig=GenerationConfig(max_new_tokens=6, n_samples=3), reward_target=PROBE_REWARD_TARGET,
-            reward_pool=p, config=MultiTurnConfig(max_turns=3, turn_discount=1.0, feedback="No.", tools=["calculator"]),
+            reward_pool=p, config=MultiTurnConfig(**CONTRACT_SETTINGS),
         )  # fmt: skip
         group = _run(engine, wf.arun_episode(engine, {"id": "c", "prompt": ASK, "answer": "5", "_sample_seed": 7}))
     finally:
         p.close()
     assert all(len(t.metadata["turns"]) > 1 for t in group.trajectories)
+    # The reward is discounted: below the score of the turn it came from.
+    best = [max(x["reward"] for x in t.metadata["turns"] if x["reward"] is not None) for t in group.trajectories]
+    assert any(0 < t.reward < s for t, s in zip(group.trajectories, best)), [(t.reward, s) for t, s in zip(group.trajectories, best)]
     assert all(sum(1 for a, b in zip([0] + t.loss_mask, t.loss_mask) if b and not a) > 1 for t in group.trajectories)
 

@@ -4,7 +4,10 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from areal_kernel.api.io import GenerationConfig, ModelRequest, Trajectory, TrajectoryGroup
 from areal_kernel.errors import DataError
+from areal_kernel.workflow.rlvr import sample_gconfig, stop_at_eos
+from areal_kernel.workflow.scoring import RewardScoring
 
 
 class LengthPenaltyConfig(BaseModel):
@@ -26,6 +29,16 @@ def echo_value(completion: str, answer: str, *, value: float = 0.0, tags: list[s
     if tags is not None and not (isinstance(tags, list) and all(isinstance(t, str) for t in tags)):
         raise TypeError(f"tags arrived as {type(tags).__name__}")
     return float(value)
+
+
+class ScaledConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    scale: float = 2.0  # the only default: the function's keyword has none
+
+
+def scaled(completion: str, answer: str, *, scale: float) -> float:
+    return scale * float(completion.strip() == answer.strip())
 
 
 class ContractDataConfig(BaseModel):
@@ -79,3 +92,44 @@ class CrashyWorkflow:
 
     async def arun_episode(self, engine, record):
         return {"n": 1}["answer"]  # the bug: a plain KeyError from plugin code
+
+
+class MinimalWorkflow(RewardScoring):
+    """Only the members docs/plugin-authoring.md ("Workflows") requires: no
+    ``encode_prompt``, no ``metadata["completion"]`` on its trajectories."""
+
+    required_fields = ("prompt", "answer")
+
+    def __init__(self, *, tokenizer, gconfig, reward_target, reward_pool, config=None):
+        self.tok = tokenizer
+        self.gconfig = stop_at_eos(gconfig, tokenizer)
+        self.reward_target = reward_target
+        self.pool = reward_pool
+
+    def _ids(self, record) -> list[int]:
+        messages = [{"role": "user", "content": record["prompt"]}]
+        ids = self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+    async def arun_episode(self, engine, record):
+        ids, gid = self._ids(record), str(record["id"])
+        trajectories = []
+        for i in range(max(1, self.gconfig.n_samples)):
+            resp = await engine.agenerate(ModelRequest(input_ids=ids, gconfig=sample_gconfig(self.gconfig, record, i)))
+            text = self.tok.decode(resp.output_ids, skip_special_tokens=True)
+            reward = await self.score(text, record["answer"])
+            trajectories.append(Trajectory.from_response(resp, reward, group_id=gid, sample_id=f"{gid}#{i}"))
+        return TrajectoryGroup(trajectories, group_id=gid)
+
+    async def aevaluate(self, engine, record, max_new_tokens):
+        g = GenerationConfig(max_new_tokens=max_new_tokens, greedy=True, stop_token_ids=list(self.gconfig.stop_token_ids))
+        resp = await engine.agenerate(ModelRequest(input_ids=self._ids(record), gconfig=g))
+        text = self.tok.decode(resp.output_ids, skip_special_tokens=True)
+        return await self.score(text, record["answer"]), text
+
+
+class InflatingWorkflow(MinimalWorkflow):
+    """Breaks the reward rule: a trajectory's reward above every score of its reward calls."""
+
+    async def score(self, completion, answer):
+        return 2.0 * await super().score(completion, answer) + 0.5

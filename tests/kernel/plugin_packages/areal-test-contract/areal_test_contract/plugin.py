@@ -19,6 +19,12 @@ def areal_register_rewards(register):
         config_model=f"{_IMPL}:EchoValueConfig",
         description="scores reward.echo_value.value (checks the types that arrive)",
     )
+    register(
+        "scaled",
+        f"{_IMPL}:scaled",
+        config_model=f"{_IMPL}:ScaledConfig",
+        description="scale for a correct answer; scale's default lives only in the config model",
+    )
 
 
 @hookimpl
@@ -33,4 +39,6 @@ def areal_register_datasets(register):
 
 @hookimpl
 def areal_register_workflows(register):
+    register("minimal", f"{_IMPL}:MinimalWorkflow", description="only the documented required workflow members")
+    register("inflating", f"{_IMPL}:InflatingWorkflow", description="rewards above its reward calls' scores")
     register("crashy", f"{_IMPL}:CrashyWorkflow", description="every episode raises a plain KeyError (a plugin bug)")
