@@ -28,6 +28,8 @@ the same way: it cannot carry the marker. ``xfail`` is not a skip."""
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from typing import Any, Iterator
 
 import pytest
@@ -107,12 +109,59 @@ def _ci() -> bool:
     return os.environ.get("CI", "").strip().lower() == "true"
 
 
+@pytest.hookimpl(trylast=True)  # after pytest's tmpdir plugin has set up its base directory
 def pytest_configure(config: pytest.Config) -> None:
     # Also in pyproject.toml; repeated here so the rule works where this file
     # is loaded without that ini (its own test runs it in a scratch dir).
     config.addinivalue_line(
         "markers", "needs_hardware(*kinds, reason): a skip for want of this hardware is allowed under CI=true"
     )
+    _scratch_under_basetemp(config)
+
+
+# Ray puts unix sockets at <RAY_TMPDIR>/ray/session_<date>_<pid>/sockets/
+# plasma_store: 72 bytes after the directory, and a socket path must fit in
+# 107. A per-worker directory under pytest's base directory is often longer.
+_RAY_SOCKET_TAIL = 72
+_UNIX_PATH_MAX = 107
+
+
+def _scratch_under_basetemp(config: pytest.Config) -> None:
+    """Send everything that uses the system temp directory (rank groups and
+    launchers without a run_dir, torch's ``pymp-*``, wandb's media dirs, Ray
+    sessions, torchinductor) into this process's part of pytest's base
+    directory, before any test starts, so subprocesses inherit it: pytest
+    removes it with the base directory after a green run and keeps it with a
+    failed run's, and nothing piles up in /tmp across runs."""
+    factory = getattr(config, "_tmp_path_factory", None)
+    if factory is None or (config.getoption("dist", "no") != "no" and not hasattr(config, "workerinput")):
+        return  # xdist's controller runs no test; each worker sets up its own
+    root = tempfile.gettempdir()  # the system one: pytest's base directory is under it
+    scratch = factory.getbasetemp() / "tmp"  # <basetemp>/gwN/tmp on an xdist worker
+    scratch.mkdir(exist_ok=True)
+    os.environ["TMPDIR"] = str(scratch)
+    tempfile.tempdir = str(scratch)  # gettempdir() caches its first answer
+    if "RAY_TMPDIR" not in os.environ and len(str(scratch)) + _RAY_SOCKET_TAIL > _UNIX_PATH_MAX:
+        # Too long for Ray's sockets: a short directory beside the base
+        # directory, moved into it (a failed run) or removed at the end.
+        ray_dir = tempfile.mkdtemp(prefix="areal-ray-", dir=root)
+        os.environ["RAY_TMPDIR"] = ray_dir
+        config.stash[_RAY_DIR] = ray_dir
+        config.stash[_SCRATCH] = str(scratch)
+
+
+_RAY_DIR = pytest.StashKey[str]()
+_SCRATCH = pytest.StashKey[str]()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    ray_dir = session.config.stash.get(_RAY_DIR, None)
+    if ray_dir is None or not os.path.isdir(ray_dir):
+        return
+    if exitstatus == 0:
+        shutil.rmtree(ray_dir, ignore_errors=True)
+    else:  # keep Ray's logs with the failed run's other scratch
+        shutil.move(ray_dir, os.path.join(session.config.stash[_SCRATCH], "ray-sessions"))
 
 
 def _check_hardware_marks(items: list[pytest.Item]) -> None:

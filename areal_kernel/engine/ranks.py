@@ -33,6 +33,7 @@ import multiprocessing.connection as mpc
 import os
 import pickle
 import secrets
+import shutil
 import signal
 import sys
 import tempfile
@@ -91,6 +92,10 @@ class RankGroup:
         self.scheduler = scheduler
         self.owns_scheduler = owns_scheduler
         self.log_dir = log_dir
+        # A log directory this group made itself (no log_dir given) is removed
+        # on a clean ``shutdown``; kept when anything failed, for its logs.
+        self._own_log_dir = False
+        self._failed = False
         self.startup_timeout_s = startup_timeout_s
         self.dist_timeout_s = dist_timeout_s
         self.error_grace_s = error_grace_s
@@ -113,7 +118,9 @@ class RankGroup:
         controller_host = getattr(self.scheduler, "controller_host", None)
         listener = mpc.Listener((controller_host() if controller_host else "127.0.0.1", 0), authkey=authkey)
         host, port = listener.address
-        self.log_dir = self.log_dir or tempfile.mkdtemp(prefix=f"areal-{self.name}-")
+        if not self.log_dir:
+            self.log_dir = tempfile.mkdtemp(prefix=f"areal-{self.name}-")
+            self._own_log_dir = True
         env = {
             CONTROL_ENV: f"{host}:{port}",
             AUTHKEY_ENV: authkey.hex(),  # environment, not argv: argv is world-readable
@@ -154,6 +161,7 @@ class RankGroup:
                     )
                 time.sleep(0.05)
         except BaseException:
+            self._failed = True
             listener.close()
             self.stop()
             raise
@@ -165,6 +173,7 @@ class RankGroup:
         for r, p in enumerate(self.procs):
             rc = p.poll()
             if rc is not None:
+                self._failed = True
                 log_path = os.path.join(self.log_dir or ".", f"rank-{r}.log")
                 self.stop()
                 self.broken = f"rank {r} exited with code {rc}"
@@ -201,6 +210,7 @@ class RankGroup:
                 try:
                     status, payload = pickle.loads(c.recv_bytes())
                 except (EOFError, OSError):
+                    self._failed = True
                     self.check_alive(f"during {cmd!r}")
                     self.stop()
                     self.broken = f"rank {r} closed its channel"
@@ -208,6 +218,7 @@ class RankGroup:
                 if status == "ok":
                     results[r] = payload
                 else:
+                    self._failed = True
                     errors.append((r, payload))
                     first_error_at = first_error_at or time.monotonic()
             if not ready:
@@ -242,7 +253,9 @@ class RankGroup:
         self.procs = []
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
-        """Ask the ranks to exit, wait up to ``timeout_s``, then ``stop``. Never raises."""
+        """Ask the ranks to exit, wait up to ``timeout_s``, then ``stop``; then
+        remove the log directory if this group made it and nothing failed.
+        Never raises."""
         if self._conns and not self.broken:
             try:
                 import cloudpickle
@@ -258,6 +271,9 @@ class RankGroup:
             self.stop()
         except Exception:  # noqa: BLE001
             pass
+        if self._own_log_dir and not self._failed and not self.broken and self.log_dir:
+            shutil.rmtree(self.log_dir, ignore_errors=True)
+            self._own_log_dir = False
 
 
 # ------------------------------------------------------------------ rank side

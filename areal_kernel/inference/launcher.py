@@ -16,6 +16,7 @@ from __future__ import annotations
 import abc
 import atexit
 import os
+import shutil
 import signal
 import subprocess
 import tempfile
@@ -110,6 +111,9 @@ class SubprocessLauncher(ServerLauncher):
     # a lost scheduler agent). Off only for servers that watch
     # ``PARENT_PID_ENV`` themselves (the embedded server).
     guard_parent: ClassVar[bool] = True
+    # The name of the run directory made when none is given (server logs);
+    # ``stop`` removes it again unless a server failed.
+    run_dir_prefix: ClassVar[str] = "areal-servers-"
 
     def __init__(
         self,
@@ -122,8 +126,10 @@ class SubprocessLauncher(ServerLauncher):
         base_port: int | None = None,
         admin_token: str | None = None,
     ) -> None:
-        self.run_dir = os.path.abspath(run_dir or tempfile.mkdtemp(prefix="areal-servers-"))
+        self._own_run_dir = not run_dir
+        self.run_dir = os.path.abspath(run_dir or tempfile.mkdtemp(prefix=self.run_dir_prefix))
         os.makedirs(self.run_dir, exist_ok=True)
+        self._failed = False  # a server failed or crashed: its log stays
         self.host = host
         self.startup_timeout_s = startup_timeout_s
         self.stop_grace_s = stop_grace_s
@@ -259,6 +265,7 @@ class SubprocessLauncher(ServerLauncher):
                         + (f" (server {i} of {n_servers} uses port+{i})" if n_servers > 1 else "")
                         + "; choose a free port or leave it unset to pick free ports automatically"
                     )
+        os.makedirs(self.run_dir, exist_ok=True)  # ``stop`` may have removed its own
         with self._lock:
             self._stopping = False
             first = len(self._procs)
@@ -289,7 +296,9 @@ class SubprocessLauncher(ServerLauncher):
                 return {}
             procs = list(self._procs)
         # Polled outside the lock: a remote handle's poll is a network call.
-        return {p.index: rc for p in procs if (rc := p.handle.poll()) is not None}
+        gone = {p.index: rc for p in procs if (rc := p.handle.poll()) is not None}
+        self._failed = self._failed or bool(gone)
+        return gone
 
     def restart(self, index: int) -> ServerInfo:
         """Start server ``index`` again, on the same address, with the model
@@ -324,6 +333,8 @@ class SubprocessLauncher(ServerLauncher):
         for p in procs:
             self.kill(p)
         self.cleanup()
+        if self._own_run_dir and not self._failed:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
 
     def kill(self, proc: ServerProcess) -> None:
         """Kill one server's whole process group and reap its leader. The
@@ -343,6 +354,7 @@ class SubprocessLauncher(ServerLauncher):
 
     def failure(self, proc: ServerProcess, why: str) -> ServerError:
         """An error naming the server, its command, its log file and the log's last lines."""
+        self._failed = True
         return ServerError(
             f"{self.server_name} {proc.index} ({proc.info.address}) {why}\n  command: {' '.join(proc.cmd)}\n"
             f"  log: {proc.log_path}\n--- last {self.log_tail_lines} log lines ---\n"

@@ -55,11 +55,14 @@ def test_bad_head_split_is_rejected(tmp_path):
 
 
 @pytest.mark.slow
-def test_with_smollm2_tokenizer(smollm2, tmp_path):
+def test_with_smollm2_tokenizer(tmp_path):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    d = make_tiny_llama(tmp_path / "m", tokenizer_from=str(smollm2.model_dir))
+    from areal_kernel.models.resolve import resolve_model_path
+
+    # The shared model cache, read only (the conversion itself is test_smollm2.py's).
+    d = make_tiny_llama(tmp_path / "m", tokenizer_from=resolve_model_path("smollm2-135m-instruct"))
     tok = AutoTokenizer.from_pretrained(d)
     assert len(tok) == 49152 and tok.eos_token_id == 2
     assert tok.chat_template is not None

@@ -9,7 +9,6 @@ restart) is the kernel's ``SubprocessLauncher``.
 from __future__ import annotations
 
 import sys
-import tempfile
 
 from areal_kernel.errors import ServerError
 from areal_kernel.inference.launcher import SubprocessLauncher
@@ -78,6 +77,7 @@ class SGLangLauncher(SubprocessLauncher):
 
     server_name = "SGLang server"
     settings_path = "rollout.sglang"
+    run_dir_prefix = "areal-sglang-"
     start_failure_hint = "set rollout.sglang.python to an interpreter that has sglang installed"
 
     def __init__(
@@ -95,7 +95,7 @@ class SGLangLauncher(SubprocessLauncher):
         self.launch_prefix = launch_prefix
         self._tp = self.config.tp_size or 1
         super().__init__(
-            run_dir or tempfile.mkdtemp(prefix="areal-sglang-"), host=self.config.host,
+            run_dir, host=self.config.host,
             startup_timeout_s=self.config.startup_timeout_s, stop_grace_s=self.config.stop_grace_s,
             port_retries=self.config.port_retries, admin_token=self.config.api_key,
         )  # fmt: skip

@@ -35,6 +35,7 @@ class VLLMLauncher(SubprocessLauncher):
 
     server_name = "vLLM server"
     settings_path = "rollout.vllm"
+    run_dir_prefix = "areal-vllm-"
     poll_s = 0.5
 
     def __init__(self, config: VLLMServerConfig | None = None, run_dir: str | None = None) -> None:
@@ -42,7 +43,7 @@ class VLLMLauncher(SubprocessLauncher):
         self._tmpdirs: list[str] = []
         self._tp = self.config.tensor_parallel_size or 1
         super().__init__(
-            run_dir or tempfile.mkdtemp(prefix="areal-vllm-"), host=self.config.host,
+            run_dir, host=self.config.host,
             startup_timeout_s=self.config.startup_timeout_s, stop_grace_s=self.config.stop_grace_s,
             port_retries=self.config.port_retries, admin_token=self.config.admin_token,
         )  # fmt: skip
