@@ -67,10 +67,10 @@ LONG_FILES: tuple[str, ...] = (
     "tests/e2e/test_grpo_learns.py",  # 162: the same
     "plugins/areal-ray/tests/test_ray_scheduler.py",  # 152: a real Ray cluster, servers and controller killed
     "tests/e2e/test_readme_walkthrough.py",  # 137: every README command, SmolLM2 included
-    "tests/e2e/test_grpo_lora.py",  # 127: a learning run and its control
     "tests/faults/test_interrupt.py",  # 90: SIGTERM mid-run, resumed
     "tests/vlm/test_vlm_shapes_learns.py",  # 69: SFT, then GRPO and its control
     "tests/faults/test_recovery.py",  # 68: kill -9 mid-run, resumed
+    "tests/e2e/test_grpo_lora.py",  # 66: a learning run (the control is test_grpo_learns.py's)
     "plugins/areal-fsdp/tests/test_fsdp_recovery.py",  # 65: kill -9 and resume on two ranks
     "plugins/areal-megatron/tests/test_megatron_recovery.py",  # 63: kill -9 and resume, t2 and p2
 )  # fmt: skip

@@ -567,6 +567,10 @@ class RLTrainer(Trainer):
                 engine.destroy()
         if self.rollout is not None:
             self.rollout.stop()
+        # After the servers: they may read the transport's files until stopped.
+        close_transport = getattr(self.transport, "close", None)
+        if close_transport is not None:
+            close_transport()
         for sink in self.sinks:
             sink.close()
         if self.samples_log is not None:
