@@ -112,10 +112,18 @@ def load_dataset(
     spec: "FactorySpec", config: "DatasetConfig", seed: int, required: Sequence[str], needed_by: str
 ) -> tuple[list[Record], list[Record]]:
     """Call the source ``spec`` under the contract above and check its records."""
+    return call_source(spec.load(), spec, config, seed, required, needed_by)
+
+
+def call_source(
+    source: Any, spec: "FactorySpec", config: "DatasetConfig", seed: int, required: Sequence[str], needed_by: str
+) -> tuple[list[Record], list[Record]]:
+    """``source`` (the loaded target of ``spec``) called under the contract
+    above: its result's shape and every record checked, the held-out split
+    made. What ``Registry.build("dataset", ...)`` runs."""
     from areal_kernel.plugins.blame import spec_origin
 
     origin = spec_origin(spec)
-    source = spec.load()
     result = source(config, seed, tuple(required))
     check_shape(result, origin=origin)
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from areal_kernel.api.io import GenerationConfig, ModelRequest, ModelResponse, StopReason, Trajectory, TrajectoryGroup
+from areal_kernel.api.workflow import Workflow
 from areal_kernel.errors import ArealError, DataError
 from areal_kernel.logging import get_logger
 from areal_kernel.tools.runtime import ToolBox, build_tool_parser, turn_stop_reason
@@ -66,7 +67,7 @@ def reward_success_threshold(reward_target: str) -> float:
     return DEFAULT_SUCCESS_THRESHOLD
 
 
-class MultiTurnWorkflow(RewardScoring):
+class MultiTurnWorkflow(RewardScoring, Workflow):
     required_fields = ("prompt", "answer")
 
     def __init__(
