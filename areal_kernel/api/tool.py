@@ -10,15 +10,33 @@ function format) and ``async call(arguments) -> str``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from areal_kernel.api.kinds import KindContract, settings_fields
-from areal_kernel.tools.types import Tool
 
 if TYPE_CHECKING:
     from areal_kernel.plugins.registry import FactorySpec
 
 __all__ = ["Tool", "ToolContext", "KIND"]
+
+
+@runtime_checkable
+class Tool(Protocol):
+    """What a registered tool provides (built as ``Tool(**settings)``).
+
+    The registered name is the tool's name. ``parameters`` is the JSON schema
+    of the arguments object (OpenAI function format: ``{"type": "object",
+    "properties": {...}, "required": [...]}``). ``call`` receives the decoded
+    arguments and returns the text fed back to the model; it must not block
+    the event loop (run blocking work with ``asyncio.to_thread``). Raising is
+    allowed: the caller turns the exception into an error message for the
+    model, as it does for a call that runs past its timeout.
+    """
+
+    description: str
+    parameters: dict[str, Any]
+
+    async def call(self, arguments: dict[str, Any]) -> str: ...
 
 
 @dataclass(frozen=True)

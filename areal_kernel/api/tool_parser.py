@@ -9,15 +9,53 @@ instances satisfy ``ToolCallParser``: ``stop_strings`` and
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from areal_kernel.api.kinds import KindContract
-from areal_kernel.tools.types import ParsedOutput, ToolCall, ToolCallParser
 
 if TYPE_CHECKING:
     from areal_kernel.plugins.registry import FactorySpec
 
 __all__ = ["ToolCallParser", "ParsedOutput", "ToolCall", "ToolParserContext", "KIND"]
+
+# A parser never raises on model output: a model in training writes malformed
+# calls all the time, and that is a fact about the sample (the reward can see
+# it in ``errors``), not a failure of the run.
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One call the model asked for.
+
+    ``arguments`` stays the JSON text the model wrote, as the OpenAI wire
+    format carries it; callers that execute the tool decode it.
+    """
+
+    id: str
+    name: str
+    arguments: str
+
+
+@dataclass(frozen=True)
+class ParsedOutput:
+    """One model turn split into its parts."""
+
+    content: str
+    tool_calls: tuple[ToolCall, ...] = ()
+    reasoning: str | None = None
+    # One line per malformed call or block, saying what was wrong with it.
+    errors: tuple[str, ...] = ()
+
+
+@runtime_checkable
+class ToolCallParser(Protocol):
+    """What a registered tool-call parser provides."""
+
+    # Strings after which generation should stop because a call is complete
+    # (the turn then ends with ``stop_reason=tool_call``).
+    stop_strings: tuple[str, ...]
+
+    def parse(self, text: str) -> ParsedOutput: ...
 
 
 @dataclass(frozen=True)

@@ -117,15 +117,24 @@ def load_data(
     ``required`` fields and a unique string id. ``needed_by`` names who reads
     them, for messages (default: the selected workflow)."""
     from areal_kernel.api.dataset import DatasetContext
+    from areal_kernel.data.contract import finish_dataset
+    from areal_kernel.plugins.blame import spec_origin
 
-    who = needed_by or f"workflow '{cfg.workflow.type}'"
+    reg = get_registry()
+    spec = reg.get("dataset", cfg.dataset.type)
     context = DatasetContext(
-        name=cfg.dataset.type, config=cfg.dataset, seed=cfg.seed, required=tuple(required), needed_by=who
+        name=cfg.dataset.type,
+        config=cfg.dataset,
+        seed=cfg.seed,
+        required=tuple(required),
+        needed_by=needed_by or f"workflow '{cfg.workflow.type}'",
+        origin=spec_origin(spec),
     )
-    data = get_registry().build("dataset", cfg.dataset.type, context)
-    if not data.train:
+    splits = reg.build("dataset", cfg.dataset.type, context)
+    train, evals = finish_dataset(splits, spec, cfg.dataset, cfg.seed)
+    if not train:
         raise ArealError(f"dataset '{cfg.dataset.type}' produced no training records")
-    return data.train, data.eval[: cfg.trainer.eval_size]
+    return train, evals[: cfg.trainer.eval_size]
 
 
 def reward_settings(cfg: ExperimentConfig) -> dict[str, Any]:

@@ -246,3 +246,91 @@ def test_inference_engine_defaults_name_the_member_and_the_feature():
         engine.init_weight_group_async("127.0.0.1", 1, "g", "gloo")
     # An attribute an engine without a weight group does not have (hasattr stays usable).
     assert not hasattr(engine, "weight_group_world_size")
+
+
+class OldShapeWorkflow:
+    """A workflow written for the five keywords, without the base class."""
+
+    reward_calls = reward_failures = 0
+
+    def __init__(self, *, tokenizer, gconfig, reward_target, reward_pool, config):
+        self.args = (tokenizer, gconfig, reward_target, reward_pool, config)
+
+    async def arun_episode(self, engine, record):
+        return None
+
+    async def aevaluate(self, engine, record, max_new_tokens):
+        return 0.0, ""
+
+
+class OldShapeTransport:
+    name = "old"
+
+    def __init__(self, train_engine, inference_engine, run_dir, bucket_bytes):
+        self.args = (train_engine, inference_engine, run_dir, bucket_bytes)
+
+    def setup(self):
+        pass
+
+    def update(self, version):
+        return {}
+
+
+class OldShapeBackend:
+    launcher = None
+
+    def __init__(self, config):
+        self.args = (config,)
+
+    def place(self, scheduler, placements):
+        pass
+
+    def launch(self, model_dir, device_plan, run_dir):
+        return []
+
+    def make_client(self, addresses):
+        return None
+
+    def stop(self):
+        pass
+
+
+def _old_shape_cases():
+    from areal_kernel.api.inference_engine import InferenceBackendContext
+    from areal_kernel.api.io import GenerationConfig
+    from areal_kernel.api.reward import Reward
+    from areal_kernel.api.weight_transport import WeightTransportContext
+    from areal_kernel.api.workflow import WorkflowContext
+
+    reward = Reward(name="r", target="pkg.mod:fn", plugin="p", fn=len)
+    gconfig = GenerationConfig()
+    return [
+        (
+            "workflow", "OldShapeWorkflow", "areal_kernel.api.workflow.Workflow",
+            WorkflowContext(name="old", tokenizer="tok", gconfig=gconfig, reward=reward, reward_pool="pool", settings="s"),
+            ("tok", gconfig, "pkg.mod:fn", "pool", "s"),
+        ),
+        (
+            "weight_transport", "OldShapeTransport", "areal_kernel.api.weight_transport.WeightTransport",
+            WeightTransportContext(name="old", train_engine="te", inference_engine="ie", run_dir="rd", bucket_bytes=7),
+            ("te", "ie", "rd", 7),
+        ),
+        (
+            "inference_engine", "OldShapeBackend", "areal_kernel.inference.backend.InferenceBackend",
+            InferenceBackendContext(name="old", config="cfg"),
+            ("cfg",),
+        ),
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", range(3))
+def test_every_class_kind_keeps_its_old_shape_with_a_warning(areal_env, case):
+    from areal_kernel.plugins import get_registry
+
+    kind, attr, base, ctx, expected_args = _old_shape_cases()[case]
+    areal_env()
+    reg = get_registry()
+    reg.add(FactorySpec(kind=kind, name="old", target=f"{__name__}:{attr}", plugin="testbuild"))
+    with pytest.warns(DeprecationWarning, match=f"subclass {base}"):
+        built = reg.build(kind, "old", ctx)
+    assert type(built).__name__ == attr and built.args == expected_args
