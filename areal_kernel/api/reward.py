@@ -18,7 +18,7 @@ one sample in this process (contract suites, tests).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Callable, Protocol, runtime_checkable
 
 from areal_kernel.api.kinds import KindContract, settings_fields
 
@@ -68,7 +68,9 @@ class Reward:
     name: str
     target: str
     plugin: str
-    fn: RewardFunction
+    # Callable[..., float]: a reward declares its settings as keyword
+    # parameters, which a Protocol with **settings would refuse.
+    fn: Callable[..., float]
     settings: dict[str, Any] = field(default_factory=dict)
     success_threshold: float = DEFAULT_SUCCESS_THRESHOLD
     worker_preload: tuple[str, ...] = ()
