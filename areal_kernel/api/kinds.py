@@ -60,13 +60,15 @@ class KindContract:
 
     - ``kind``: the registry kind (``"workflow"``).
     - ``context``: the frozen class the factory receives.
-    - ``contract``: what the built object must be: a class (checked with
-      ``isinstance``) or a runtime-checkable ``Protocol`` whose members are
-      checked by name (``members``).
-    - ``members``: the names the kernel calls or reads on the built object.
+    - ``contract``: the base class or runtime-checkable ``Protocol`` the
+      built object satisfies (the type ``Registry.build`` returns).
+    - ``members``: the names the kernel calls or reads on the built object,
+      checked by name (``hasattr``, as a runtime-checkable Protocol does).
     - ``construct(target, ctx, spec)``: calls the registered target.
     - ``callable_result``: the built object is itself called (functions:
-      rewards, estimators, losses); checked with ``callable``.
+      estimators, losses); checked with ``callable``.
+    - ``check``: replaces the two checks above when given (a kind whose
+      object is checked otherwise, e.g. ``isinstance`` of a base class).
     - ``contract_name``: where an author reads the contract (for messages).
     """
 
@@ -136,6 +138,7 @@ def from_context(target: Any, ctx: Any, spec: "FactorySpec", old_shape: Callable
         f"deprecated and stops working in the next minor release: subclass {base} (whose from_context "
         "calls the old constructor) or define from_context",
         DeprecationWarning,
+        # from_context <- the kind's construct <- Registry.build <- whoever built it.
         stacklevel=4,
     )
     return old_shape(target, ctx)
