@@ -1,6 +1,6 @@
 """Policy losses following the train-engine loss contract.
 
-Contract (see ``areal_kernel.engine.torch_engine``): a loss gets per-token
+Contract (see ``areal_kernel.api.loss``): a loss gets per-token
 1-D tensors of one micro-batch and returns its *share* of the batch loss,
 normalised by ``data["batch_loss_tokens"]`` (loss tokens of the whole batch),
 so that summing shares over micro-batches gives the same result however the

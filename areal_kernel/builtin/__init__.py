@@ -259,8 +259,10 @@ def areal_resolve_model_path(name_or_path: str) -> str | None:
     from areal_kernel.models.resolve import resolve_model_path
     from areal_kernel.plugins.registry import get_registry
 
+    from areal_kernel.api.model_source import ModelSourceContext
+
     base, _, variant = name_or_path.partition("@")
-    spec = get_registry().find("model_source", base)
-    if spec is not None and not os.path.isdir(name_or_path):
-        return spec.load()(variant or None)
+    reg = get_registry()
+    if reg.find("model_source", base) is not None and not os.path.isdir(name_or_path):
+        return reg.build("model_source", base, ModelSourceContext(base, variant or None))
     return resolve_model_path(name_or_path)

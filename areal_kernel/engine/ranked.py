@@ -186,7 +186,9 @@ class RankedTrainEngine(TrainEngine):
                 name = cfg.scheduler.type
                 if name == "auto":
                     name = get_plugin_manager().hook.areal_select_scheduler(config=cfg) or "local"
-            sched = get_registry().get("scheduler", name).load()(cfg)
+            from areal_kernel.api.scheduler import SchedulerContext
+
+            sched = get_registry().build("scheduler", name, SchedulerContext(name=name, config=cfg))
             self._scheduler, self._owns_scheduler = sched, True
         if not hasattr(sched, "start_train_ranks"):
             raise ConfigError(

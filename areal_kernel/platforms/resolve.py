@@ -33,7 +33,11 @@ def _platform_class(name: str) -> type[Platform]:
 
 
 def _from_registry(name: str) -> Platform:
-    return _platform_class(name)()
+    from areal_kernel.api.platform import PlatformContext
+    from areal_kernel.plugins.registry import get_registry
+
+    # platform="" skips the registry's platform check, which would recurse here.
+    return get_registry().build("platform", name, PlatformContext(name), platform="")
 
 
 def _probe_out_of_tree() -> Platform | None:
@@ -58,7 +62,7 @@ def resolve_platform() -> Platform:
             # instead of failing later inside a backend.
             if not cls.is_available():
                 raise ArealError(cls.unavailable_reason())
-            return cls()
+            return _from_registry(name)
         except ArealError as e:
             raise ArealError(f"AREAL_PLATFORM={name!r} is not usable: {e}") from None
     found = _probe_out_of_tree()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from areal_kernel.api.scheduler import Scheduler, SchedulerContext
 from areal_kernel.config.models import ExperimentConfig
 from areal_kernel.errors import ArealError
 
@@ -20,11 +21,13 @@ def scheduler_name(cfg: ExperimentConfig) -> str:
     return name
 
 
-def make_scheduler(cfg: ExperimentConfig, name: str | None = None) -> Any:
-    """The run's scheduler, built as the trainer builds it (nothing starts)."""
+def make_scheduler(cfg: ExperimentConfig, name: str | None = None) -> Scheduler:
+    """The run's scheduler, built as the trainer builds it (nothing starts):
+    ``Registry.build("scheduler", name, SchedulerContext(name, cfg))``."""
     from areal_kernel.plugins import get_registry
 
-    return get_registry().get("scheduler", name or scheduler_name(cfg)).load()(cfg)
+    name = name or scheduler_name(cfg)
+    return get_registry().build("scheduler", name, SchedulerContext(name=name, config=cfg))
 
 
 def make_plan(cfg: ExperimentConfig) -> dict[str, Any]:

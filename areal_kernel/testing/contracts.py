@@ -82,10 +82,10 @@ class RewardContract:
 
     def _keywords(self, reward_target: str, reward_settings: dict[str, Any]) -> dict[str, Any]:
         """What the kernel passes the reward: ``reward_settings`` validated
-        like a ``reward.<name>`` section and dumped like ``reward_settings(cfg)``."""
+        like a ``reward.<name>`` section and dumped like ``reward_settings(cfg)`` (``json_settings``)."""
+        from areal_kernel.api.reward import json_settings
         from areal_kernel.config.sections import validate_settings
         from areal_kernel.plugins.registry import get_registry
-        from areal_kernel.trainer.components import reward_keywords
 
         specs = [s for s in get_registry().specs("reward") if s.target == reward_target]
         assert specs, (
@@ -93,7 +93,7 @@ class RewardContract:
             "with areal_register_rewards (is the plugin installed in the test process?)"
         )
         name = specs[0].name
-        return reward_keywords(validate_settings(f"reward.{name}", "reward", name, reward_settings, spec=specs[0]))
+        return json_settings(validate_settings(f"reward.{name}", "reward", name, reward_settings, spec=specs[0]))
 
     def test_scores_cases(
         self, reward_target: str, reward_cases: list[tuple[str, str, float]], reward_settings: dict[str, Any]

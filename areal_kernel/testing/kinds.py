@@ -50,6 +50,14 @@ def _spec(kind: str, name: str) -> Any:
     return get_registry().get(kind, name)
 
 
+def _build(kind: str, name: str, ctx: Any) -> Any:
+    """``name`` of ``kind`` built the way the kernel builds it (``Registry.build``:
+    the kind's factory shape, then its contract checked)."""
+    from areal_kernel.plugins.registry import get_registry
+
+    return get_registry().build(kind, name, ctx)
+
+
 def _config(data: dict[str, Any]) -> Any:
     """An ``ExperimentConfig`` validated from ``data`` as ``areal train`` validates a file."""
     from areal_kernel.config.loader import validate_config
@@ -859,10 +867,21 @@ class WorkflowContract:
         tokenizer = load_tokenizer(model_dir)
         pool = RewardPool(n_workers=1, timeout_s=60, preload=(),
                           settings={PROBE_REWARD_TARGET: {"log_path": log_path, "fail": fail}})  # fmt: skip
-        workflow = _spec("workflow", name).load()(
-            tokenizer=tokenizer, gconfig=generation_config(cfg), reward_target=PROBE_REWARD_TARGET,
-            reward_pool=pool, config=cfg.workflow.plugin_config,
-        )  # fmt: skip
+        from areal_kernel.api.reward import Reward
+        from areal_kernel.api.workflow import WorkflowContext
+        from areal_kernel.testing import probe_reward
+
+        reward = Reward(
+            name="probe",
+            target=PROBE_REWARD_TARGET,
+            plugin="areal_kernel.testing",
+            fn=probe_reward.probe_reward,
+            settings={"log_path": log_path, "fail": fail},
+        )
+        workflow = _build("workflow", name, WorkflowContext(
+            name=name, tokenizer=tokenizer, gconfig=generation_config(cfg), reward=reward, reward_pool=pool,
+            settings=cfg.workflow.plugin_config, config=cfg,
+        ))  # fmt: skip
         return workflow, pool, tokenizer
 
     def _episode(self, workflow: Any, engine: Any, record: dict) -> tuple[Any, _RecordingEngine]:
@@ -1066,9 +1085,12 @@ class WeightTransportContract:
         """Built and set up as the trainer does, on the run directory ``<runs>/exp``."""
         run_dir = os.path.join(transport_runs_dir, "exp")
         os.makedirs(run_dir)
-        t = _spec("weight_transport", transport_name).load()(
-            transport_train_engine, transport_inference_engine, run_dir, cls.BUCKET_BYTES
-        )
+        from areal_kernel.api.weight_transport import WeightTransportContext
+
+        t = _build("weight_transport", transport_name, WeightTransportContext(
+            name=transport_name, train_engine=transport_train_engine,
+            inference_engine=transport_inference_engine, run_dir=run_dir, bucket_bytes=cls.BUCKET_BYTES,
+        ))  # fmt: skip
         t.setup()
         yield t
         close = getattr(t, "close", None)
@@ -1204,8 +1226,10 @@ class SchedulerContract:
 
     @pytest.fixture
     def scheduler(self, scheduler_name: str, scheduler_cfg: Any) -> Any:
-        """Built as ``Rollout.start`` builds it: ``Scheduler(config)``."""
-        sched = _spec("scheduler", scheduler_name).load()(scheduler_cfg)
+        """Built as ``Rollout.start`` builds it (``Registry.build``)."""
+        from areal_kernel.api.scheduler import SchedulerContext
+
+        sched = _build("scheduler", scheduler_name, SchedulerContext(name=scheduler_name, config=scheduler_cfg))
         yield sched
         sched.stop()
 
@@ -1289,7 +1313,9 @@ class SchedulerContract:
         from areal_kernel.testing.waits import wait_until
 
         cfg = scheduler_cfg
-        backend = _spec("inference_engine", cfg.rollout.allocation.backend).load()(cfg)
+        from areal_kernel.api.inference_engine import InferenceBackendContext
+
+        backend = _build("inference_engine", cfg.rollout.allocation.backend, InferenceBackendContext.for_config(cfg))
         addresses = scheduler.start_inference(backend, scheduler_model_dir, str(tmp_path / "run"))
         assert len(addresses) == cfg.rollout.allocation.d, addresses
         placed = scheduler.placements("rollout")

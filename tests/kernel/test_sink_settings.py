@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel, ConfigDict, Field
 
+from areal_kernel.api.metric_sink import MetricSink
+
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = str(REPO / "examples" / "grpo_arithmetic.yaml")
 
@@ -18,11 +20,14 @@ class RecorderSettings(BaseModel):
     every: int = Field(1, ge=1)
 
 
-class Recorder:
+class Recorder(MetricSink):
     """A sink with settings, built the way the kernel builds every sink."""
 
     def __init__(self, run_dir: str, *, total_steps: int | None = None, prefix: str, every: int) -> None:
         self.args = {"run_dir": run_dir, "total_steps": total_steps, "prefix": prefix, "every": every}
+
+    def log(self, step: int, metrics: dict) -> None:
+        pass
 
 
 @pytest.fixture

@@ -143,7 +143,9 @@ class ModelService:
         except ArealError as err:
             raise ConfigError(str(err).replace("model.path", "--model-path", 1)) from None
         self.stop_ids = _stop_ids(self.tokenizer, self.model_dir)
-        self.backend = spec.load()(cfg)
+        from areal_kernel.api.inference_engine import InferenceBackendContext
+
+        self.backend = get_registry().build("inference_engine", alloc.backend, InferenceBackendContext.for_config(cfg))
         self.cfg = cfg
         self.devices = replica_device_plan(current_platform(), alloc, taken)
 
