@@ -308,3 +308,15 @@ def test_allow_list_entries_still_exist():
     stale = [(a, b) for a, b in ALLOWED if b not in graph.get(a, {}) or layer_of(b) <= layer_of(a)]
     assert not stale, f"ALLOWED entries that are no upward import any more: {stale}"
     assert all(reason.strip() for reason in [*ALLOWED.values(), *KNOWN_CYCLES.values()])
+
+
+if __name__ == "__main__":
+    # `python tests/kernel/test_import_layers.py`: the cycles and upward imports of this checkout.
+    kernel = import_graph(_kernel_files())
+    print("kernel import cycles:", [sorted(c) for c in cycles(kernel)] or "none")
+    for dist, files in _plugin_packages().items():
+        found = cycles(import_graph(files))
+        if found:
+            print(f"plugins/{dist} import cycles:", [sorted(c) for c in found])
+    for a, b, line in upward_imports(kernel):
+        print(f"upward: {a}:{line} -> {b}" + ("" if (a, b) in ALLOWED else "  (not allowed)"))
