@@ -82,8 +82,10 @@ class RLConfig(RLSettings):
             ("advantage_estimator", self.advantage, "advantage_settings"),
             ("loss", self.loss, "loss_settings"),
         ):
-            if reg.find(kind, name) is not None:
-                object.__setattr__(self, attr, validate_settings(f"algorithm.{name}", kind, name, getattr(self, attr)))
+            spec = reg.find(kind, name)
+            if spec is not None:
+                settings = validate_settings(f"algorithm.{name}", kind, name, getattr(self, attr), spec=spec)
+                object.__setattr__(self, attr, settings)
         return self
 
 

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from areal_kernel.api.kinds import KindContract, from_context
+from areal_kernel.utils.procs import tail_file
 
 if TYPE_CHECKING:
     from areal_kernel.config.models import ExperimentConfig
@@ -184,8 +185,6 @@ class LocalProcess(ProcessHandle):
             pass
 
     def log_tail(self, n: int) -> str:
-        from areal_kernel.inference.launcher import tail_file
-
         return tail_file(self.log_path, n)
 
 

@@ -178,9 +178,10 @@ class RankedTrainEngine(TrainEngine):
         else:
             cfg = self.run_config
             if cfg is None:
-                from areal_kernel.config.models import ExperimentConfig
+                from areal_kernel.config.loader import validate_config
 
-                cfg = ExperimentConfig.model_validate({"actor": {"backend": f"{self.engine_name}:d{self.world_size}"}})
+                actor = {"backend": f"{self.engine_name}:d{self.world_size}"}
+                cfg = validate_config({"actor": actor}, "the engine's own scheduler config", get_registry())
                 name = "local"
             else:
                 name = cfg.scheduler.type

@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 import threading
 import traceback
@@ -29,6 +30,7 @@ from areal_kernel.plugins.registry import FactorySpec, Registry
 
 ENTRY_POINT_GROUP = "areal.plugins"
 BUILTIN = "builtin"
+BUILTIN_MODULE = "areal_kernel.builtin"  # the value of the kernel's own areal.plugins entry point
 KERNEL_DIST = "areal-kernel"
 
 
@@ -125,8 +127,11 @@ class PluginManager:
         return self
 
     def _load_all(self) -> None:
-        import areal_kernel.builtin as builtin_module
-
+        # The builtin plugin is loaded by name, as every plugin is (its
+        # areal.plugins entry point names the same module): the plugin layer
+        # sits below the plugins it loads, the kernel's own included. It is
+        # loaded first and without the entry-point metadata, so it is always there.
+        builtin_module = importlib.import_module(BUILTIN_MODULE)
         self._register_module(
             PluginRecord(BUILTIN, builtin_module.__name__, KERNEL_DIST, _kernel_version()), builtin_module
         )

@@ -94,8 +94,21 @@ def make_plan(cfg: ExperimentConfig) -> dict[str, Any]:
     }
 
 
+# The capability a trainer registers when it runs inference servers: the
+# rollout role is then planned, placed and started (``areal plan``, the
+# schedulers, ``areal train``). Also importable from areal_kernel.trainer.common.
+ROLLOUT_CAPABILITY = "rollout"
+
+
+def uses_rollout(cfg: ExperimentConfig) -> bool:
+    """Whether the selected trainer (``algorithm.type``) runs inference servers:
+    its registration declares the ``rollout`` capability."""
+    from areal_kernel.plugins import get_registry
+
+    spec = get_registry().get("trainer", cfg.algorithm.type, platform="")
+    return ROLLOUT_CAPABILITY in spec.capabilities
+
+
 def _offline(cfg: ExperimentConfig) -> bool:
     """The selected trainer runs no inference servers (no ``rollout`` capability)."""
-    from areal_kernel.trainer.common import uses_rollout
-
     return not uses_rollout(cfg)

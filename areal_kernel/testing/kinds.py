@@ -61,8 +61,9 @@ def _build(kind: str, name: str, ctx: Any) -> Any:
 def _config(data: dict[str, Any]) -> Any:
     """An ``ExperimentConfig`` validated from ``data`` as ``areal train`` validates a file."""
     from areal_kernel.config.loader import validate_config
+    from areal_kernel.plugins.registry import get_registry
 
-    return validate_config(data, "contract config")
+    return validate_config(data, "contract config", get_registry())
 
 
 def _section(name: str, settings: dict[str, Any] | None, **fields: Any) -> dict[str, Any]:
@@ -78,7 +79,7 @@ def _check_unknown_setting_is_refused(kind: str, name: str, where: str) -> None:
     from areal_kernel.errors import ConfigError
 
     try:
-        validate_settings(where, kind, name, {_TYPO_KEY: 1})
+        validate_settings(where, kind, name, {_TYPO_KEY: 1}, spec=_spec(kind, name))
     except ConfigError as e:
         msg = str(e)
         assert where in msg, f"the error must name the section {where!r}: {msg}"
@@ -105,7 +106,7 @@ _LOAD_IN_CHILD = textwrap.dedent(
     from areal_kernel.plugins.registry import get_registry
     from areal_kernel.trainer.components import workflow_required_fields
 
-    cfg = validate_config(json.loads(sys.argv[1]), "contract config")
+    cfg = validate_config(json.loads(sys.argv[1]), "contract config", get_registry())
     required = workflow_required_fields(cfg)
     spec = get_registry().get("dataset", cfg.dataset.type)
     train, evals = load_dataset(spec, cfg.dataset, cfg.seed, required, "the contract")
@@ -460,7 +461,9 @@ class AdvantageEstimatorContract:
         spec = _spec("advantage_estimator", estimator_name)
         fn = spec.load()
         settings = settings_kwargs(
-            validate_settings(f"algorithm.{estimator_name}", spec.kind, spec.name, estimator_settings or None)
+            validate_settings(
+                f"algorithm.{estimator_name}", spec.kind, spec.name, estimator_settings or None, spec=spec
+            )
         )
         trajs = batch.trajectories
         rewards = [t.reward for t in trajs]

@@ -29,8 +29,9 @@ from areal_kernel.config.models import ExperimentConfig
 from areal_kernel.logging import setup_logging
 from areal_kernel.plugins import get_plugin_manager, get_registry
 
-# Registered trainers with this capability use inference servers (areal check, areal plan).
-ROLLOUT_CAPABILITY = "rollout"
+# Registered trainers with this capability use inference servers (areal check,
+# areal plan); defined with the planning that places them, kept importable here.
+from areal_kernel.scheduling.plan import ROLLOUT_CAPABILITY, uses_rollout  # noqa: F401
 
 # The message when a trainer method runs before setup() built the parts it uses
 # (the attributes are None until then so that close() can tell what to stop).
@@ -123,13 +124,6 @@ def save_hf_checkpoint(engine: TrainEngine, run_dir: str, tag: str, keep_last: i
         shutil.rmtree(os.path.join(root, old), ignore_errors=True)
     get_plugin_manager().hook.areal_on_checkpoint(step=step, path=path)
     return path
-
-
-def uses_rollout(cfg: ExperimentConfig) -> bool:
-    """Whether the selected trainer (``algorithm.type``) runs inference servers:
-    its registration declares the ``rollout`` capability."""
-    spec = get_registry().get("trainer", cfg.algorithm.type, platform="")
-    return ROLLOUT_CAPABILITY in spec.capabilities
 
 
 class GracefulInterrupt:

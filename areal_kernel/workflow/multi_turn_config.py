@@ -70,5 +70,7 @@ class MultiTurnConfig(BaseModel):
                 raise ConfigError(
                     f"{WHERE}.tool_settings.{name}: '{name}' is not in {WHERE}.tools ({self.tools or 'none'})"
                 )
-            validate_settings(f"{WHERE}.tool_settings.{name}", "tool", name, raw)
+            validate_settings(
+                f"{WHERE}.tool_settings.{name}", "tool", name, raw, spec=reg.get("tool", name, platform="")
+            )
         return self

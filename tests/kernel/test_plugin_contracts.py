@@ -54,8 +54,9 @@ def contract_env(contract_site) -> dict[str, str]:
 
 def _config(*overrides: str):
     from areal_kernel.config.loader import load_config
+    from areal_kernel.plugins import get_registry
 
-    return load_config("/dev/null", list(overrides))
+    return load_config("/dev/null", list(overrides), registry=get_registry())
 
 
 def _fake_model(tmp_path: Path) -> str:

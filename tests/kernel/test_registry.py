@@ -102,9 +102,10 @@ def test_observer_hooks_reach_plugins(with_test_plugins, tmp_path, monkeypatch):
     out = tmp_path / "observed.txt"
     monkeypatch.setenv("AREAL_TEST_OBSERVER_FILE", str(out))
     from areal_kernel.config import load_config
+    from areal_kernel.plugins import get_registry
     from areal_kernel.plugins import get_plugin_manager
 
-    get_plugin_manager().hook.areal_on_run_start(config=load_config(None), run_dir=str(tmp_path))
+    get_plugin_manager().hook.areal_on_run_start(config=load_config(None, registry=get_registry()), run_dir=str(tmp_path))
     assert out.read_text() == "run_start areal-run\n"
 
 
