@@ -67,7 +67,6 @@ def json_schema(registry: PluginLookup) -> dict[str, Any]:
     (``get_registry()``) holds a settings model for."""
     schema = ExperimentConfig.model_json_schema()
     defs = schema.setdefault("$defs", {})
-    reg = registry
     # Sections holding settings named after a registered factory: the plugin
     # sections, plus algorithm (estimators, losses) and logging (metric sinks).
     sections: list[tuple[str, tuple[str, ...]]] = [(c.__name__, (c.registry_kind,)) for c in _plugin_section_classes()]
@@ -80,8 +79,8 @@ def json_schema(registry: PluginLookup) -> dict[str, Any]:
         if section_name not in defs:
             continue
         props = defs[section_name].setdefault("properties", {})
-        for spec in (s for kind in kinds for s in reg.specs(kind)):
-            sub = _settings_schema(spec, defs)
+        for spec in (s for kind in kinds for s in registry.specs(kind)):
+            sub = _settings_schema(spec, defs, registry)
             if sub is not None and spec.name not in props:
                 props[spec.name] = sub
         defs[section_name]["additionalProperties"] = False
@@ -94,11 +93,10 @@ def json_schema(registry: PluginLookup) -> dict[str, Any]:
 _NESTED_SETTINGS = {"tool_settings": "tool"}
 
 
-def _settings_schema(spec: Any, defs: dict[str, Any]) -> dict[str, Any] | None:
+def _settings_schema(spec: Any, defs: dict[str, Any], registry: PluginLookup) -> dict[str, Any] | None:
     """The JSON schema of ``spec``'s config model (its definitions merged into
-    ``defs``), or None for a factory without settings."""
-    from areal_kernel.plugins.registry import get_registry
-
+    ``defs``), or None for a factory without settings; nested per-name
+    settings (``tool_settings``) list the factories ``registry`` holds."""
     model_cls = spec.config_model_cls()
     if model_cls is None:
         return None
@@ -110,9 +108,9 @@ def _settings_schema(spec: Any, defs: dict[str, Any]) -> dict[str, Any] | None:
         if field not in sub.get("properties", {}):
             continue
         per_name: dict[str, Any] = {}
-        for inner in get_registry().specs(kind):
+        for inner in registry.specs(kind):
             # A factory without a config model takes no settings: only {} validates.
-            per_name[inner.name] = _settings_schema(inner, defs) or {
+            per_name[inner.name] = _settings_schema(inner, defs, registry) or {
                 "type": "object",
                 "maxProperties": 0,
                 "description": f"{kind} '{inner.name}' (plugin '{inner.plugin}') takes no settings.",

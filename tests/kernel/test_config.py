@@ -175,7 +175,7 @@ def test_schema_holds_every_registered_settings_model():
     from areal_kernel.config.loader import json_schema
     from areal_kernel.plugins.registry import KINDS, get_registry
 
-    schema = json_schema()
+    schema = json_schema(get_registry())
     found = _settings_nodes(schema, {})
     want = {f"{k} '{s.name}'" for k in KINDS for s in get_registry().specs(k) if s.config_model is not None}
     assert "tool 'calculator'" in want

@@ -62,10 +62,6 @@ ALLOWED: dict[tuple[str, str], str] = {
         "and the current platform is resolved from the registry: the one cycle left (KNOWN_CYCLES). "
         "To go: the layer above both passes the platform into the lookup"
     ),
-    ("areal_kernel.workflow.multi_turn", "areal_kernel.trainer.evaluate"): (
-        "DEFAULT_SUCCESS_THRESHOLD, a fact of the reward contract, is still defined with evaluation; "
-        "it moves to the reward kind's module in areal_kernel.api"
-    ),
 }
 
 # Strongly connected components of the module graph that exist today, with

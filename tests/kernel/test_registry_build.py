@@ -190,7 +190,7 @@ def test_builtins_build_through_their_contracts(areal_env, tmp_path):
 
     areal_env()
     reg = get_registry()
-    cfg = load_config(EXAMPLE, [f"run_dir={tmp_path / 'run'}"])
+    cfg = load_config(EXAMPLE, [f"run_dir={tmp_path / 'run'}"], registry=reg)
     assert isinstance(reg.build("platform", "cpu", PlatformContext("cpu"), platform=""), Platform)
     sched = reg.build("scheduler", "local", SchedulerContext("local", cfg))
     assert isinstance(sched, Scheduler) and sched.config is cfg
