@@ -23,28 +23,198 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
 from areal_kernel.errors import ConfigError, PluginError
+from areal_kernel.hookspecs import REGISTRATION_HOOKS
 
 if TYPE_CHECKING:
     from areal_kernel.plugins.registry import FactorySpec
 
+
+@dataclass(frozen=True)
+class KindDoc:
+    """One registry kind: the module of ``areal_kernel.api`` holding its
+    contract, and its row of the table "Every kind in one place" in
+    docs/plugin-authoring.md (a test compares the page with ``cells()``,
+    cell for cell). Cells are markdown as the page shows them.
+
+    - ``kind``: the registry kind (a key of ``hookspecs.REGISTRATION_HOOKS``).
+    - ``module``: ``areal_kernel.api.<module>``, with the kind's context,
+      contract and ``KIND`` (imported by ``kind_contract``, not here).
+    - ``label``: what the docs call it; ``selected_by``: the config field or
+      mechanism that picks a name; ``target``: what the registered target
+      must be and how the kernel uses it; ``called_in``: the process;
+      ``suite``: its contract suite in ``areal_kernel.testing``, or
+      ``"none (<why>)"``.
+    """
+
+    kind: str
+    module: str
+    label: str
+    selected_by: str
+    target: str
+    called_in: str
+    suite: str
+
+    @property
+    def hook(self) -> str:
+        return REGISTRATION_HOOKS[self.kind]
+
+    def cells(self) -> list[str]:
+        """The kind's row of the docs table."""
+        suite = self.suite if self.suite.startswith("none") else f"`{self.suite}`"
+        return [f"{self.label} (`{self.hook}`)", self.selected_by, self.target, self.called_in, suite]
+
+
+# Every registry kind once, in the hooks' order: the one list the contract
+# modules (KIND_MODULES), Registry.build and the docs table come from.
+KIND_DOCS: tuple[KindDoc, ...] = (
+    KindDoc(
+        "train_engine",
+        "areal_kernel.api.train_engine",
+        "train engine",
+        "`actor.backend`",
+        "a `TrainEngine` subclass (`areal_kernel.api.train_engine`) built as `Engine.from_context(ctx)` (a "
+        "`TrainEngineContext`: its validated `actor.<name>` section, the whole config, allocation, platform, run "
+        "directory, scheduler; see [Train engines](#train-engines)), then `initialize`, `compute_logprobs`, "
+        "`train_batch` (the loss contract of `areal_kernel.api.loss`), `save_hf`, `send_weights`",
+        "controller (ranks: yours)",
+        "TrainEngineContract",
+    ),
+    KindDoc(
+        "inference_engine",
+        "areal_kernel.api.inference_engine",
+        "inference engine",
+        "`rollout.backend`",
+        "a backend (`areal_kernel.api.inference_engine`) built as `Backend.from_context(ctx)` (an "
+        "`InferenceBackendContext`; the base class's default calls `Backend(config)`) with `place`, "
+        "`launch(model_dir, device_plan, run_dir) -> addresses`, `make_client(addresses)` (an `InferenceEngine`) "
+        "and `stop()`; see [Inference backends](#inference-backends)",
+        "controller (servers: yours)",
+        "InferenceEngineContract",
+    ),
+    KindDoc(
+        "weight_transport",
+        "areal_kernel.api.weight_transport",
+        "weight transport",
+        "`weight_update.mode`, via `areal_select_weight_transport`",
+        "[Weight transports](#weight-transports)",
+        "controller",
+        "WeightTransportContract",
+    ),
+    KindDoc(
+        "scheduler",
+        "areal_kernel.api.scheduler",
+        "scheduler",
+        "`scheduler.type`",
+        "[Schedulers](#schedulers)",
+        "controller",
+        "SchedulerContract",
+    ),
+    KindDoc(
+        "platform",
+        "areal_kernel.api.platform",
+        "platform",
+        "`AREAL_PLATFORM` or a probe",
+        "a `Platform` subclass ([The `Platform` interface](#the-platform-interface))",
+        "every process",
+        "PlatformContract",
+    ),
+    KindDoc(
+        "dataset",
+        "areal_kernel.api.dataset",
+        "dataset",
+        "`dataset.type`",
+        "[Datasets](#datasets)",
+        "controller",
+        "DatasetContract",
+    ),
+    KindDoc(
+        "reward",
+        "areal_kernel.api.reward",
+        "reward",
+        "`reward.type`",
+        "[Rewards](#rewards)",
+        "reward worker processes",
+        "RewardContract",
+    ),
+    KindDoc(
+        "workflow",
+        "areal_kernel.api.workflow",
+        "workflow",
+        "`workflow.type`",
+        "[Workflows](#workflows)",
+        "controller (asyncio loop)",
+        "WorkflowContract",
+    ),
+    KindDoc(
+        "advantage_estimator",
+        "areal_kernel.api.advantage_estimator",
+        "advantage estimator",
+        "`algorithm.advantage`",
+        "[Advantage estimators and losses](#advantage-estimators-and-losses)",
+        "controller",
+        "AdvantageEstimatorContract",
+    ),
+    KindDoc(
+        "loss",
+        "areal_kernel.api.loss",
+        "loss",
+        "`algorithm.loss`",
+        "[Advantage estimators and losses](#advantage-estimators-and-losses)",
+        "wherever the train engine computes",
+        "LossContract",
+    ),
+    KindDoc(
+        "metric_sink",
+        "areal_kernel.api.metric_sink",
+        "metric sink",
+        "`logging.sinks`",
+        "[Metric sinks](#metric-sinks)",
+        "controller",
+        "MetricSinkContract",
+    ),
+    KindDoc(
+        "model_source",
+        "areal_kernel.api.model_source",
+        "model source",
+        "`model.path`",
+        "`fn(variant: str \\| None) -> str`, a local HF directory (`areal_kernel.api.model_source`)",
+        "controller",
+        "none (a function of one string)",
+    ),
+    KindDoc(
+        "trainer",
+        "areal_kernel.api.trainer",
+        "trainer",
+        "`algorithm.type`",
+        "a `Trainer` subclass (`areal_kernel.api.trainer`) built as `factory(context)` with a `TrainerContext`, "
+        "then `setup()`, `train()`, `close(status)`; see [Trainers](#trainers)",
+        "controller",
+        "none yet (test it with `run_areal`: `areal train` on your trainer)",
+    ),
+    KindDoc(
+        "tool_parser",
+        "areal_kernel.api.tool_parser",
+        "tool-call parser",
+        "`workflow.multi_turn.tool_parser` (and the proxy, by name)",
+        "a zero-argument class satisfying `areal_kernel.tools.ToolCallParser`; see "
+        "[Tools and tool-call parsers](#tools-and-tool-call-parsers)",
+        "controller (asyncio loop)",
+        "ToolParserContract",
+    ),
+    KindDoc(
+        "tool",
+        "areal_kernel.api.tool",
+        "tool",
+        "`workflow.multi_turn.tools`",
+        "a class built as `Tool(**settings)` satisfying `areal_kernel.tools.Tool`; see "
+        "[Tools and tool-call parsers](#tools-and-tool-call-parsers)",
+        "controller (asyncio loop)",
+        "ToolContract",
+    ),
+)
+
 # kind -> module under areal_kernel.api holding its contract (imported on first use)
-KIND_MODULES: dict[str, str] = {
-    "train_engine": "areal_kernel.api.train_engine",
-    "inference_engine": "areal_kernel.api.inference_engine",
-    "weight_transport": "areal_kernel.api.weight_transport",
-    "scheduler": "areal_kernel.api.scheduler",
-    "platform": "areal_kernel.api.platform",
-    "dataset": "areal_kernel.api.dataset",
-    "reward": "areal_kernel.api.reward",
-    "workflow": "areal_kernel.api.workflow",
-    "advantage_estimator": "areal_kernel.api.advantage_estimator",
-    "loss": "areal_kernel.api.loss",
-    "metric_sink": "areal_kernel.api.metric_sink",
-    "model_source": "areal_kernel.api.model_source",
-    "trainer": "areal_kernel.api.trainer",
-    "tool_parser": "areal_kernel.api.tool_parser",
-    "tool": "areal_kernel.api.tool",
-}
+KIND_MODULES: dict[str, str] = {d.kind: d.module for d in KIND_DOCS}
 
 
 class PluginContractError(PluginError, ConfigError):

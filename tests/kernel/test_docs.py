@@ -206,13 +206,16 @@ def _table_cells(heading: str) -> list[list[str]]:
 
 
 def test_kinds_table_is_the_kernel_kind_table():
-    """Cell for cell what ``areal_kernel.plugins.kinds.KIND_DOCS`` says, one row per registry kind."""
-    from areal_kernel.plugins.kinds import KIND_DOCS
+    """Cell for cell what ``areal_kernel.api.kinds.KIND_DOCS`` says, one row per registry kind (the
+    same list ``KIND_MODULES``, and so ``Registry.build``, comes from)."""
+    from areal_kernel.api.kinds import KIND_DOCS, KIND_MODULES, kind_contract
     from areal_kernel.plugins.registry import KINDS
 
     import areal_kernel.testing as testing
 
     assert sorted(d.kind for d in KIND_DOCS) == sorted(KINDS), "KIND_DOCS must hold every registry kind once"
+    assert KIND_MODULES == {d.kind: d.module for d in KIND_DOCS}
+    assert all(kind_contract(d.kind).kind == d.kind for d in KIND_DOCS)  # each row's module holds its KIND
     for d in KIND_DOCS:
         assert d.suite.startswith("none") or d.suite in testing.__all__, f"{d.kind}: no suite {d.suite}"
     rows = _table_cells("### Every kind in one place")
