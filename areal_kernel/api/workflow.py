@@ -7,36 +7,46 @@ after the inference servers and the reward pool are up:
 ``cls(tokenizer=..., gconfig=..., reward_target=..., reward_pool=...,
 config=settings)``, so a subclass writes that constructor.
 
-Members the kernel uses (``WorkflowProtocol``; the ``Workflow`` base class
-gives defaults for all but the two episode methods):
+Members the kernel uses. Required (``WorkflowProtocol``; ``Registry.build``
+checks the four below, and the ``Workflow`` base class gives the counters):
 
-- ``required_fields`` (class attribute, default ``("prompt",)``): the record
-  fields it reads; every record is checked for them before any server starts.
 - ``await arun_episode(engine, record) -> TrajectoryGroup | None``: the
   samples of one record as a group (``None`` rejects the record); many run at
   once on the controller's asyncio loop. Every trajectory carries the group's
   ``group_id``; ``loss_mask`` is 1 exactly on generated tokens.
 - ``await aevaluate(engine, record, max_new_tokens) -> (reward, text)``: one
   greedy answer for the held-out evaluation.
+- ``reward_calls``, ``reward_failures``: reward bookkeeping the trainer reads
+  (and restores from recovery checkpoints) to stop a run whose reward keeps
+  failing (``RewardScoring`` keeps them).
+
+Optional, with the kernel's default when absent:
+
+- ``required_fields`` (class attribute; ``DEFAULT_REQUIRED_FIELDS``,
+  ``("prompt",)``): the record fields it reads; every record is checked for
+  them before any server starts.
 - ``encode_prompt(record) -> list[int]``: the prompt's token ids, which
-  ``areal check`` prints beside each sample. Optional: the base class's
-  default raises, and ``areal check`` then shows no prompt.
-- ``reward_calls``, ``reward_failures``, ``last_reward_error``: reward
-  bookkeeping the trainer reads (and restores from recovery checkpoints) to
-  stop a run whose reward keeps failing (``RewardScoring`` keeps them).
+  ``areal check`` prints beside each sample. Without it (or when it raises
+  ``NotImplementedError``, the ``Workflow`` default) ``areal check`` shows
+  the tokens before the first generated token of the record's first
+  trajectory.
+- ``last_reward_error``: the last failed reward call's error, named when the
+  trainer stops a run for failing rewards (``RewardScoring`` keeps it).
 - ``close()``: called once when the run's rollout stops, before the servers.
 
-What a trajectory carries for display and metrics (``Trajectory.metadata``):
-``metadata[COMPLETION_KEY]`` (``"completion"``), the decoded completion that
-``areal check`` and ``samples.jsonl`` show (empty without it), and
-``metadata[SAMPLE_METRICS_KEY]`` (``"metrics"``), per-sample numbers logged as
-``workflow/<name>`` means.
+What a trajectory carries for display and metrics (``Trajectory.metadata``,
+both optional): ``metadata[COMPLETION_KEY]`` (``"completion"``), the text
+``areal check`` prints for the sample (e.g. the last turn; default: its
+generated tokens decoded with special tokens skipped), and
+``metadata[SAMPLE_METRICS_KEY]`` (``"metrics"``), per-sample numbers logged
+as ``workflow/<name>`` means.
 
-Rewards: a sample's reward is what the reward returned for it, or, for a
-workflow that gives several attempts, a documented function of the rewards
-of its attempts (the built-in ``multi_turn`` multiplies the reward of the
-attempt that ended the episode by ``turn_discount**k``). Full text:
-docs/plugin-authoring.md, "Workflows".
+Rewards: a trajectory's reward comes from the reward calls the workflow made
+on its own generated text, combined as the workflow likes (the built-in
+``multi_turn`` multiplies the reward of the attempt that ended the episode by
+``turn_discount**k``), but within ``[min(0, scores), max(0, scores)]`` of
+those calls; 0 when every call failed. ``WorkflowContract`` checks this.
+Full text: docs/plugin-authoring.md, "Workflows".
 """
 
 from __future__ import annotations
@@ -101,25 +111,19 @@ class WorkflowContext:
 
 @runtime_checkable
 class WorkflowProtocol(Protocol):
-    """What the kernel calls or reads on a built workflow (``Registry.build``
-    checks ``arun_episode``, ``aevaluate`` and the reward counters;
-    ``encode_prompt`` and ``close`` are optional, see the module docstring)."""
+    """The members the kernel requires of a built workflow (``Registry.build``
+    checks each); the optional ones (``required_fields``, ``encode_prompt``,
+    ``last_reward_error``, ``close``) are read with a default, see the module
+    docstring."""
 
-    required_fields: tuple[str, ...]
     reward_calls: int
     reward_failures: int
-    last_reward_error: str | None
 
     async def arun_episode(self, engine: "InferenceEngine", record: dict[str, Any]) -> TrajectoryGroup | None: ...
 
     async def aevaluate(
         self, engine: "InferenceEngine", record: dict[str, Any], max_new_tokens: int
     ) -> tuple[float, str]: ...
-
-    def encode_prompt(self, record: dict[str, Any]) -> list[int]:
-        """Optional: a workflow that cannot encode prompts raises
-        ``NotImplementedError`` (the ``Workflow`` default)."""
-        ...
 
 
 class Workflow(abc.ABC):
@@ -158,7 +162,9 @@ class Workflow(abc.ABC):
         """One greedy answer to ``record``: ``(reward, completion)``."""
 
     def encode_prompt(self, record: dict[str, Any]) -> list[int]:
-        """The prompt of ``record`` as token ids (``areal check`` prints it)."""
+        """The prompt of ``record`` as token ids (``areal check`` prints it).
+        Optional: this default raises ``NotImplementedError``, and ``areal
+        check`` then shows the tokens the engine was asked to continue."""
         raise NotImplementedError(f"workflow {type(self).__name__} does not encode prompts (encode_prompt)")
 
     def close(self) -> None:
