@@ -10,7 +10,7 @@ import difflib
 import importlib
 import traceback
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, overload
+from typing import TYPE_CHECKING, Any, Callable, Literal, overload
 
 from areal_kernel.errors import (
     ConfigError,
@@ -126,7 +126,12 @@ class FactorySpec:
 class Registry:
     """Factories by kind and name, with the plugin-load state needed for good errors."""
 
-    def __init__(self) -> None:
+    def __init__(self, platform_name: Callable[[], str] | None = None) -> None:
+        """``platform_name``: the name of the current platform, for the
+        default platform check of ``get``/``build``. The process registry
+        (``get_registry()``) has the plugin manager's; a registry filled by
+        hand without one checks only the platform passed explicitly."""
+        self.platform_name = platform_name
         self._specs: dict[str, dict[str, FactorySpec]] = {k: {} for k in KINDS}
         self.conflicts: list[str] = []
         # filled by the plugin manager: entry-point name -> (dist, error text)
@@ -171,19 +176,20 @@ class Registry:
         """The factory ``name`` of ``kind``, or an error that says what to do.
 
         ``platform``: check that the factory supports it (default: the
-        current platform; pass ``""`` to skip the check).
+        current platform, ``platform_name()``; pass ``""`` to skip the check).
         """
         if kind not in self._specs:
             raise ValueError(f"unknown registry kind {kind!r}; valid: {', '.join(KINDS)}")
         spec = self._specs[kind].get(name)
         if spec is None:
             raise self._not_found(kind, name)
-        if platform is None and spec.platforms is None:
-            return spec  # supports every platform: no need to resolve the current one
+        if platform is None and (spec.platforms is None or self.platform_name is None):
+            return spec  # supports every platform (no need to resolve the current one), or none is known
         if platform is None:
-            from areal_kernel.platforms import current_platform
-
-            platform = current_platform().name
+            assert self.platform_name is not None
+            # The registry sits below the platform layer: the current platform
+            # comes from whoever made the registry (the plugin manager).
+            platform = self.platform_name()
         if platform and not spec.supports(platform):
             raise PlatformNotSupportedError(
                 f"{kind} '{name}' (plugin '{spec.plugin}') supports platforms "
@@ -387,10 +393,3 @@ class Registry:
         if self.disabled_plugins:
             parts.append("Plugins disabled by AREAL_PLUGINS: " + ", ".join(sorted(self.disabled_plugins)) + ".")
         return PluginNotFoundError(" ".join(parts))
-
-
-def get_registry() -> Registry:
-    """The process-wide registry, with every enabled plugin loaded (lazily, once)."""
-    from areal_kernel.plugins.manager import get_plugin_manager
-
-    return get_plugin_manager().ensure_loaded().registry

@@ -85,7 +85,7 @@ class RewardContract:
         like a ``reward.<name>`` section and dumped like ``reward_settings(cfg)`` (``json_settings``)."""
         from areal_kernel.api.reward import json_settings
         from areal_kernel.config.sections import validate_settings
-        from areal_kernel.plugins.registry import get_registry
+        from areal_kernel.plugins import get_registry
 
         specs = [s for s in get_registry().specs("reward") if s.target == reward_target]
         assert specs, (

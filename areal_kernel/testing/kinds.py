@@ -45,7 +45,7 @@ _EXTRA_KEYWORD = "areal_contract_future_keyword"
 
 
 def _spec(kind: str, name: str) -> Any:
-    from areal_kernel.plugins.registry import get_registry
+    from areal_kernel.plugins import get_registry
 
     return get_registry().get(kind, name)
 
@@ -53,7 +53,7 @@ def _spec(kind: str, name: str) -> Any:
 def _build(kind: str, name: str, ctx: Any) -> Any:
     """``name`` of ``kind`` built the way the kernel builds it (``Registry.build``:
     the kind's factory shape, then its contract checked)."""
-    from areal_kernel.plugins.registry import get_registry
+    from areal_kernel.plugins import get_registry
 
     return get_registry().build(kind, name, ctx)
 
@@ -61,7 +61,7 @@ def _build(kind: str, name: str, ctx: Any) -> Any:
 def _config(data: dict[str, Any]) -> Any:
     """An ``ExperimentConfig`` validated from ``data`` as ``areal train`` validates a file."""
     from areal_kernel.config.loader import validate_config
-    from areal_kernel.plugins.registry import get_registry
+    from areal_kernel.plugins import get_registry
 
     return validate_config(data, "contract config", get_registry())
 
@@ -103,7 +103,7 @@ _LOAD_IN_CHILD = textwrap.dedent(
     import json, sys
     from areal_kernel.config.loader import validate_config
     from areal_kernel.data.contract import load_dataset
-    from areal_kernel.plugins.registry import get_registry
+    from areal_kernel.plugins import get_registry
     from areal_kernel.trainer.components import workflow_required_fields
 
     cfg = validate_config(json.loads(sys.argv[1]), "contract config", get_registry())

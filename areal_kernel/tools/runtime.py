@@ -22,7 +22,7 @@ def build_tool_parser(name: str, where: str = "tool_parser") -> ToolCallParser:
     """The registered tool-call parser ``name``, built with no arguments
     (``Registry.build("tool_parser", name, ToolParserContext(name))``)."""
     from areal_kernel.api.tool_parser import ToolParserContext
-    from areal_kernel.plugins.registry import get_registry
+    from areal_kernel.plugins import get_registry
 
     return get_registry().build("tool_parser", name, ToolParserContext(name), platform="", where=where)
 
@@ -33,7 +33,7 @@ def build_tool(name: str, settings: Any = None, where: str = "tools") -> Tool:
     (``Registry.build("tool", name, ToolContext(name, validated))``)."""
     from areal_kernel.api.tool import ToolContext
     from areal_kernel.config.sections import validate_settings
-    from areal_kernel.plugins.registry import get_registry
+    from areal_kernel.plugins import get_registry
 
     reg = get_registry()
     try:

@@ -58,7 +58,7 @@ class Turn:
 def reward_success_threshold(reward_target: str) -> float:
     """The ``success_threshold`` the reward registered under ``reward_target``
     declared (1.0 when none did, or the target is not a registered reward)."""
-    from areal_kernel.plugins.registry import get_registry
+    from areal_kernel.plugins import get_registry
     from areal_kernel.api.reward import DEFAULT_SUCCESS_THRESHOLD
 
     for spec in get_registry().specs("reward"):

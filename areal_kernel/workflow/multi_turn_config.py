@@ -47,7 +47,7 @@ class MultiTurnConfig(BaseModel):
     def _check(self) -> "MultiTurnConfig":
         from areal_kernel.config.sections import validate_settings
         from areal_kernel.errors import ConfigError
-        from areal_kernel.plugins.registry import get_registry
+        from areal_kernel.plugins import get_registry
 
         if not self.use_chat_template:
             raise ConfigError(

@@ -173,7 +173,8 @@ def test_schema_holds_every_registered_settings_model():
     go, tools included (`workflow.multi_turn.tool_settings.<tool>`), so that
     an editor validating against the schema refuses what `areal validate` refuses."""
     from areal_kernel.config.loader import json_schema
-    from areal_kernel.plugins.registry import KINDS, get_registry
+    from areal_kernel.plugins import get_registry
+    from areal_kernel.plugins.registry import KINDS
 
     schema = json_schema(get_registry())
     found = _settings_nodes(schema, {})

@@ -37,8 +37,10 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("hookspecs", ""),  # the plugin hooks; the package root re-exports hookimpl
     ("platforms.base",),  # the Platform interface and the built-in cpu/cuda platforms
     ("api",),  # the contracts of the plugin kinds and the data passed between them
-    ("plugins",),  # discovery, the registry, loading plugins by name
-    ("platforms",),  # which platform this process is on (resolved from the registry)
+    ("plugins.registry", "plugins.known"),  # the name registry (told the current platform by its owner)
+    ("platforms.resolve",),  # resolving a process's platform from a registry it is given
+    ("plugins",),  # discovery and loading plugins by name; the process registry and its platform
+    ("platforms",),  # current_platform(): the plugin manager's platform
     # Implementations of the kinds and the libraries they share.
     ("data", "algo", "reward", "models", "metrics", "checkpoint", "weights", "tools"),
     ("engine", "inference", "rollout", "scheduling"),
@@ -57,27 +59,14 @@ ALLOWED: dict[tuple[str, str], str] = {
         "the Scheduler base class is part implementation: its constructor takes the process's platform "
         "(current_platform()). To go: the platform arrives in the scheduler's build context"
     ),
-    ("areal_kernel.plugins.registry", "areal_kernel.platforms"): (
-        "Registry.get checks a factory's declared platforms against the current platform by default, "
-        "and the current platform is resolved from the registry: the one cycle left (KNOWN_CYCLES). "
-        "To go: the layer above both passes the platform into the lookup"
-    ),
 }
 
 # Strongly connected components of the module graph that exist today, with
 # why; any other cycle fails, and so does one of these that grew or is gone
-# (then delete the entry).
-KNOWN_CYCLES: dict[frozenset[str], str] = {
-    frozenset({
-        "areal_kernel.platforms",
-        "areal_kernel.platforms.resolve",
-        "areal_kernel.plugins.manager",
-        "areal_kernel.plugins.registry",
-    }): (
-        "the registry checks factories against the current platform, which is resolved from the "
-        "registry (ALLOWED above); get_registry() is defined in registry.py but loads through manager.py"
-    ),
-}  # fmt: skip
+# (then delete the entry). None today: the last one (registry -> current
+# platform -> process registry) went when the plugin manager began to hold
+# the platform and to hand the registry a callable for its name.
+KNOWN_CYCLES: dict[frozenset[str], str] = {}
 
 
 def _module_name(path: Path, base: Path) -> str:
@@ -284,7 +273,7 @@ def test_no_upward_import():
     )
 
 
-def test_the_kernel_import_graph_has_no_cycle_but_the_known_one():
+def test_the_kernel_import_graph_has_no_cycle():
     found = cycles(import_graph(_kernel_files()))
     unknown = [sorted(c) for c in found if c not in KNOWN_CYCLES]
     assert not unknown, f"import cycle(s) in the kernel (imports inside functions count): {unknown}"

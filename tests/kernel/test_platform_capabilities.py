@@ -9,7 +9,7 @@ from areal_kernel.errors import ConfigError
 from areal_kernel.platforms import Platform
 from areal_kernel.platforms.base import CpuPlatform, CudaPlatform
 from areal_kernel.plugins.manager import PluginManager, PluginRecord
-from areal_kernel.plugins.registry import get_registry
+from areal_kernel.plugins import get_registry
 
 
 class _ThirdPartyAccel(Platform):
