@@ -72,36 +72,38 @@ class RewardContract:
     ``(completion, answer, expected_score)`` covering a right and a wrong
     answer); optionally ``reward_settings``, your ``reward.<name>`` section as
     a user writes it (default ``{}``). The suite validates it through your
-    registered ``config_model`` and passes the result as the kernel does
-    (every field, defaults included, as JSON data), so the config model's
-    defaults are the ones your reward receives."""
+    registered ``config_model`` and builds the reward as the kernel does
+    (``Registry.build("reward", ...)``: every field, defaults included, as
+    JSON data; the pool loads your ``worker_preload``), so the config
+    model's defaults are the ones your reward receives."""
 
     @pytest.fixture
     def reward_settings(self) -> dict[str, Any]:
         return {}
 
-    def _keywords(self, reward_target: str, reward_settings: dict[str, Any]) -> dict[str, Any]:
-        """What the kernel passes the reward: ``reward_settings`` validated
-        like a ``reward.<name>`` section and dumped like ``reward_settings(cfg)`` (``json_settings``)."""
-        from areal_kernel.api.reward import json_settings
+    def _reward(self, reward_target: str, reward_settings: dict[str, Any]) -> Any:
+        """The reward as the kernel builds it (``Registry.build("reward", ...)``
+        with ``reward_settings`` validated like a ``reward.<name>`` section):
+        ``fn`` and the keywords it receives, ``settings``."""
+        from areal_kernel.api.reward import RewardContext
         from areal_kernel.config.sections import validate_settings
         from areal_kernel.plugins import get_registry
 
-        specs = [s for s in get_registry().specs("reward") if s.target == reward_target]
+        reg = get_registry()
+        specs = [s for s in reg.specs("reward") if s.target == reward_target]
         assert specs, (
             f"no reward is registered with target {reward_target!r}: the kernel only calls rewards registered "
             "with areal_register_rewards (is the plugin installed in the test process?)"
         )
         name = specs[0].name
-        return json_settings(validate_settings(f"reward.{name}", "reward", name, reward_settings, spec=specs[0]))
+        settings = validate_settings(f"reward.{name}", "reward", name, reward_settings, spec=specs[0])
+        return reg.build("reward", name, RewardContext(name, settings))
 
     def test_scores_cases(
         self, reward_target: str, reward_cases: list[tuple[str, str, float]], reward_settings: dict[str, Any]
     ) -> None:
-        from areal_kernel.plugins.registry import import_target
-
-        fn = import_target(reward_target)
-        kwargs = self._keywords(reward_target, reward_settings)
+        reward = self._reward(reward_target, reward_settings)
+        fn, kwargs = reward.fn, reward.settings
         assert len({exp for _, _, exp in reward_cases}) >= 2, "give at least one right and one wrong case"
         for completion, answer, expected in reward_cases:
             score = fn(completion, answer, **kwargs)
@@ -111,19 +113,19 @@ class RewardContract:
     def test_empty_completion_does_not_raise(
         self, reward_target: str, reward_cases: list[tuple[str, str, float]], reward_settings: dict[str, Any]
     ) -> None:
-        from areal_kernel.plugins.registry import import_target
-
-        fn = import_target(reward_target)
-        assert isinstance(fn("", reward_cases[0][1], **self._keywords(reward_target, reward_settings)), float)
+        reward = self._reward(reward_target, reward_settings)
+        assert isinstance(reward.fn("", reward_cases[0][1], **reward.settings), float)
 
     def test_runs_in_the_kernel_reward_pool(
         self, reward_target: str, reward_cases: list[tuple[str, str, float]], reward_settings: dict[str, Any]
     ) -> None:
         from areal_kernel.reward.pool import RewardPool
 
-        # Bound the way the trainer binds reward.<name>: the settings cross into the worker as JSON.
-        kwargs = self._keywords(reward_target, reward_settings)
-        pool = RewardPool(n_workers=1, timeout_s=60, preload=(), settings={reward_target: kwargs})
+        # Bound the way the trainer binds reward.<name> (make_reward_pool): the settings cross into the worker as JSON.
+        reward = self._reward(reward_target, reward_settings)
+        pool = RewardPool(
+            n_workers=1, timeout_s=60, preload=reward.worker_preload, settings={reward.target: dict(reward.settings)}
+        )
         try:
             completion, answer, expected = reward_cases[0]
             result = asyncio.run(pool.ascore(reward_target, completion, answer))
