@@ -139,6 +139,9 @@ def _scratch_under_basetemp(config: pytest.Config) -> None:
     root = tempfile.gettempdir()  # the system one: pytest's base directory is under it
     scratch = factory.getbasetemp() / "tmp"  # <basetemp>/gwN/tmp on an xdist worker
     scratch.mkdir(exist_ok=True)
+    # A test that needs a directory other users can reach (pytest's are 0700)
+    # makes it here and removes it itself.
+    os.environ.setdefault("AREAL_TEST_SHARED_TMPDIR", root)
     os.environ["TMPDIR"] = str(scratch)
     tempfile.tempdir = str(scratch)  # gettempdir() caches its first answer
     if "RAY_TMPDIR" not in os.environ and len(str(scratch)) + _RAY_SOCKET_TAIL > _UNIX_PATH_MAX:

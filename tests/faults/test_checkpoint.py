@@ -132,8 +132,9 @@ def _in_child(fn, *, as_nobody: bool = False, fsize: int | None = None) -> tuple
 
 
 def test_read_only_directory_gives_clear_error_and_keeps_previous():
-    # Outside pytest's 0700 tmp dir so uid nobody can reach it.
-    base = tempfile.mkdtemp(prefix="areal-ckpt-ro-")
+    # Outside pytest's 0700 base directory (where the root conftest points
+    # TMPDIR), so that uid nobody can reach it; removed below.
+    base = tempfile.mkdtemp(prefix="areal-ckpt-ro-", dir=os.environ.get("AREAL_TEST_SHARED_TMPDIR"))
     try:
         os.chmod(base, 0o755)
         m = CheckpointManager(os.path.join(base, "ckpt"), keep_last=2)

@@ -8,11 +8,17 @@ import os
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def test_every_big_memory_file_exists_and_is_one_unit():
+def _root_conftest():
+    """The root conftest.py as a module (it is not importable by name)."""
     spec = importlib.util.spec_from_file_location("areal_root_conftest", os.path.join(REPO, "conftest.py"))
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
+    return mod
+
+
+def test_every_big_memory_file_exists_and_is_one_unit():
+    mod = _root_conftest()
     missing = [p for p in mod.BIG_MEMORY_FILES if not os.path.isfile(os.path.join(REPO, p))]
     assert not missing, f"conftest.py BIG_MEMORY_FILES names files that do not exist: {missing}"
     units = {mod.unit_of(f"{p}::test_x") for p in mod.BIG_MEMORY_FILES}
@@ -27,10 +33,7 @@ def test_every_file_that_starts_a_vllm_server_is_a_big_memory_file():
     import re
     from pathlib import Path
 
-    spec = importlib.util.spec_from_file_location("areal_root_conftest", os.path.join(REPO, "conftest.py"))
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _root_conftest()
     root = Path(REPO)
     starts = []
     for f in sorted([*root.glob("tests/**/test_*.py"), *root.glob("plugins/*/tests/**/test_*.py")]):
@@ -50,10 +53,7 @@ def test_every_file_that_starts_a_vllm_server_is_a_big_memory_file():
 def test_long_files_exist_and_are_their_own_units():
     """``LONG_FILES`` orders real files that are not in the big-memory unit
     (listed there, they would be ordered twice), each named once."""
-    spec = importlib.util.spec_from_file_location("areal_root_conftest", os.path.join(REPO, "conftest.py"))
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _root_conftest()
     missing = [p for p in mod.LONG_FILES if not os.path.isfile(os.path.join(REPO, p))]
     assert not missing, f"conftest.py LONG_FILES names files that do not exist: {missing}"
     assert len(set(mod.LONG_FILES)) == len(mod.LONG_FILES)
