@@ -56,23 +56,23 @@ BIG_MEMORY_FILES = frozenset({
 })  # fmt: skip
 
 
-# The longest other files, longest first (seconds on a 2-core AVX-512 machine,
-# from the slowest-tests lists of fresh-clone CI runs): handed out right after
-# the big-memory unit, so that the run ends on short files. In collection
-# order, the plugins' long files came last, and a worker that finished early
-# sat idle while the other still ran one of them (xdist gives a worker its
-# next unit while its current one still has two tests to run).
+# The longest other files, longest first (seconds of test time per file on a
+# 2-core AVX-512 machine, from the JUnit report of a fresh-clone CI run):
+# handed out right after the big-memory unit, so that the run ends on short
+# files. In collection order, the plugins' long files came last, and a worker
+# that finished early sat idle while the other still ran one of them (xdist
+# gives a worker its next unit while its current one still has two tests to run).
 LONG_FILES: tuple[str, ...] = (
-    "tests/e2e/test_multi_turn_learns.py",  # ~290: a learning run and its lr=0 control
-    "tests/e2e/test_grpo_learns.py",  # ~205: the same
-    "tests/e2e/test_readme_walkthrough.py",  # ~200: every README command, SmolLM2 included
-    "tests/vlm/test_vlm_shapes_learns.py",  # ~135: SFT, then GRPO and its control
-    "tests/e2e/test_grpo_lora.py",  # ~130: a learning run and its control
-    "plugins/areal-megatron/tests/test_megatron_recovery.py",  # ~90: kill -9 and resume, t2 and p2
-    "plugins/areal-ray/tests/test_ray_scheduler.py",  # ~90: a real Ray cluster, servers and controller killed
-    "plugins/areal-fsdp/tests/test_fsdp_recovery.py",  # ~70: kill -9 and resume on two ranks
-    "tests/faults/test_interrupt.py",  # SIGTERM mid-run, resumed
-    "tests/faults/test_recovery.py",  # kill -9 mid-run, resumed
+    "tests/e2e/test_multi_turn_learns.py",  # 355: a learning run and its lr=0 control
+    "tests/e2e/test_grpo_learns.py",  # 162: the same
+    "plugins/areal-ray/tests/test_ray_scheduler.py",  # 152: a real Ray cluster, servers and controller killed
+    "tests/e2e/test_readme_walkthrough.py",  # 137: every README command, SmolLM2 included
+    "tests/faults/test_interrupt.py",  # 90: SIGTERM mid-run, resumed
+    "tests/vlm/test_vlm_shapes_learns.py",  # 69: SFT, then GRPO and its control
+    "tests/faults/test_recovery.py",  # 68: kill -9 mid-run, resumed
+    "tests/e2e/test_grpo_lora.py",  # 66: a learning run (the control is test_grpo_learns.py's)
+    "plugins/areal-fsdp/tests/test_fsdp_recovery.py",  # 65: kill -9 and resume on two ranks
+    "plugins/areal-megatron/tests/test_megatron_recovery.py",  # 63: kill -9 and resume, t2 and p2
 )  # fmt: skip
 
 

@@ -597,6 +597,10 @@ class RLTrainer(Trainer):
                 log.warning("weight transport close failed", transport=self.transport.name, error=repr(e))
         if self.rollout is not None:
             self.rollout.stop()
+        # After the servers: they may read the transport's files until stopped.
+        close_transport = getattr(self.transport, "close", None)
+        if close_transport is not None:
+            close_transport()
         for sink in self.sinks:
             sink.close()
         if self.samples_log is not None:

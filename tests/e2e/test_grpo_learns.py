@@ -13,9 +13,11 @@ frozen mean and below every learning run. Four steps in the window, because
 one step holds a handful of prompt groups (+-0.15); step 2 is left out since
 with staleness 1 it still samples mostly the initial weights.
 
-The frozen case is also the negative control of the FSDP and Megatron
+The frozen case is also the negative control of the FSDP, Megatron and LoRA
 learning tests (plugins/areal-fsdp/tests/test_fsdp_e2e_grpo.py,
-plugins/areal-megatron/tests/test_megatron_e2e_grpo.py), which assert the same
+plugins/areal-megatron/tests/test_megatron_e2e_grpo.py,
+tests/e2e/test_grpo_lora.py: a fresh adapter is a no-op, and its frozen
+series equalled this one step for step), which assert the same
 check: with every lr at 0 no train engine changes what is sampled, and their
 examples differ from this one only in rollout settings that leave a frozen
 run's samples alone (``filter_retry_budget: 1`` and in-memory updates gave the

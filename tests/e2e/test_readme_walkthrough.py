@@ -25,6 +25,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -46,9 +47,9 @@ SUBSTITUTIONS = {
     "so `areal check`/`plan`/`train my.yaml` finish in seconds",
     "key.sub=value ...": "a placeholder for overrides: dropped (my.yaml is already small)",
     "[--json]": "optional flag: the command is run without it and with it",
-    "make demo": "run as `areal train examples/grpo_arithmetic.yaml trainer.max_steps=2` (what `make demo` runs, "
-    "shortened from 20 steps: the learning itself is checked by tests/e2e/test_grpo_learns.py and "
-    "bench/bench_demo_seeds.py)",
+    "make demo": "run as `areal train examples/grpo_arithmetic.yaml trainer.max_steps=2 trainer.eval_size=8` (what "
+    "`make demo` runs, shortened from 20 steps and a 32-prompt held-out evaluation: the learning itself is checked "
+    "by tests/e2e/test_grpo_learns.py and bench/bench_demo_seeds.py)",
     "areal train examples/sft_chat.yaml": "+ model.path=<tiny model> trainer.max_steps=2: the command takes "
     "overrides, and the SFT example's full epoch of SmolLM2 would take minutes without checking more",
     "areal inf run": "+ --port <free port>, and 127.0.0.1:8000 -> 127.0.0.1:<that port> in the python line: "
@@ -257,12 +258,15 @@ def test_make_demo(user):
     # The README's own account of what make demo runs ("`areal train ...`:" opening its list of steps).
     demo = re.findall(r"^`(areal train [^`]+)`:$", README.read_text(encoding="utf-8"), re.MULTILINE)
     assert len(demo) == 1, demo
-    out = user.run([*argv(demo[0]), "trainer.max_steps=2"]).stdout
+    out = user.run([*argv(demo[0]), "trainer.max_steps=2", "trainer.eval_size=8"]).stdout
     assert "held-out greedy accuracy: before" in out, out[-3000:]
     run_dir = user.cwd / "runs" / "grpo-arithmetic"
     for name in ("config.yaml", "metrics.jsonl", "samples.jsonl", "result.json"):
         assert (run_dir / name).is_file(), name
     assert (run_dir / "checkpoints" / "final").is_dir()
+    # 1 GB of SmolLM2 checkpoints that no later test reads: gone now rather
+    # than at the end of the session, which keeps the module's directory.
+    shutil.rmtree(run_dir)
 
 
 def test_inf_block(user):

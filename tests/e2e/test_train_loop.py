@@ -48,6 +48,8 @@ def test_train_runs_the_async_loop(run_areal, tiny_chat_model, tmp_path, transpo
     assert os.path.isfile(os.path.join(final, "tokenizer_config.json"))
     assert os.listdir(os.path.join(run_dir, "tensorboard"))
     assert os.path.isfile(os.path.join(run_dir, "config.yaml"))
+    # The transport's files went with it (close()): the checkpoints hold the weights.
+    assert not os.path.exists(os.path.join(run_dir, "weights")), os.listdir(os.path.join(run_dir, "weights"))
 
 
 def test_check_prints_scored_trajectories(run_areal, tiny_chat_model, tmp_path):

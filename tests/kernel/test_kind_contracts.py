@@ -260,6 +260,11 @@ class TestDiskTransport(_SharedEngines, WeightTransportContract):
         root = os.path.join(transport_runs_dir, "exp", "weights")
         assert sorted(os.listdir(root)) == ["v42"]
         assert list_safetensors_files(os.path.join(root, "v42"))
+        # close() takes what it wrote with it; setup() makes it usable again
+        # for the class's other tests.
+        transport.close()
+        assert not os.path.exists(root)
+        transport.setup()
 
 
 class TestBroadcastTransport(_SharedEngines, WeightTransportContract):
