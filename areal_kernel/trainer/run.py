@@ -588,19 +588,16 @@ class RLTrainer(Trainer):
         for engine in (self.train_engine, self.ref_engine, self.critic):
             if engine is not None:
                 engine.destroy()
+        if self.rollout is not None:
+            self.rollout.stop()
+        # After the servers: they may read the transport's files until stopped.
         if self.transport is not None:
             close_transport = getattr(self.transport, "close", None)
             try:
                 if close_transport is not None:
                     close_transport()
-            except Exception as e:  # the servers and sinks below must still stop
+            except Exception as e:  # the sinks below must still close
                 log.warning("weight transport close failed", transport=self.transport.name, error=repr(e))
-        if self.rollout is not None:
-            self.rollout.stop()
-        # After the servers: they may read the transport's files until stopped.
-        close_transport = getattr(self.transport, "close", None)
-        if close_transport is not None:
-            close_transport()
         for sink in self.sinks:
             sink.close()
         if self.samples_log is not None:
