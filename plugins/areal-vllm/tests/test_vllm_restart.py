@@ -86,6 +86,10 @@ def test_killed_vllm_server_is_restarted_with_the_current_weights(tmp_path):
         sys.executable, "-m", "areal_kernel.cli", "train", EXAMPLE, f"run_dir={run_dir}",
         "rollout.backend=vllm", "rollout.vllm.startup_timeout_s=600", "weight_update.mode=disk",
         "rollout.max_server_restarts=1", "checkpoint.save_every=1", "trainer.max_steps=40",
+        # One recovery checkpoint on disk at a time: SmolLM2's weights and Adam
+        # moments are 1.5 GB each, and two of them made this test the suite's
+        # largest scratch (3.6 GB).
+        "checkpoint.keep_last=1",
         "trainer.batch_size=2", "trainer.eval_size=0", "algorithm.dynamic_filter=false", "logging.sinks=[jsonl]",
         # A configured admin token (on loopback none is generated): the whole run,
         # restart and weight replay included, goes through the kernel's middleware.
