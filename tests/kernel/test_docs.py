@@ -48,15 +48,16 @@ def _testing_section() -> str:
 
 
 def _suites() -> dict[str, type]:
-    """Every class named ``*Contract`` defined in a module of areal_kernel.testing."""
+    """Every class named ``*Contract`` defined in a module of areal_kernel.testing
+    (the suites' package ``areal_kernel.testing.contracts`` included)."""
     import importlib
     import pkgutil
 
     import areal_kernel.testing as testing
 
     found = {}
-    for mod in pkgutil.iter_modules(testing.__path__):
-        module = importlib.import_module(f"areal_kernel.testing.{mod.name}")
+    for mod in pkgutil.walk_packages(testing.__path__, prefix="areal_kernel.testing."):
+        module = importlib.import_module(mod.name)
         for name, obj in vars(module).items():
             if isinstance(obj, type) and name.endswith("Contract") and obj.__module__ == module.__name__:
                 found[name] = obj
