@@ -42,8 +42,10 @@ class KindDoc:
     - ``label``: what the docs call it; ``selected_by``: the config field or
       mechanism that picks a name; ``target``: what the registered target
       must be and how the kernel uses it; ``called_in``: the process;
-      ``suite``: its contract suite in ``areal_kernel.testing``, or
-      ``"none (<why>)"``.
+      ``suite``: its contract suite, or ``"none (<why>)"``; a suite lives in
+      ``areal_kernel.testing.contracts.<module>`` (the last part of
+      ``module``: ``scheduler`` for ``areal_kernel.api.scheduler``) and is
+      re-exported by ``areal_kernel.testing``.
     """
 
     kind: str

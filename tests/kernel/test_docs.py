@@ -234,3 +234,20 @@ def test_kinds_table_is_the_kernel_kind_table():
     }
     links = {a for d in KIND_DOCS for a in re.findall(r"\]\(#([\w-]+)\)", d.target)}
     assert links - anchors == set(), links - anchors
+
+
+def test_each_suite_lives_in_the_module_named_after_its_kind():
+    """Tests shaped like the code: the suite of the kind whose contract is
+    ``areal_kernel.api.<m>`` is defined in ``areal_kernel.testing.contracts.<m>``."""
+    from areal_kernel.api.kinds import KIND_DOCS
+
+    import areal_kernel.testing as testing
+
+    suites = [d for d in KIND_DOCS if not d.suite.startswith("none")]
+    assert len(suites) == len(testing.__all__), [d.kind for d in suites]
+    wrong = {
+        d.suite: getattr(testing, d.suite).__module__
+        for d in suites
+        if getattr(testing, d.suite).__module__ != "areal_kernel.testing.contracts." + d.module.rpartition(".")[2]
+    }
+    assert not wrong, f"suites outside the contracts module named after their kind's api module: {wrong}"
