@@ -94,8 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def cmd_validate(args: argparse.Namespace) -> int:
     from areal_kernel.config import load_config
+    from areal_kernel.plugins import get_registry
 
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_config(args.config, args.overrides, get_registry())
     data = cfg.dump()
     if args.json:
         print(json.dumps(data, indent=2))
@@ -109,8 +110,9 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 def cmd_schema(args: argparse.Namespace) -> int:
     from areal_kernel.config import json_schema
+    from areal_kernel.plugins import get_registry
 
-    text = json.dumps(json_schema(), indent=2)
+    text = json.dumps(json_schema(get_registry()), indent=2)
     if args.output:
         with open(args.output, "w", encoding="utf-8") as f:
             f.write(text + "\n")
@@ -233,9 +235,10 @@ def _doctor_lines(report: dict[str, Any]) -> list[tuple[str, str]]:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from areal_kernel.config import load_config
+    from areal_kernel.plugins import get_registry
     from areal_kernel.scheduling.plan import make_plan
 
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_config(args.config, args.overrides, get_registry())
     plan = make_plan(cfg)
     if args.json:
         print(json.dumps(plan, indent=2))
@@ -260,8 +263,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from areal_kernel.config import load_config
+    from areal_kernel.plugins import get_registry
 
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_config(args.config, args.overrides, get_registry())
     try:
         from areal_kernel.trainer.common import run_training
     except ImportError as e:
@@ -272,9 +276,10 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def cmd_agent_serve(args: argparse.Namespace) -> int:
     from areal_kernel.config import load_config
+    from areal_kernel.plugins import get_registry
     from areal_kernel.errors import ConfigError
 
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_config(args.config, args.overrides, get_registry())
     if cfg.workflow.type != "agent":
         raise ConfigError(
             f"areal agent serve: workflow.type must be 'agent', got {cfg.workflow.type!r} ({args.config})"
@@ -286,13 +291,14 @@ def cmd_agent_serve(args: argparse.Namespace) -> int:
         )
     from areal_kernel.trainer.common import run_training
 
-    return run_training(load_config(args.config, [*args.overrides, "workflow.agent.mode=online"]))
+    return run_training(load_config(args.config, [*args.overrides, "workflow.agent.mode=online"], get_registry()))
 
 
 def cmd_check(args: argparse.Namespace) -> int:
     from areal_kernel.config import load_config
+    from areal_kernel.plugins import get_registry
 
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_config(args.config, args.overrides, get_registry())
     from areal_kernel.trainer.common import uses_rollout
 
     if not uses_rollout(cfg):

@@ -7,6 +7,10 @@ the controller (``areal train``), a train-engine rank, or an inference-server
 process. Plugin loading is idempotent there, so hooks must be cheap and free
 of side effects beyond calling ``register``.
 
+Every registered target is built by ``Registry.build(kind, name, context)``,
+which checks the result against its kind's contract: one module per kind in
+``areal_kernel.api`` (see ``areal_kernel.api.kinds``).
+
 Phases
 ------
 1. Registration (``areal_register_*``): each receives a ``register`` callback
@@ -73,7 +77,9 @@ def areal_register_inference_engines(register: Register) -> None:
     """Register inference backends (``rollout.backend``), e.g. ``embedded``, ``vllm``.
 
     Target: an ``areal_kernel.inference.backend.InferenceBackend`` subclass,
-    built as ``Backend(config)`` in the controller; the kernel calls
+    built as ``Backend.from_context(context)`` in the controller (an
+    ``InferenceBackendContext``, ``areal_kernel.api.inference_engine``; the
+    default calls ``Backend(config)``); the kernel calls
     ``launch(model_dir, device_plan, run_dir) -> addresses``,
     ``make_client(addresses) -> RemoteInferenceEngine`` and ``stop()``, and
     restarts dead servers through its ``launcher`` (a ``SubprocessLauncher``).
@@ -85,8 +91,10 @@ def areal_register_inference_engines(register: Register) -> None:
 def areal_register_weight_transports(register: Register) -> None:
     """Register weight transports (``disk``, ``broadcast``, ...).
 
-    Target: a class built as ``Transport(train_engine, inference_engine,
-    run_dir, bucket_bytes)`` with ``name``, ``setup()`` and
+    Target: a ``WeightTransport`` subclass (``areal_kernel.api.weight_transport``)
+    built as ``Transport.from_context(context)``, whose default calls
+    ``Transport(train_engine, inference_engine, run_dir, bucket_bytes)``,
+    with ``name``, ``setup()`` and
     ``update(version) -> dict[str, float]`` (servers serve the train
     engine's weights as ``version`` when it returns), used in the
     controller; see docs/plugin-authoring.md, "Weight transports".
@@ -99,7 +107,8 @@ def areal_register_schedulers(register: Register) -> None:
     """Register schedulers (``local``; third parties: Ray, Slurm).
 
     Target: a subclass of ``areal_kernel.api.scheduler.Scheduler``,
-    built as ``Scheduler(config)`` in the controller: ``plan()`` places each
+    built as ``Scheduler.from_context(context)`` in the controller (a
+    ``SchedulerContext``; the default calls ``Scheduler(config)``): ``plan()`` places each
     role's processes (node, host, devices), ``spawn`` starts one on its node,
     ``start_inference``, ``start_train_ranks``, ``health``, ``stop()``; see
     docs/plugin-authoring.md, "Schedulers". Called once per process on
@@ -147,9 +156,10 @@ def areal_register_rewards(register: Register) -> None:
 def areal_register_workflows(register: Register) -> None:
     """Register rollout workflows (``workflow.type``), e.g. ``rlvr``, ``multi_turn``.
 
-    Target: a class built with the keywords ``tokenizer``, ``gconfig``,
-    ``reward_target``, ``reward_pool`` and ``config`` whose
-    ``arun_episode(engine, record)`` returns a ``TrajectoryGroup`` (or
+    Target: a ``Workflow`` subclass (``areal_kernel.api.workflow``) built as
+    ``Workflow.from_context(context)``, whose default passes the keywords
+    ``tokenizer``, ``gconfig``, ``reward_target``, ``reward_pool`` and
+    ``config``; its ``arun_episode(engine, record)`` returns a ``TrajectoryGroup`` (or
     ``None`` to reject) and ``aevaluate(engine, record, max_new_tokens)``
     a ``(reward, text)`` pair; see docs/plugin-authoring.md, "Workflows".
     Runs in the controller's asyncio loop.
@@ -183,8 +193,10 @@ def areal_register_losses(register: Register) -> None:
 def areal_register_metric_sinks(register: Register) -> None:
     """Register metric sinks (``logging.sinks``), e.g. ``console``, ``jsonl``, ``tensorboard``.
 
-    Target: a class built as ``Sink(run_dir, total_steps=..., **settings)``
-    (``settings``: the fields of its validated ``logging.<name>`` section)
+    Target: a ``MetricSink`` subclass (``areal_kernel.api.metric_sink``)
+    built as ``Sink.from_context(context)``, whose default calls
+    ``Sink(run_dir, total_steps=..., **settings)`` (``settings``: the fields
+    of its validated ``logging.<name>`` section),
     with ``log(step: int, metrics: dict[str, float])`` and ``close()``.
     Instantiated in the controller process; see docs/plugin-authoring.md.
     """

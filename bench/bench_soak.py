@@ -50,6 +50,7 @@ def _model_path(kind: str, root: str) -> str:
 def child(args: argparse.Namespace) -> None:
     """One training run, instrumented; writes its numbers to ``args.out``."""
     from areal_kernel.config import load_config
+    from areal_kernel.plugins import get_registry
     from areal_kernel.logging import setup_logging
     from areal_kernel.api.trainer import TrainerContext
     from areal_kernel.trainer.run import RLTrainer
@@ -61,7 +62,7 @@ def child(args: argparse.Namespace) -> None:
         "weight_update.mode=disk", "algorithm.dynamic_filter=false", "logging.sinks=[jsonl]", "logging.level=" + os.environ.get("SOAK_LOG", "error"),
         *args.overrides,
     ]  # fmt: skip
-    cfg = load_config(os.path.join(REPO, "examples", "grpo_arithmetic.yaml"), overrides)
+    cfg = load_config(os.path.join(REPO, "examples", "grpo_arithmetic.yaml"), overrides, get_registry())
     setup_logging(level=cfg.logging.level, json_logs=cfg.logging.json_logs)
 
     ids: dict[int, int] = {}  # id(record object) -> admission number

@@ -50,6 +50,7 @@ from typing import Any
 from areal_kernel.agent.config import AgentSessionsConfig, AgentWorkflowConfig
 from areal_kernel.agent.proxy import AgentProxy
 from areal_kernel.agent.sessions import Session
+from areal_kernel.api.workflow import Workflow
 from areal_kernel.api.io import GenerationConfig, Trajectory, TrajectoryGroup
 from areal_kernel.errors import ArealError, ConfigError, DataError
 from areal_kernel.logging import get_logger
@@ -89,7 +90,7 @@ class AgentFailed(Exception):
     """One session's agent failed (raised, exited non-zero, timed out)."""
 
 
-class AgentWorkflow(RewardScoring):
+class AgentWorkflow(RewardScoring, Workflow):
     # The agent decides what it reads; the run's reward reads ``answer`` (checked when it is needed).
     required_fields: tuple[str, ...] = ()
 

@@ -38,11 +38,8 @@ from areal_kernel.algo.advantages import (
     token_reward_rows,
     whiten_tokens,
 )
+from areal_kernel.config.models import ESTIMATOR_KEYWORDS  # noqa: F401  (what the kernel passes every estimator)
 from areal_kernel.errors import DataError
-
-# What the kernel passes every estimator besides (rewards, group_ids); a
-# config_model field of the same name is refused (it could never arrive).
-ESTIMATOR_KEYWORDS = ("loss_masks", "token_rewards", "values", "gamma", "lam", "norm", "std_normalize", "eps")
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """Policy losses following the train-engine loss contract.
 
-Contract (see ``areal_kernel.engine.torch_engine``): a loss gets per-token
+Contract (see ``areal_kernel.api.loss``): a loss gets per-token
 1-D tensors of one micro-batch and returns its *share* of the batch loss,
 normalised by ``data["batch_loss_tokens"]`` (loss tokens of the whole batch),
 so that summing shares over micro-batches gives the same result however the
@@ -13,19 +13,15 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+# LOSS_KEYWORDS: what the kernel passes every loss besides (logprobs, data)
+# (areal_kernel.algo.rl.loss_options); defined with the algorithm knobs.
+from areal_kernel.config.models import LOSS_KEYWORDS  # noqa: F401
 from areal_kernel.errors import ConfigError, DataError
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
 RATIO_LEVELS = ("token", "sequence")
 BEHAV_MODES = ("mask", "clamp")
 LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
-# What the kernel passes every loss besides (logprobs, data) (see
-# areal_kernel.algo.rl.loss_options); a config_model field of the same name
-# is refused (it could never arrive).
-LOSS_KEYWORDS = (
-    "entropy", "eps_clip", "eps_clip_high", "dual_clip", "ratio_level", "behav_imp_weight_cap",
-    "behav_imp_weight_mode", "kl_coef", "kl_estimator", "entropy_coef", "loss_agg",
-)  # fmt: skip
 
 
 def make_aggregator(data: dict[str, Any], mask: Any, mode: str, norm: Any = None) -> Callable[[Any], Any]:

@@ -21,6 +21,8 @@ from areal_kernel.config.models import GenerationSettings, RLSettings, rl_settin
 from areal_kernel.errors import ConfigError, DataError
 
 if TYPE_CHECKING:
+    from areal_kernel.api.advantage_estimator import AdvantageEstimator
+    from areal_kernel.api.loss import PolicyLoss
     from areal_kernel.config.models import ExperimentConfig
 
 
@@ -80,8 +82,10 @@ class RLConfig(RLSettings):
             ("advantage_estimator", self.advantage, "advantage_settings"),
             ("loss", self.loss, "loss_settings"),
         ):
-            if reg.find(kind, name) is not None:
-                object.__setattr__(self, attr, validate_settings(f"algorithm.{name}", kind, name, getattr(self, attr)))
+            spec = reg.find(kind, name)
+            if spec is not None:
+                settings = validate_settings(f"algorithm.{name}", kind, name, getattr(self, attr), spec=spec)
+                object.__setattr__(self, attr, settings)
         return self
 
 
@@ -122,8 +126,19 @@ def _spec(kind: str, name: str) -> Any:
     return get_registry().get(kind, name, platform="")
 
 
-def _load(kind: str, name: str) -> Any:
-    return _spec(kind, name).load()
+def _estimator(cfg: "RLConfig") -> "AdvantageEstimator":
+    from areal_kernel.api.advantage_estimator import AdvantageEstimatorContext
+    from areal_kernel.plugins import get_registry
+
+    ctx = AdvantageEstimatorContext(cfg.advantage, cfg.advantage_settings)
+    return get_registry().build("advantage_estimator", cfg.advantage, ctx, platform="")
+
+
+def _loss(cfg: "RLConfig") -> "PolicyLoss":
+    from areal_kernel.api.loss import LossContext
+    from areal_kernel.plugins import get_registry
+
+    return get_registry().build("loss", cfg.loss, LossContext(cfg.loss, cfg.loss_settings), platform="")
 
 
 def _settings_kwargs(settings: Any) -> dict[str, Any]:
@@ -185,7 +200,7 @@ def compute_advantages(
     values: list[list[float]] | None = None,
 ) -> tuple[list[list[float]], list[list[float]] | None]:
     """Per-token advantages (and critic returns, for critic-based estimators)."""
-    est = estimator if estimator is not None else _load("advantage_estimator", cfg.advantage)
+    est = estimator if estimator is not None else _estimator(cfg)
     trajs = batch.trajectories
     masks = [t.loss_mask for t in trajs]
     token_rewards = None
@@ -256,8 +271,8 @@ def rl_train_step(
         raise ConfigError(f"kl_coef={cfg.kl_coef} needs ref_logprobs (scores of a reference model)")
     if cfg.ppo_n_minibatches > len(batch):
         raise ConfigError(f"ppo_n_minibatches={cfg.ppo_n_minibatches} exceeds the batch's {len(batch)} sequences")
-    est = estimator if estimator is not None else _load("advantage_estimator", cfg.advantage)
-    loss_impl = loss if loss is not None else _load("loss", cfg.loss)
+    est = estimator if estimator is not None else _estimator(cfg)
+    loss_impl = loss if loss is not None else _loss(cfg)
 
     values = None
     # Read from the registration (capabilities=["needs_values"]) of the

@@ -1,4 +1,4 @@
-"""SFT loss under the train-engine loss contract (``areal_kernel.engine.torch_engine``).
+"""SFT loss under the train-engine loss contract (``areal_kernel.api.loss``).
 
 Negative log-likelihood of the loss tokens (the answer / assistant tokens).
 Each micro-batch returns its share of the *batch* loss, normalised by

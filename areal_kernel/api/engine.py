@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from areal_kernel.api.io import ModelRequest, ModelResponse, TrajectoryBatch
 
 if TYPE_CHECKING:
+    from areal_kernel.api.scheduler import Scheduler
     from areal_kernel.config.allocation import Allocation
     from areal_kernel.config.models import ExperimentConfig
     from areal_kernel.platforms.base import Platform
@@ -101,6 +102,87 @@ class InferenceEngine(abc.ABC):
     def destroy(self) -> None:
         """Release connections (servers are stopped by their launcher)."""
 
+    async def aclose(self, current_loop_only: bool = False) -> None:
+        """Close what ``agenerate`` opened on the running event loop (its HTTP
+        sessions) before that loop ends (``areal check`` runs its own loop)."""
+
+    # -- what the kernel's weight transports, supervisor and trainer also use --
+    # ``RemoteInferenceEngine`` (the client every built-in backend's
+    # ``make_client`` returns) implements all of them; the defaults say which
+    # feature an engine without them cannot serve.
+
+    #: The LoRA adapter requests generate with when they name none (the RL
+    #: trainer sets it to the adapter its train engine trains).
+    default_adapter: str | None = None
+    #: Set by the server supervisor: control calls that miss a server being
+    #: restarted are not fatal.
+    supervised: bool = False
+    #: Counters the trainer logs (``failovers``, ``requests``, ``resyncs``, ...).
+    stats: dict[str, int]
+
+    def set_version(self, version: int) -> None:
+        """The weight version the servers now serve (after an update the engine
+        did not make itself, e.g. a broadcast)."""
+        raise self._unsupported("set_version", "weight updates")
+
+    def load_adapter(self, name: str, path: str, version: int) -> None:
+        """Every server serves the peft adapter directory ``path`` as ``name``
+        (the disk transport of an adapter-only update)."""
+        raise self._unsupported("load_adapter", "LoRA adapter updates")
+
+    @property
+    def weight_group_world_size(self) -> int:
+        """Ranks of the broadcast weight group: the trainer (rank 0) plus every
+        server rank. The default raises ``AttributeError`` (an engine without a
+        weight group has no such attribute, for ``hasattr``)."""
+        raise AttributeError(str(self._unsupported("weight_group_world_size", "weight_update.mode: broadcast")))
+
+    def init_weight_group_async(self, master_addr: str, master_port: int, group_name: str, backend: str) -> list[Any]:
+        """Ask every server to join the broadcast weight group; one future per
+        server, done once the trainer joined too (``BroadcastTransport.setup``)."""
+        raise self._unsupported("init_weight_group_async", "weight_update.mode: broadcast")
+
+    def update_from_distributed_async(
+        self, tensors: list[dict[str, Any]], version: int, bucket_bytes: int, group_name: str
+    ) -> list[Any]:
+        """Start a broadcast update on every server (``tensors``: the
+        metadata of ``tensor_meta``); one future per server."""
+        raise self._unsupported("update_from_distributed_async", "weight_update.mode: broadcast")
+
+    def update_adapter_from_distributed_async(
+        self,
+        name: str,
+        config: dict[str, Any],
+        tensors: list[dict[str, Any]],
+        version: int,
+        bucket_bytes: int,
+        group_name: str,
+    ) -> list[Any]:
+        """Start an in-memory adapter update on every server; one future per server."""
+        raise self._unsupported("update_adapter_from_distributed_async", "broadcast LoRA adapter updates")
+
+    def hold(self, address: str) -> None:
+        """Send nothing to ``address`` (its server is being restarted) until ``release``."""
+        raise self._unsupported("hold", "rollout.restart_servers")
+
+    def release(self, address: str) -> None:
+        """``address`` is back with the current weights: schedule on it again."""
+        raise self._unsupported("release", "rollout.restart_servers")
+
+    def resync_server(self, address: str) -> int:
+        """Bring a restarted server to the current weights; returns their version."""
+        raise self._unsupported("resync_server", "rollout.restart_servers")
+
+    def fail(self, error: BaseException) -> None:
+        """Make every generation from now on raise ``error`` (a server is lost for good)."""
+        raise self._unsupported("fail", "rollout.restart_servers")
+
+    def _unsupported(self, member: str, feature: str) -> NotImplementedError:
+        return NotImplementedError(
+            f"{type(self).__name__} does not implement InferenceEngine.{member}, which {feature} needs "
+            "(areal_kernel.inference.client.RemoteInferenceEngine implements every member)"
+        )
+
 
 class ServerLauncher(abc.ABC):
     """Starts and stops inference server processes for one backend."""
@@ -144,7 +226,7 @@ class TrainEngineContext:
     allocation: "Allocation"
     platform: "Platform"
     run_dir: str
-    scheduler: Any = None
+    scheduler: "Scheduler | None" = None
     role: str = "actor"
 
 
@@ -190,7 +272,7 @@ class TrainEngine(abc.ABC):
     ) -> dict[str, float]:
         """One optimizer step over ``batch`` (``ppo_n_minibatches`` calls per
         trainer step). ``loss_fn`` sees per-token tensors under the loss
-        contract (``areal_kernel.engine.torch_engine``); ``extra`` holds one
+        contract (``areal_kernel.api.loss``); ``extra`` holds one
         row per trajectory for keys such as ``advantages``. Returns scalar
         statistics, at least ``loss``, ``grad_norm``, ``lr`` and ``skipped``
         (1.0 when a non-finite loss or gradient left the weights unchanged)."""

@@ -2,7 +2,9 @@
 
 A scheduler decides *where* each process of a run lives and starts it there.
 The kernel builds the registered class once per run, in the controller
-process, as ``Scheduler(config)`` and uses it in this order
+process, as ``Scheduler.from_context(SchedulerContext(...))`` (through
+``Registry.build("scheduler", name, context)``; the default calls
+``Scheduler(config)``) and uses it in this order
 (``areal_kernel.trainer.components.Rollout`` and the train engines):
 
 1. ``plan() -> SchedulePlan``: roles -> placements (node, host, devices).
@@ -37,6 +39,9 @@ import os
 import subprocess
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
+
+from areal_kernel.api.kinds import KindContract, from_context
+from areal_kernel.utils.procs import tail_file
 
 if TYPE_CHECKING:
     from areal_kernel.config.models import ExperimentConfig
@@ -180,8 +185,6 @@ class LocalProcess(ProcessHandle):
             pass
 
     def log_tail(self, n: int) -> str:
-        from areal_kernel.inference.launcher import tail_file
-
         return tail_file(self.log_path, n)
 
 
@@ -198,6 +201,16 @@ def spawn_local(argv: list[str], env: dict[str, str], log_path: str, placement: 
     return LocalProcess(popen, placement, log_path)
 
 
+@dataclass(frozen=True)
+class SchedulerContext:
+    """What a scheduler is built with: the selected ``name`` (``scheduler.type``,
+    ``auto`` resolved) and the whole validated ``config``; its
+    ``scheduler.<name>`` section is ``config.scheduler.section(name)``."""
+
+    name: str
+    config: "ExperimentConfig"
+
+
 class Scheduler(abc.ABC):
     """Base class of schedulers; see the module docstring for the order of calls.
 
@@ -210,6 +223,12 @@ class Scheduler(abc.ABC):
     """
 
     name: ClassVar[str] = "scheduler"
+
+    @classmethod
+    def from_context(cls, context: "SchedulerContext") -> "Scheduler":
+        """The factory the kernel calls (``Registry.build``); the default is
+        ``cls(context.config)``, so a subclass writes that constructor."""
+        return cls(context.config)
 
     def __init__(self, config: "ExperimentConfig") -> None:
         from areal_kernel.platforms import current_platform
@@ -359,3 +378,21 @@ class Scheduler(abc.ABC):
                     pass
         self.release()
         self._plan = None  # what was reserved is given back: a later start plans again
+
+
+def _old_shape(target: Any, ctx: SchedulerContext) -> Any:
+    return target(ctx.config)
+
+
+def _construct(target: Any, ctx: SchedulerContext, spec: Any) -> Scheduler:
+    return from_context(target, ctx, spec, _old_shape, "areal_kernel.api.scheduler.Scheduler")
+
+
+KIND = KindContract(
+    kind="scheduler",
+    context=SchedulerContext,
+    contract=Scheduler,
+    construct=_construct,
+    contract_name="areal_kernel.api.scheduler.Scheduler",
+    members=("plan", "start_inference", "start_train_ranks", "health", "stop", "platform"),
+)

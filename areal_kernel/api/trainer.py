@@ -8,7 +8,9 @@ registered the same way, in ``areal_kernel.builtin``). ``areal train``:
    its ``algorithm.<name>: {...}`` section is validated against the
    trainer's ``config_model``);
 2. calls the registered factory once, in the controller process:
-   ``trainer = factory(context)`` with a ``TrainerContext``;
+   ``trainer = factory(context)`` with a ``TrainerContext``
+   (``Registry.build("trainer", name, context)``, which checks that the
+   result has ``setup``, ``train`` and ``close``);
 3. calls ``trainer.setup()``, then ``result = trainer.train()``, writes
    ``result`` to ``<run_dir>/result.json`` and exits with code 0;
 4. always calls ``trainer.close(status)`` last, with ``status``
@@ -29,8 +31,11 @@ import abc
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from areal_kernel.api.kinds import KindContract
+
 if TYPE_CHECKING:
     from areal_kernel.config.models import ExperimentConfig
+    from areal_kernel.plugins.registry import FactorySpec
 
 
 @dataclass(frozen=True)
@@ -93,3 +98,17 @@ class Trainer(abc.ABC):
         """Release everything ``setup`` built, whatever happened before
         (``setup`` may have failed half-way). ``status``: ``completed``,
         ``failed`` or ``interrupted``. Called exactly once."""
+
+
+def _construct(target: Any, ctx: TrainerContext, spec: "FactorySpec") -> Trainer:
+    return target(ctx)
+
+
+KIND = KindContract(
+    kind="trainer",
+    context=TrainerContext,
+    contract=Trainer,
+    construct=_construct,
+    contract_name="areal_kernel.api.trainer.Trainer",
+    members=("setup", "train", "close"),
+)

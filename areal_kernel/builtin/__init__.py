@@ -236,7 +236,7 @@ def areal_register_trainers(register: Any) -> None:
 def areal_select_weight_transport(train_backend: str, inference_backend: str, platform: str, mode: str) -> str | None:
     if mode != "auto":
         return mode
-    from areal_kernel.plugins.registry import get_registry
+    from areal_kernel.plugins import get_registry
 
     from areal_kernel.platforms import platform_named
 
@@ -257,10 +257,12 @@ def areal_resolve_model_path(name_or_path: str) -> str | None:
     import os
 
     from areal_kernel.models.resolve import resolve_model_path
-    from areal_kernel.plugins.registry import get_registry
+    from areal_kernel.plugins import get_registry
+
+    from areal_kernel.api.model_source import ModelSourceContext
 
     base, _, variant = name_or_path.partition("@")
-    spec = get_registry().find("model_source", base)
-    if spec is not None and not os.path.isdir(name_or_path):
-        return spec.load()(variant or None)
+    reg = get_registry()
+    if reg.find("model_source", base) is not None and not os.path.isdir(name_or_path):
+        return reg.build("model_source", base, ModelSourceContext(base, variant or None))
     return resolve_model_path(name_or_path)

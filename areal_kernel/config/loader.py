@@ -10,6 +10,7 @@ from pydantic import ValidationError
 
 from areal_kernel.config.models import ExperimentConfig
 from areal_kernel.config.overrides import apply_overrides
+from areal_kernel.config.resolve import PluginLookup, resolve
 from areal_kernel.config.sections import format_validation_error
 from areal_kernel.errors import ConfigError
 
@@ -36,27 +37,36 @@ def read_yaml(path: str) -> dict[str, Any]:
     return data
 
 
-def validate_config(data: dict[str, Any], source: str = "config") -> ExperimentConfig:
+def validate_config(
+    data: dict[str, Any], source: str = "config", registry: PluginLookup | None = None
+) -> ExperimentConfig:
+    """``data`` (a YAML mapping) as a config, or one ``ConfigError`` saying
+    what is wrong. With ``registry`` (``get_registry()``) the config is also
+    resolved: plugin names checked and plugin settings validated (see
+    ``resolve``); without, only its shape is checked, and reading a plugin's
+    settings from it raises until it is resolved."""
     try:
-        return ExperimentConfig.model_validate(data)
+        config = ExperimentConfig.model_validate(data)
     except ValidationError as e:
         raise ConfigError(f"{source} is invalid:\n" + format_validation_error(e, model=ExperimentConfig)) from None
+    return config if registry is None else resolve(config, registry, source)
 
 
-def load_config(path: str | None, overrides: list[str] | None = None) -> ExperimentConfig:
-    """YAML file (or defaults when ``path`` is None) + overrides -> validated config."""
+def load_config(
+    path: str | None, overrides: list[str] | None = None, registry: PluginLookup | None = None
+) -> ExperimentConfig:
+    """YAML file (or defaults when ``path`` is None) + overrides -> validated
+    config, resolved against ``registry`` when one is given (see ``validate_config``)."""
     data = read_yaml(path) if path else {}
     data = apply_overrides(data, list(overrides or []))
-    return validate_config(data, source=path or "config")
+    return validate_config(data, source=path or "config", registry=registry)
 
 
-def json_schema() -> dict[str, Any]:
-    """JSON schema of the config, with each registered plugin's own section."""
-    from areal_kernel.plugins.registry import get_registry
-
+def json_schema(registry: PluginLookup) -> dict[str, Any]:
+    """JSON schema of the config, with each plugin section that ``registry``
+    (``get_registry()``) holds a settings model for."""
     schema = ExperimentConfig.model_json_schema()
     defs = schema.setdefault("$defs", {})
-    reg = get_registry()
     # Sections holding settings named after a registered factory: the plugin
     # sections, plus algorithm (estimators, losses) and logging (metric sinks).
     sections: list[tuple[str, tuple[str, ...]]] = [(c.__name__, (c.registry_kind,)) for c in _plugin_section_classes()]
@@ -69,8 +79,8 @@ def json_schema() -> dict[str, Any]:
         if section_name not in defs:
             continue
         props = defs[section_name].setdefault("properties", {})
-        for spec in (s for kind in kinds for s in reg.specs(kind)):
-            sub = _settings_schema(spec, defs)
+        for spec in (s for kind in kinds for s in registry.specs(kind)):
+            sub = _settings_schema(spec, defs, registry)
             if sub is not None and spec.name not in props:
                 props[spec.name] = sub
         defs[section_name]["additionalProperties"] = False
@@ -83,11 +93,10 @@ def json_schema() -> dict[str, Any]:
 _NESTED_SETTINGS = {"tool_settings": "tool"}
 
 
-def _settings_schema(spec: Any, defs: dict[str, Any]) -> dict[str, Any] | None:
+def _settings_schema(spec: Any, defs: dict[str, Any], registry: PluginLookup) -> dict[str, Any] | None:
     """The JSON schema of ``spec``'s config model (its definitions merged into
-    ``defs``), or None for a factory without settings."""
-    from areal_kernel.plugins.registry import get_registry
-
+    ``defs``), or None for a factory without settings; nested per-name
+    settings (``tool_settings``) list the factories ``registry`` holds."""
     model_cls = spec.config_model_cls()
     if model_cls is None:
         return None
@@ -99,9 +108,9 @@ def _settings_schema(spec: Any, defs: dict[str, Any]) -> dict[str, Any] | None:
         if field not in sub.get("properties", {}):
             continue
         per_name: dict[str, Any] = {}
-        for inner in get_registry().specs(kind):
+        for inner in registry.specs(kind):
             # A factory without a config model takes no settings: only {} validates.
-            per_name[inner.name] = _settings_schema(inner, defs) or {
+            per_name[inner.name] = _settings_schema(inner, defs, registry) or {
                 "type": "object",
                 "maxProperties": 0,
                 "description": f"{kind} '{inner.name}' (plugin '{inner.plugin}') takes no settings.",

@@ -4,17 +4,21 @@ Every section a user writes in YAML is a model here; sections whose content
 depends on the chosen backend/type (``actor``, ``rollout``, ``dataset``,
 ``reward``, ``workflow``) hold that implementation's settings under its name,
 validated against the model its plugin registered.
+
+Two phases: validating these models checks the config's shape and needs no
+plugin; ``areal_kernel.config.resolve(config, registry)`` then checks the
+plugin names and validates each plugin's settings section. Nothing here
+looks a plugin up.
 """
 
 from __future__ import annotations
 
-import re
 from typing import Any, Literal
 
-from pydantic import ConfigDict, Field, field_validator, model_validator
+from pydantic import ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from areal_kernel.config.offline import DPOConfig, RMConfig, SFTConfig
-from areal_kernel.config.sections import PluginSection, StrictModel, unknown_section_error, validate_settings
+from areal_kernel.config.sections import PluginSection, StrictModel, require_resolved, unknown_section_error
 from areal_kernel.errors import ConfigError
 
 
@@ -180,6 +184,18 @@ class RLSettings(StrictModel):
         return self
 
 
+# What the kernel passes every advantage estimator besides (rewards,
+# group_ids), and every policy loss besides (logprobs, data), as keywords
+# (areal_kernel.algo.rl). A plugin's config_model field of one of these names
+# could never arrive: resolve() refuses it. Also importable from
+# areal_kernel.algo.estimators and areal_kernel.algo.losses.
+ESTIMATOR_KEYWORDS = ("loss_masks", "token_rewards", "values", "gamma", "lam", "norm", "std_normalize", "eps")
+LOSS_KEYWORDS = (
+    "entropy", "eps_clip", "eps_clip_high", "dual_clip", "ratio_level", "behav_imp_weight_cap",
+    "behav_imp_weight_mode", "kl_coef", "kl_estimator", "entropy_coef", "loss_agg",
+)  # fmt: skip
+
+
 def rl_settings_of(algorithm: RLSettings) -> dict[str, Any]:
     """Every ``RLSettings`` field of ``algorithm`` by name (what the RL step is built from)."""
     return {name: getattr(algorithm, name) for name in RLSettings.model_fields}
@@ -190,30 +206,6 @@ class TrainerChoice(StrictModel):
     first in the section (and in ``config.yaml``)."""
 
     type: str = Field("grpo", description="Registered trainer (areal plugins lists them).")
-
-    @field_validator("type")
-    @classmethod
-    def _trainer_registered(cls, v: str) -> str:
-        from areal_kernel.errors import PluginLoadError, PluginNotFoundError
-        from areal_kernel.plugins.registry import get_registry
-
-        reg = get_registry()
-        try:
-            reg.get("trainer", v, platform="")
-        except (PluginNotFoundError, PluginLoadError) as e:
-            # The registry's message lists the registered trainers and, for a
-            # known plugin's name, the pip install that provides it.
-            msg = str(e)
-            for kind, field in (("advantage_estimator", "advantage"), ("loss", "loss")):
-                if reg.find(kind, v) is not None:
-                    # The name is right, the field is not: a near trainer name would mislead.
-                    msg = re.sub(r" Did you mean '[^']*'\?", "", msg)
-                    msg += (
-                        f" '{v}' is a registered {kind}: select it with algorithm.{field}: {v} "
-                        "(the RL trainer is algorithm.type: grpo)."
-                    )
-            raise ValueError(msg) from None
-        return v
 
 
 class AlgorithmConfig(RLSettings, TrainerChoice):
@@ -236,17 +228,11 @@ class AlgorithmConfig(RLSettings, TrainerChoice):
     dpo: DPOConfig = Field(default_factory=DPOConfig, description="Used by type dpo and ipo.")
     rm: RMConfig = Field(default_factory=RMConfig)
 
-    @field_validator("advantage", "loss")
-    @classmethod
-    def _registered(cls, v: str, info: Any) -> str:
-        from areal_kernel.plugins.registry import get_registry
-
-        kind = "advantage_estimator" if info.field_name == "advantage" else "loss"
-        reg = get_registry()
-        if reg.find(kind, v) is None:
-            names = ", ".join(sorted(s.name for s in reg.specs(kind)))
-            raise ValueError(f"no {kind} named {v!r} is registered; registered: {names}")
-        return v
+    # Set by resolve(): kind -> (the selected name, its validated settings;
+    # None: it declares no config_model). Keyed by kind, not by name, because
+    # an estimator and a loss may share a name; the name is kept so that a
+    # later change of the selection reads as unresolved, not as stale settings.
+    _settings: dict[str, tuple[str, Any]] | None = PrivateAttr(default=None)
 
     @model_validator(mode="before")
     @classmethod
@@ -264,12 +250,10 @@ class AlgorithmConfig(RLSettings, TrainerChoice):
 
     @model_validator(mode="after")
     def _settings_sections(self) -> "AlgorithmConfig":
-        from areal_kernel.algo.estimators import ESTIMATOR_KEYWORDS
-        from areal_kernel.algo.losses import LOSS_KEYWORDS
-
-        extras = self.__pydantic_extra__ if self.__pydantic_extra__ is not None else {}
-        selected = {"advantage_estimator": self.advantage, "loss": self.loss, "trainer": self.type}
-        for key in list(extras):
+        # The shape only: a settings section is named after a selected factory.
+        # What it holds is validated by resolve(), against the registry.
+        selected = self.selected_factories()
+        for key in self.__pydantic_extra__ or {}:
             if key not in selected.values():
                 raise unknown_section_error(
                     "algorithm",
@@ -278,44 +262,11 @@ class AlgorithmConfig(RLSettings, TrainerChoice):
                     f"a settings section is named after the selected advantage '{self.advantage}' or loss "
                     f"'{self.loss}', or the trainer '{self.type}' (algorithm.type)",
                 )
-        from areal_kernel.plugins.registry import get_registry
-
-        reg = get_registry()
-        has_model = {k: reg.get(k, n, platform="").config_model_cls() is not None for k, n in selected.items()}
-        validated: dict[str, Any] = {}
-        for kind, name in selected.items():
-            where = f"algorithm.{name}"
-            if not has_model[kind] and any(has_model[k] for k, n in selected.items() if n == name):
-                continue  # the section belongs to the same-named factory that declares settings
-            settings = validate_settings(where, kind, name, extras.get(name))
-            if settings is None:
-                continue
-            if name in type(self).model_fields:
-                raise ConfigError(f"{where}: {kind} '{name}' declares settings, but '{name}' is an algorithm key")
-            if name in validated:
-                raise ConfigError(
-                    f"{where}: more than one of the selected advantage estimator, loss and trainer is named "
-                    f"'{name}' and declares settings; one section cannot hold both"
-                )
-            if kind == "trainer":
-                validated[name] = settings
-                continue
-            reserved = ESTIMATOR_KEYWORDS if kind == "advantage_estimator" else LOSS_KEYWORDS
-            clash = sorted(set(type(settings).model_fields) & set(reserved))
-            if clash:
-                # The kernel passes these itself; a settings field of the same name could never arrive.
-                raise ConfigError(
-                    f"{where}: the config_model of {kind} '{name}' has field(s) {', '.join(clash)}, which the "
-                    f"kernel already passes (algorithm.{clash[0]}); rename them in the plugin"
-                )
-            validated[name] = settings
-        for key in list(extras):
-            if key not in validated and not extras[key]:
-                del extras[key]  # an empty section of a factory without settings
-        # Every selected factory with a config_model gets its validated settings,
-        # defaults included when the user wrote no section (as the plugin sections do).
-        extras.update(validated)
         return self
+
+    def selected_factories(self) -> dict[str, str]:
+        """Registry kind -> the name this section selects of it."""
+        return {"advantage_estimator": self.advantage, "loss": self.loss, "trainer": self.type}
 
     @property
     def advantage_settings(self) -> Any:
@@ -333,16 +284,10 @@ class AlgorithmConfig(RLSettings, TrainerChoice):
         return self._settings_for("trainer", self.type)
 
     def _settings_for(self, kind: str, name: str) -> Any:
-        from pydantic import BaseModel
-
-        value = (self.__pydantic_extra__ or {}).get(name)
-        if not isinstance(value, BaseModel):
-            return None
-        from areal_kernel.plugins.registry import get_registry
-
-        # An estimator and a loss may share a name; only the owner's model counts.
-        model_cls = get_registry().get(kind, name, platform="").config_model_cls()
-        return value if model_cls is not None and isinstance(value, model_cls) else None
+        resolved = (self._settings or {}).get(kind)
+        require_resolved(resolved is not None and resolved[0] == name, f"algorithm.{name}")
+        assert resolved is not None
+        return resolved[1]
 
 
 class TrainerConfig(StrictModel):
@@ -393,23 +338,13 @@ class LoggingConfig(StrictModel):
     level: Literal["debug", "info", "warning", "error"] = "info"
     json_logs: bool = False
 
-    @field_validator("sinks")
-    @classmethod
-    def _sinks_registered(cls, v: list[str]) -> list[str]:
-        # Caught here, not after the run has started its servers.
-        from areal_kernel.plugins.registry import get_registry
-
-        reg = get_registry()
-        unknown = [n for n in v if reg.find("metric_sink", n) is None]
-        if unknown:
-            names = ", ".join(sorted(s.name for s in reg.specs("metric_sink")))
-            raise ValueError(f"no metric sink named {unknown[0]!r} is registered; registered: {names}")
-        return v
+    # Set by resolve(): the sinks whose settings sections it validated.
+    _resolved_sinks: tuple[str, ...] = PrivateAttr(default=())
 
     @model_validator(mode="after")
     def _sink_sections(self) -> "LoggingConfig":
-        extras = self.__pydantic_extra__ if self.__pydantic_extra__ is not None else {}
-        for key in list(extras):
+        # The shape only; resolve() checks the names and validates the settings.
+        for key in self.__pydantic_extra__ or {}:
             if key not in self.sinks:
                 raise unknown_section_error(
                     "logging",
@@ -417,16 +352,11 @@ class LoggingConfig(StrictModel):
                     [*type(self).model_fields, *self.sinks],
                     f"a settings section is named after a sink in logging.sinks: {', '.join(self.sinks)}",
                 )
-        for name in self.sinks:
-            settings = validate_settings(f"logging.{name}", "metric_sink", name, extras.get(name))
-            if settings is not None:
-                extras[name] = settings
-            elif name in extras:
-                del extras[name]  # an empty section of a sink without settings
         return self
 
     def sink_settings(self, name: str) -> Any:
         """Sink ``name``'s validated ``logging.<name>`` settings (``None`` without a config_model)."""
+        require_resolved(name in self._resolved_sinks, f"logging.{name}")
         return (self.__pydantic_extra__ or {}).get(name)
 
 
@@ -441,45 +371,18 @@ class SchedulerConfig(StrictModel):
 
     type: str = Field("auto", description="'auto' asks the areal_select_scheduler hook (default: local).")
 
-    @model_validator(mode="after")
-    def _scheduler_sections(self) -> "SchedulerConfig":
-        from areal_kernel.plugins.registry import get_registry
-
-        reg = get_registry()
-        names = sorted(s.name for s in reg.specs("scheduler"))
-        if self.type != "auto" and reg.find("scheduler", self.type) is None:
-            raise ConfigError(
-                f"scheduler.type: no scheduler named {self.type!r} is registered; registered: {', '.join(names)} "
-                "(or 'auto')"
-            )
-        allowed = names if self.type == "auto" else [self.type]
-        extras = self.__pydantic_extra__ if self.__pydantic_extra__ is not None else {}
-        for key in list(extras):
-            if key not in allowed:
-                raise unknown_section_error(
-                    "scheduler", key, [*type(self).model_fields, *allowed],
-                    f"a settings section is named after the selected scheduler ({', '.join(allowed)})",
-                )  # fmt: skip
-            settings = validate_settings(f"scheduler.{key}", "scheduler", key, extras[key])
-            if settings is None:
-                del extras[key]
-            else:
-                extras[key] = settings
-        return self
+    # Set by resolve(): scheduler name -> its validated settings (the section
+    # given, else its config_model's defaults; None without a config_model).
+    _sections: dict[str, Any] | None = PrivateAttr(default=None)
+    _resolved_type: str | None = PrivateAttr(default=None)
 
     def section(self, name: str) -> Any:
         """Scheduler ``name``'s validated ``scheduler.<name>`` settings: the
         section given, else its ``config_model``'s defaults (``None`` for a
         scheduler without one, or not registered under ``name``)."""
-        from areal_kernel.plugins.registry import get_registry
-
-        given = (self.__pydantic_extra__ or {}).get(name)
-        if given is not None:
-            return given
-        spec = get_registry().find("scheduler", name)
-        if spec is None:  # built outside the registry (a test's own subclass): no settings
-            return None
-        return validate_settings(f"scheduler.{name}", "scheduler", name, None, spec=spec)
+        require_resolved(self._sections is not None and self._resolved_type == self.type, f"scheduler.{name}")
+        assert self._sections is not None
+        return self._sections.get(name)
 
 
 class ExperimentConfig(StrictModel):

@@ -3,6 +3,8 @@
 ``actor: {backend: fsdp:d2, fsdp: {...}}``: the ``fsdp`` sub-section is
 validated against the config model that the ``fsdp`` train engine registered,
 so third-party backends get validated config without touching the kernel.
+That second step needs the registry and happens in
+``areal_kernel.config.resolve``; nothing here looks a plugin up.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 import difflib
 from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, PrivateAttr, ValidationError, model_validator
 
 from areal_kernel.config.allocation import Allocation, AllocationError, parse_allocation
 from areal_kernel.errors import ConfigError
@@ -74,7 +76,10 @@ class PluginSection(BaseModel):
     Subclasses set ``registry_kind`` (e.g. ``"train_engine"``), ``selector``
     (the field holding the name: ``"backend"`` or ``"type"``) and
     ``section_path`` (for messages). The plugin's own settings live under a
-    key equal to the chosen name and are validated against its model.
+    key equal to the chosen name. Parsing checks the section's shape (the
+    allocation string, no settings under another name);
+    ``areal_kernel.config.resolve`` then checks the name against the registry
+    and validates the settings against the model its plugin registered.
     """
 
     model_config = ConfigDict(extra="allow", validate_assignment=False)
@@ -83,6 +88,15 @@ class PluginSection(BaseModel):
     selector: ClassVar[str] = "type"
     section_path: ClassVar[str] = ""
     allocation_selector: ClassVar[bool] = False
+
+    # Set by resolve(): the name whose settings it validated (a later change
+    # of the selector leaves the section unresolved, not silently stale).
+    _resolved_name: str | None = PrivateAttr(default=None)
+
+    @property
+    def where(self) -> str:
+        """The section's path in messages (``actor``, ``rollout``, ...)."""
+        return self.section_path or type(self).__name__
 
     @property
     def selected_name(self) -> str:
@@ -95,30 +109,21 @@ class PluginSection(BaseModel):
 
     @property
     def plugin_config(self) -> Any:
-        """The validated settings of the selected implementation (model or dict)."""
+        """The validated settings of the selected implementation (an instance
+        of its config model, or ``None`` for one without)."""
+        require_resolved(self._resolved_name == self.selected_name, f"{self.where}.{self.selected_name}")
         return (self.__pydantic_extra__ or {}).get(self.selected_name)
 
     @model_validator(mode="after")
-    def _validate_plugin_section(self) -> "PluginSection":
-        from areal_kernel.plugins.registry import get_registry
-
-        where = self.section_path or type(self).__name__
+    def _section_shape(self) -> "PluginSection":
+        where = self.where
         if self.allocation_selector:
             try:
                 parse_allocation(getattr(self, self.selector))
             except AllocationError as e:
                 raise ConfigError(f"{where}.{self.selector}: {e}") from None
         name = self.selected_name
-        try:
-            spec = get_registry().get(self.registry_kind, name)
-        except ConfigError:
-            raise
-        except Exception as e:
-            raise ConfigError(f"{where}.{self.selector}: {e}") from None
-        if self.__pydantic_extra__ is None:
-            self.__pydantic_extra__ = {}
-        extras = self.__pydantic_extra__
-        for key in list(extras):
+        for key in self.__pydantic_extra__ or {}:
             if key == name:
                 continue
             close = difflib.get_close_matches(key, [name, *type(self).model_fields], n=1)
@@ -127,28 +132,32 @@ class PluginSection(BaseModel):
                 f"{where}.{key}: unknown key{hint} (settings for the selected {self.registry_kind} "
                 f"'{name}' go under {where}.{name})"
             )
-        extras[name] = validate_settings(f"{where}.{name}", self.registry_kind, name, extras.get(name), spec=spec)
-        if extras[name] is None:
-            del extras[name]
-        if self.allocation_selector:
-            # A backend's config model may check the dims of its allocation
-            # (``check_allocation(allocation, where)``, raising ConfigError), so
-            # that `areal validate` refuses e.g. parallelism it cannot run.
-            check = getattr(spec.config_model_cls(), "check_allocation", None)
-            if callable(check):
-                check(self.allocation, f"{where}.{self.selector}")
         return self
+
+
+def require_resolved(resolved: bool, where: str) -> None:
+    """Refuse to hand out plugin settings of a config that was only parsed:
+    until ``resolve`` validated them they are the user's raw mapping."""
+    if not resolved:
+        raise ConfigError(
+            f"{where}: the config was parsed but not resolved against the plugin registry, so its plugin "
+            "settings are not validated yet; call areal_kernel.config.resolve(config, get_registry()) "
+            "(load_config and validate_config do when given registry=)"
+        )
 
 
 def validate_settings(where: str, kind: str, name: str, raw: Any, *, spec: Any = None) -> BaseModel | None:
     """``raw`` (the user's ``where: {...}`` mapping, or ``None``) validated
-    against the ``config_model`` registered for ``kind`` ``name``: an instance
-    of that model (defaults filled in), or ``None`` for a factory without one.
+    against the ``config_model`` of ``spec``, the factory registered for
+    ``kind`` ``name`` (``registry.get(kind, name)``): an instance of that
+    model (defaults filled in), or ``None`` for a factory without one.
     Every kind's settings go through here, so each gives the same errors."""
-    from areal_kernel.plugins.registry import get_registry
-
     if spec is None:
-        spec = get_registry().get(kind, name, platform="")
+        # The config layer does not look plugins up itself (it sits below them).
+        raise TypeError(
+            f"validate_settings({where!r}, ...): pass spec=, the registered factory "
+            f"(get_registry().get({kind!r}, {name!r}, platform=''))"
+        )
     model_cls = spec.config_model_cls()
     if isinstance(raw, BaseModel):
         if model_cls is not None and isinstance(raw, model_cls):

@@ -35,108 +35,63 @@ exist, readable, within the size limits, as many as the prompt's
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Protocol, Sequence, Union
+from typing import TYPE_CHECKING, Sequence
 
-from areal_kernel.errors import DataError
+# The types and the record checks are the dataset kind's contract
+# (areal_kernel.api.dataset); importable here as before.
+from areal_kernel.api.dataset import DatasetSource, DatasetSplits, Record, SourceResult, check_records, check_shape
 
 if TYPE_CHECKING:
     from areal_kernel.config.models import DatasetConfig
     from areal_kernel.plugins.registry import FactorySpec
 
-Record = dict[str, Any]
-SourceResult = Union[list[Record], tuple[list[Record], list[Record]]]
-
-
-class DatasetSource(Protocol):
-    """The type of a registered dataset target (see the module docstring)."""
-
-    def __call__(self, config: "DatasetConfig", seed: int, required: tuple[str, ...]) -> SourceResult: ...
-
-
-def check_shape(result: Any, *, origin: str) -> None:
-    """A list, or a 2-tuple of lists; anything else is a ``DataError``
-    naming ``origin`` (the dataset and its plugin)."""
-    if isinstance(result, list):
-        return
-    if isinstance(result, tuple) and len(result) == 2 and all(isinstance(part, list) for part in result):
-        return
-    if isinstance(result, tuple):
-        shape = f"a tuple of {len(result)} ({', '.join(type(p).__name__ for p in result[:4])})"
-    else:
-        shape = f"a {type(result).__name__}"
-    raise DataError(
-        f"{origin} returned {shape}; a dataset source must return a list of record dicts "
-        f"or a (train, eval) tuple of two such lists (see docs/plugin-authoring.md, 'Datasets')"
-    )
-
-
-def check_records(
-    records: Sequence[Any], *, split: str | None, dataset: str, origin: str, required: Sequence[str], needed_by: str
-) -> list[Record]:
-    """Validated copies of ``records`` with string ids, generated where
-    absent. ``split`` is ``"train"``/``"eval"`` for the parts of a
-    ``(train, eval)`` tuple and ``None`` for a plain list (indexes are then
-    positions in that list). ``needed_by`` names who reads ``required``
-    (``workflow 'rlvr'``) for the message."""
-    out: list[Record] = []
-    seen: dict[str, int] = {}
-    label = f"{split} record" if split else "record"
-    id_prefix = f"{dataset}:{split}" if split else dataset
-    for i, rec in enumerate(records):
-        where = f"{origin}: {label} {i}"
-        if not isinstance(rec, dict):
-            raise DataError(f"{where} is a {type(rec).__name__}, expected a dict of fields")
-        for name in required:
-            value = rec.get(name)
-            if name not in rec:
-                raise DataError(
-                    f"{where} has no {name!r} field, which {needed_by} needs (required: {list(required)}); "
-                    f"its fields: {sorted(map(str, rec))}"
-                )
-            if value is None or (isinstance(value, (str, list, dict)) and len(value) == 0):
-                raise DataError(f"{where} has an empty {name!r} field, which {needed_by} needs")
-        rec = dict(rec)
-        rid = rec.get("id")
-        rec["id"] = f"{id_prefix}:{i}" if rid is None or rid == "" else str(rid)
-        first = seen.setdefault(rec["id"], i)
-        if first != i:
-            raise DataError(
-                f"{origin}: {label}s {first} and {i} both have id {rec['id']!r}; ids must be unique "
-                f"(the samples of a prompt are grouped by id), or leave 'id' out to get generated ones"
-            )
-        out.append(rec)
-    return out
+__all__ = [
+    "DatasetSource",
+    "Record",
+    "SourceResult",
+    "check_shape",
+    "check_records",
+    "load_dataset",
+    "finish_dataset",
+]
 
 
 def load_dataset(
     spec: "FactorySpec", config: "DatasetConfig", seed: int, required: Sequence[str], needed_by: str
 ) -> tuple[list[Record], list[Record]]:
-    """Call the source ``spec`` under the contract above and check its records."""
+    """Call the source ``spec`` under the contract above and check its records
+    (what ``Registry.build("dataset", ...)`` followed by ``finish_dataset`` does)."""
+    from areal_kernel.api.dataset import DatasetContext, check_source_result
+    from areal_kernel.plugins.blame import spec_origin
+
+    ctx = DatasetContext(name=spec.name, config=config, seed=seed, required=tuple(required), needed_by=needed_by)
+    result = spec.load()(config, seed, tuple(required))
+    return finish_dataset(check_source_result(result, spec.name, spec_origin(spec), ctx), spec, config, seed)
+
+
+def finish_dataset(
+    splits: DatasetSplits, spec: "FactorySpec", config: "DatasetConfig", seed: int
+) -> tuple[list[Record], list[Record]]:
+    """The rest of the contract after ``Registry.build("dataset", ...)``
+    checked the shape and the records: every record's images (missing
+    files, sizes over the limits, counts that do not fit the prompt), then
+    ``dataset.eval_fraction`` held out of a plain list (seeded by ``seed``)."""
     from areal_kernel.plugins.blame import spec_origin
 
     origin = spec_origin(spec)
-    source = spec.load()
-    result = source(config, seed, tuple(required))
-    check_shape(result, origin=origin)
-
-    def check(part: Sequence[Any], split: str | None) -> list[Record]:
-        checked = check_records(
-            part, split=split, dataset=spec.name, origin=origin, required=tuple(required), needed_by=needed_by
-        )
-        if any("images" in r for r in checked):
-            # Missing files, images over the limits and image counts that do
-            # not fit the prompt fail here, naming the record, before any server starts.
+    parts = [(splits.train, "train" if splits.eval is not None else None)]
+    if splits.eval is not None:
+        parts.append((splits.eval, "eval"))
+    for records, split in parts:
+        if any("images" in r for r in records):
+            # Fails here, naming the record, before any server starts.
             from areal_kernel.data.images import check_records_images
 
-            check_records_images(checked, origin=f"{origin}{f' ({split})' if split else ''}")
-        return checked
-
-    if isinstance(result, tuple):
-        return check(result[0], "train"), check(result[1], "eval")
-    # Checked before the split, so that an index is a position in the list the source returned.
-    records = check(result, None)
+            check_records_images(records, origin=f"{origin}{f' ({split})' if split else ''}")
+    if splits.eval is not None:
+        return splits.train, splits.eval
     if config.eval_fraction <= 0:
-        return records, []
+        return splits.train, []
     from areal_kernel.data.split import train_eval_split
 
-    return train_eval_split(records, config.eval_fraction, seed)
+    return train_eval_split(splits.train, config.eval_fraction, seed)

@@ -178,15 +178,18 @@ class RankedTrainEngine(TrainEngine):
         else:
             cfg = self.run_config
             if cfg is None:
-                from areal_kernel.config.models import ExperimentConfig
+                from areal_kernel.config.loader import validate_config
 
-                cfg = ExperimentConfig.model_validate({"actor": {"backend": f"{self.engine_name}:d{self.world_size}"}})
+                actor = {"backend": f"{self.engine_name}:d{self.world_size}"}
+                cfg = validate_config({"actor": actor}, "the engine's own scheduler config", get_registry())
                 name = "local"
             else:
                 name = cfg.scheduler.type
                 if name == "auto":
                     name = get_plugin_manager().hook.areal_select_scheduler(config=cfg) or "local"
-            sched = get_registry().get("scheduler", name).load()(cfg)
+            from areal_kernel.api.scheduler import SchedulerContext
+
+            sched = get_registry().build("scheduler", name, SchedulerContext(name=name, config=cfg))
             self._scheduler, self._owns_scheduler = sched, True
         if not hasattr(sched, "start_train_ranks"):
             raise ConfigError(

@@ -40,11 +40,11 @@ import tempfile
 import threading
 import time
 import traceback
-from collections import deque
 from typing import Any, Callable, cast
 
 from areal_kernel.api.scheduler import PARENT_PID_ENV
 from areal_kernel.errors import ArealError
+from areal_kernel.utils.procs import tail_file as log_tail  # the stable name of this module
 
 CONTROL_ENV = "AREAL_RANK_CONTROL"
 AUTHKEY_ENV = "AREAL_RANK_AUTHKEY"
@@ -52,15 +52,6 @@ AUTHKEY_ENV = "AREAL_RANK_AUTHKEY"
 
 class RankError(ArealError):
     """A rank process failed (its traceback or log tail is in the message)."""
-
-
-def log_tail(path: str, n: int = 30) -> str:
-    """The last ``n`` lines of a log file (or why there are none)."""
-    try:
-        with open(path, errors="replace") as f:
-            return "".join(deque(f, maxlen=n))
-    except OSError as e:
-        return f"(no log: {e})"
 
 
 class RankGroup:

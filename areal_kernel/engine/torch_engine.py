@@ -4,34 +4,9 @@ One HF causal LM on ``current_platform().device()``, AdamW, a warm-up + decay
 lr schedule, micro-batching by token budget with sequence packing, optional
 bf16 autocast and gradient checkpointing.
 
-Loss contract (what ``train_batch`` promises ``loss_fn`` and expects back)
---------------------------------------------------------------------------
-``loss_fn(logprobs, entropy, data) -> (loss, stats)`` is called once per
-micro-batch. All tensors are 1-D and aligned with the packed row (the
-micro-batch's sequences concatenated):
-
-* ``logprobs[i]`` = log p(token i | tokens before it in its own sequence),
-  computed as ``log_softmax(logits / temperature)``; 0.0 at each sequence's
-  first token. Carries gradients.
-* ``entropy[i]``: entropy of the distribution that produced token i (0.0 at
-  sequence starts). Detached unless ``loss_fn.needs_entropy_grad`` is True.
-* ``data``: ``input_ids``, ``position_ids``, ``seq_ids`` (batch index of the
-  token's trajectory), ``versions`` (int64), and float32 ``loss_mask`` (0/1),
-  ``old_logprobs`` (= ``Trajectory.logprobs``, the behaviour policy),
-  ``rewards`` (the trajectory reward on every token), ``seq_loss_tokens``
-  (loss tokens of the token's trajectory), every key of ``extra`` (e.g.
-  ``advantages``, ``prox_logprobs``, ``ref_logprobs``), and two 0-d float32
-  tensors describing the *whole batch*: ``batch_loss_tokens`` and
-  ``batch_n_seqs``.
-
-``loss`` must be this micro-batch's *share* of the batch loss, i.e. a sum of
-per-token terms normalised by batch-level quantities, e.g.
-``(tok_loss * loss_mask).sum() / batch_loss_tokens`` (token mean) or
-``(tok_loss * loss_mask / seq_loss_tokens).sum() / batch_n_seqs`` (sequence
-mean of token means). The engine back-propagates each share and sums them, so
-the step does not depend on how the batch was split into micro-batches.
-``stats`` follow the same rule: values are summed over micro-batches, except
-keys ending in ``_max`` / ``_min`` (max / min).
+Loss contract: ``train_batch`` calls ``loss_fn(logprobs, entropy, data) ->
+(loss, stats)`` once per micro-batch under the contract written in
+``areal_kernel.api.loss`` (token sums normalised by batch totals).
 
 Weight transfer: ``send_weights`` with ``kind="disk"`` writes an HF dir at
 ``meta.path``; with ``kind="broadcast"`` it streams

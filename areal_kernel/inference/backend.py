@@ -3,7 +3,9 @@
 The kernel builds the registered target once per run, in the controller
 process, and calls it in this order (``areal_kernel.trainer.components.Rollout``):
 
-1. ``Backend(config)``: ``config`` is the validated ``ExperimentConfig``; the
+1. ``Backend.from_context(context)`` (an ``InferenceBackendContext`` of
+   ``areal_kernel.api.inference_engine``; the default calls
+   ``Backend(config)``): ``config`` is the validated ``ExperimentConfig``; the
    backend's own section (``rollout.<name>``, validated against its
    ``config_model``) is ``config.rollout.plugin_config`` (``None`` without one).
 2. ``place(scheduler, placements)`` then ``launch(model_dir, device_plan,
@@ -31,16 +33,25 @@ and ``make_client``.
 from __future__ import annotations
 
 import abc
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from areal_kernel.api.scheduler import Placement
 from areal_kernel.inference.client import RemoteInferenceEngine
 from areal_kernel.inference.launcher import SubprocessLauncher
 
+if TYPE_CHECKING:
+    from areal_kernel.api.inference_engine import InferenceBackendContext
+
 
 class InferenceBackend(abc.ABC):
     """Base class of inference backends; see the module docstring for when
     the kernel calls what."""
+
+    @classmethod
+    def from_context(cls, context: "InferenceBackendContext") -> "InferenceBackend":
+        """The factory the kernel calls (``Registry.build``); the default is
+        ``cls(context.config)``, so a subclass writes that constructor."""
+        return cls(context.config)
 
     def __init__(self, config: Any) -> None:
         self.config = config

@@ -24,7 +24,6 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -34,21 +33,13 @@ from areal_kernel.errors import ServerError
 from areal_kernel.inference.admin_auth import admin_token_for, bearer_header
 from areal_kernel.inference.guard import EXEC_FAILED_EXIT, guarded_command
 from areal_kernel.utils.network import find_free_port, is_loopback, port_is_free
+from areal_kernel.utils.procs import tail_file  # noqa: F401  (a stable name of this module: docs/api.md)
 
 # Exit code a server may use to say "my port is taken" (the embedded server
 # does); servers that cannot choose their exit code are recognised by the
 # messages below in their log.
 PORT_IN_USE_EXIT = 98
 PORT_CLASH_MESSAGES = ("address already in use", "errno 98", "is already in use")
-
-
-def tail_file(path: str, n: int) -> str:
-    """The last ``n`` lines of a text file (a note instead when it cannot be read)."""
-    try:
-        with open(path, errors="replace") as f:
-            return "".join(deque(f, maxlen=n))
-    except OSError as e:
-        return f"(no log: {e})"
 
 
 def http_ok(url: str, headers: dict[str, str] | None = None, timeout_s: float = 2.0) -> bool:

@@ -1,5 +1,5 @@
-"""Metric sinks. The trainer builds every sink listed in ``logging.sinks`` as
-``Sink(run_dir, total_steps=N, **settings)`` and fans metrics out with
+"""Metric sinks. The trainer builds every sink listed in ``logging.sinks``
+through ``MetricSink.from_context``, i.e. ``Sink(run_dir, total_steps=N, **settings)`` and fans metrics out with
 ``log(step, metrics)``, then ``close()`` (contract: docs/plugin-authoring.md,
 Metric sinks). ``wandb`` lives in ``areal_kernel.metrics.wandb_sink``."""
 
@@ -10,6 +10,8 @@ import math
 import os
 import sys
 from typing import Any, TextIO
+
+from areal_kernel.api.metric_sink import MetricSink
 
 
 def _clean(metrics: dict[str, Any]) -> dict[str, float]:
@@ -22,7 +24,7 @@ def _clean(metrics: dict[str, Any]) -> dict[str, float]:
     return out
 
 
-class JsonlSink:
+class JsonlSink(MetricSink):
     """Appends one JSON object per step to ``<run_dir>/metrics.jsonl`` (flushed each line,
     so a killed run keeps every completed step)."""
 
@@ -40,7 +42,7 @@ class JsonlSink:
         self._f.close()
 
 
-class TensorBoardSink:
+class TensorBoardSink(MetricSink):
     def __init__(self, run_dir: str, *, total_steps: int | None = None) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
@@ -55,7 +57,7 @@ class TensorBoardSink:
         self.writer.close()
 
 
-class ConsoleSink:
+class ConsoleSink(MetricSink):
     """A one-line progress report per step: step/total, rewards, staleness,
     tokens/s. The first time a label appears, a line says what it means."""
 

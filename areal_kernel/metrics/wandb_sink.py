@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from areal_kernel.api.metric_sink import MetricSink
 from areal_kernel.errors import ConfigError
 from areal_kernel.metrics.sinks import _clean
 
@@ -42,7 +43,7 @@ class WandbSettings(BaseModel):
     )
 
 
-class WandbSink:
+class WandbSink(MetricSink):
     """Logs each step's numeric metrics to one wandb run; the resolved run
     config (``<run_dir>/config.yaml``) becomes the wandb run's config."""
 

@@ -43,7 +43,7 @@ def _build_tiny_vlm(dtype: str) -> str:
     if (target / "config.json").is_file() and (target / "processor_config.json").is_file():
         return str(target)
     target.parent.mkdir(parents=True, exist_ok=True)
-    from areal_kernel.testing.models import make_tiny_vlm
+    from areal_kernel.models.tiny import make_tiny_vlm
 
     with atomic_dir(str(target)) as tmp:
         make_tiny_vlm(tmp, seed=0)
@@ -63,7 +63,7 @@ KNOWN_MODELS: dict[str, KnownModel] = {
         default_dtype="float32",
         dtypes=("float32",),
         description="a tiny random-init Idefics3 (SmolVLM-style) vision-language model with SmolLM2's tokenizer "
-        "(areal_kernel.testing.models.make_tiny_vlm): nothing pretrained, for examples and tests",
+        "(areal_kernel.models.tiny.make_tiny_vlm): nothing pretrained, for examples and tests",
     ),
 }
 

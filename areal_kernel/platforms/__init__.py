@@ -6,6 +6,6 @@ visible-devices variable and so on.
 """
 
 from areal_kernel.platforms.base import Platform
-from areal_kernel.platforms.resolve import current_platform, platform_named, reset_current_platform
+from areal_kernel.platforms.current import current_platform, platform_named, reset_current_platform
 
 __all__ = ["Platform", "current_platform", "platform_named", "reset_current_platform"]

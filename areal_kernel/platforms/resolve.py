@@ -1,4 +1,4 @@
-"""Resolve the platform of this process, lazily and once.
+"""Resolve the platform of a process from a plugin registry.
 
 Order: ``AREAL_PLATFORM`` (a registered platform name) > out-of-tree probes
 from the ``areal.platforms`` entry-point group > built-in ``cuda`` > ``cpu``.
@@ -7,38 +7,44 @@ An out-of-tree probe is a zero-argument callable returning a
 must not import heavy libraries unless it is about to answer yes. A platform
 named by ``AREAL_PLATFORM`` must be available (``is_available()``); otherwise
 resolution fails with its ``unavailable_reason()``.
+
+Stateless: the registry is passed in. The process's platform is resolved
+once, by the plugin manager that owns the process registry
+(``areal_kernel.platforms.current_platform()``), so that the registry can
+check factories against it without importing this layer (no import cycle).
 """
 
 from __future__ import annotations
 
 import os
-import threading
 from importlib import metadata
+from typing import TYPE_CHECKING, Callable
 
 from areal_kernel.errors import ArealError
 from areal_kernel.platforms.base import Platform
+from areal_kernel.plugins.registry import import_target
+
+if TYPE_CHECKING:
+    from areal_kernel.plugins.registry import Registry
 
 PLATFORM_PROBE_GROUP = "areal.platforms"
 
-_lock = threading.RLock()
-_current: Platform | None = None
 
-
-def _platform_class(name: str) -> type[Platform]:
-    from areal_kernel.plugins.registry import get_registry
-
+def _platform_class(name: str, registry: "Registry") -> type[Platform]:
     # platform="" skips the registry's platform check, which would recurse here.
-    spec = get_registry().get("platform", name, platform="")
+    spec = registry.get("platform", name, platform="")
     return spec.load()
 
 
-def _from_registry(name: str) -> Platform:
-    return _platform_class(name)()
+def platform_from_registry(name: str, registry: "Registry") -> Platform:
+    """The platform registered as ``name`` in ``registry``, built."""
+    from areal_kernel.api.platform import PlatformContext
+
+    # platform="" skips the registry's platform check, which would recurse here.
+    return registry.build("platform", name, PlatformContext(name), platform="")
 
 
 def _probe_out_of_tree() -> Platform | None:
-    from areal_kernel.plugins.registry import import_target
-
     for ep in metadata.entry_points(group=PLATFORM_PROBE_GROUP):
         try:
             target = ep.load()()
@@ -49,16 +55,20 @@ def _probe_out_of_tree() -> Platform | None:
     return None
 
 
-def resolve_platform() -> Platform:
+def resolve_platform(registry: "Callable[[], Registry]") -> Platform:
+    """The platform of this process (see the module docstring). ``registry``
+    gives the plugin registry; it is called only for a platform named by
+    ``AREAL_PLATFORM``, so that resolving without one loads no plugin."""
     name = os.environ.get("AREAL_PLATFORM", "").strip()
     if name:
         try:
-            cls = _platform_class(name)
+            reg = registry()
+            cls = _platform_class(name, reg)
             # Chosen by name, it must still be usable here: say why not now
             # instead of failing later inside a backend.
             if not cls.is_available():
                 raise ArealError(cls.unavailable_reason())
-            return cls()
+            return platform_from_registry(name, reg)
         except ArealError as e:
             raise ArealError(f"AREAL_PLATFORM={name!r} is not usable: {e}") from None
     found = _probe_out_of_tree()
@@ -69,30 +79,3 @@ def resolve_platform() -> Platform:
     if CudaPlatform.is_available():
         return CudaPlatform()
     return CpuPlatform()
-
-
-def current_platform() -> Platform:
-    """The platform of this process (resolved on first call)."""
-    global _current
-    if _current is None:
-        with _lock:
-            if _current is None:
-                _current = resolve_platform()
-    return _current
-
-
-def platform_named(name: str) -> Platform:
-    """The platform registered as ``name`` (the current one when it has that
-    name). For hooks that receive a platform *name* and must ask it questions
-    instead of comparing the name."""
-    cur = current_platform()
-    if not name or cur.name == name:
-        return cur
-    return _from_registry(name)
-
-
-def reset_current_platform() -> None:
-    """Forget the resolved platform (tests; after changing AREAL_PLATFORM)."""
-    global _current
-    with _lock:
-        _current = None

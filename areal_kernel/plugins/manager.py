@@ -14,12 +14,13 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 import threading
 import traceback
 from dataclasses import dataclass, field
 from importlib import metadata
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pluggy
 
@@ -27,8 +28,12 @@ from areal_kernel import hookspecs
 from areal_kernel.errors import PluginLoadError
 from areal_kernel.plugins.registry import FactorySpec, Registry
 
+if TYPE_CHECKING:
+    from areal_kernel.platforms.base import Platform
+
 ENTRY_POINT_GROUP = "areal.plugins"
 BUILTIN = "builtin"
+BUILTIN_MODULE = "areal_kernel.builtin"  # the value of the kernel's own areal.plugins entry point
 KERNEL_DIST = "areal-kernel"
 
 
@@ -103,16 +108,37 @@ class PluginManager:
     def __init__(self) -> None:
         self.pm = pluggy.PluginManager(hookspecs.PROJECT)
         self.pm.add_hookspecs(hookspecs)
-        self.registry = Registry()
+        # The registry checks factories against this manager's platform (platform()).
+        self.registry = Registry(platform_name=lambda: self.platform().name)
         self.records: dict[str, PluginRecord] = {}
         self._loaded = False
         self._lock = threading.RLock()
+        self._platform: Platform | None = None
 
     @property
     def hook(self) -> Any:
         """Call hooks after loading: ``get_plugin_manager().hook.areal_on_train_step(...)``."""
         self.ensure_loaded()
         return self.pm.hook
+
+    # -- the process's platform ----------------------------------------------
+    def platform(self) -> "Platform":
+        """The platform of this process, resolved once from this manager's
+        registry (``areal_kernel.platforms.resolve``); ``current_platform()``
+        is this. Held here, beside the registry, so that neither the registry
+        nor the platform layer has to import the other."""
+        if self._platform is None:
+            with self._lock:
+                if self._platform is None:
+                    from areal_kernel.platforms.resolve import resolve_platform
+
+                    self._platform = resolve_platform(lambda: self.ensure_loaded().registry)
+        return self._platform
+
+    def reset_platform(self) -> None:
+        """Forget the resolved platform (tests; after changing AREAL_PLATFORM)."""
+        with self._lock:
+            self._platform = None
 
     # -- loading -------------------------------------------------------------
     def ensure_loaded(self) -> "PluginManager":
@@ -125,8 +151,11 @@ class PluginManager:
         return self
 
     def _load_all(self) -> None:
-        import areal_kernel.builtin as builtin_module
-
+        # The builtin plugin is loaded by name, as every plugin is (its
+        # areal.plugins entry point names the same module): the plugin layer
+        # sits below the plugins it loads, the kernel's own included. It is
+        # loaded first and without the entry-point metadata, so it is always there.
+        builtin_module = importlib.import_module(BUILTIN_MODULE)
         self._register_module(
             PluginRecord(BUILTIN, builtin_module.__name__, KERNEL_DIST, _kernel_version()), builtin_module
         )
@@ -281,8 +310,14 @@ def get_plugin_manager() -> PluginManager:
     return _manager
 
 
+def get_registry() -> Registry:
+    """The process-wide registry, with every enabled plugin loaded (lazily, once)."""
+    return get_plugin_manager().ensure_loaded().registry
+
+
 def reset_plugin_manager() -> None:
-    """Forget loaded plugins (tests; after changing AREAL_PLUGINS)."""
+    """Forget loaded plugins and the platform resolved with them (tests; after
+    changing AREAL_PLUGINS or AREAL_PLATFORM)."""
     global _manager
     with _manager_lock:
         _manager = None

@@ -10,15 +10,34 @@ import difflib
 import importlib
 import traceback
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable, Literal, overload
 
 from areal_kernel.errors import (
+    ConfigError,
     PlatformNotSupportedError,
+    PluginError,
     PluginLoadError,
     PluginNotFoundError,
 )
 from areal_kernel.hookspecs import REGISTRATION_HOOKS
 from areal_kernel.plugins.known import install_hint
+
+if TYPE_CHECKING:
+    from areal_kernel.api.advantage_estimator import AdvantageEstimator, AdvantageEstimatorContext
+    from areal_kernel.api.dataset import DatasetContext, DatasetSplits
+    from areal_kernel.api.engine import TrainEngine, TrainEngineContext
+    from areal_kernel.api.inference_engine import InferenceBackendContext, InferenceBackendProtocol
+    from areal_kernel.api.loss import LossContext, PolicyLoss
+    from areal_kernel.api.metric_sink import MetricSinkContext, MetricSinkProtocol
+    from areal_kernel.api.model_source import ModelSourceContext
+    from areal_kernel.api.platform import Platform, PlatformContext
+    from areal_kernel.api.reward import Reward, RewardContext
+    from areal_kernel.api.scheduler import Scheduler, SchedulerContext
+    from areal_kernel.api.tool import Tool, ToolContext
+    from areal_kernel.api.tool_parser import ToolCallParser, ToolParserContext
+    from areal_kernel.api.trainer import Trainer, TrainerContext
+    from areal_kernel.api.weight_transport import WeightTransportContext, WeightTransportProtocol
+    from areal_kernel.api.workflow import WorkflowContext, WorkflowProtocol
 
 KINDS: tuple[str, ...] = tuple(REGISTRATION_HOOKS)
 
@@ -107,7 +126,12 @@ class FactorySpec:
 class Registry:
     """Factories by kind and name, with the plugin-load state needed for good errors."""
 
-    def __init__(self) -> None:
+    def __init__(self, platform_name: Callable[[], str] | None = None) -> None:
+        """``platform_name``: the name of the current platform, for the
+        default platform check of ``get``/``build``. The process registry
+        (``get_registry()``) has the plugin manager's; a registry filled by
+        hand without one checks only the platform passed explicitly."""
+        self.platform_name = platform_name
         self._specs: dict[str, dict[str, FactorySpec]] = {k: {} for k in KINDS}
         self.conflicts: list[str] = []
         # filled by the plugin manager: entry-point name -> (dist, error text)
@@ -152,19 +176,20 @@ class Registry:
         """The factory ``name`` of ``kind``, or an error that says what to do.
 
         ``platform``: check that the factory supports it (default: the
-        current platform; pass ``""`` to skip the check).
+        current platform, ``platform_name()``; pass ``""`` to skip the check).
         """
         if kind not in self._specs:
             raise ValueError(f"unknown registry kind {kind!r}; valid: {', '.join(KINDS)}")
         spec = self._specs[kind].get(name)
         if spec is None:
             raise self._not_found(kind, name)
-        if platform is None and spec.platforms is None:
-            return spec  # supports every platform: no need to resolve the current one
+        if platform is None and (spec.platforms is None or self.platform_name is None):
+            return spec  # supports every platform (no need to resolve the current one), or none is known
         if platform is None:
-            from areal_kernel.platforms import current_platform
-
-            platform = current_platform().name
+            assert self.platform_name is not None
+            # The registry sits below the platform layer: the current platform
+            # comes from whoever made the registry (the plugin manager).
+            platform = self.platform_name()
         if platform and not spec.supports(platform):
             raise PlatformNotSupportedError(
                 f"{kind} '{name}' (plugin '{spec.plugin}') supports platforms "
@@ -172,6 +197,175 @@ class Registry:
                 f"(set AREAL_PLATFORM to choose another)"
             )
         return spec
+
+    # -- building ------------------------------------------------------------
+    @overload
+    def build(
+        self,
+        kind: Literal["train_engine"],
+        name: str,
+        ctx: "TrainEngineContext",
+        *,
+        platform: str | None = ...,
+        where: str = ...,
+    ) -> "TrainEngine": ...
+    @overload
+    def build(
+        self,
+        kind: Literal["inference_engine"],
+        name: str,
+        ctx: "InferenceBackendContext",
+        *,
+        platform: str | None = ...,
+        where: str = ...,
+    ) -> "InferenceBackendProtocol": ...
+    @overload
+    def build(
+        self,
+        kind: Literal["weight_transport"],
+        name: str,
+        ctx: "WeightTransportContext",
+        *,
+        platform: str | None = ...,
+        where: str = ...,
+    ) -> "WeightTransportProtocol": ...
+    @overload
+    def build(
+        self,
+        kind: Literal["scheduler"],
+        name: str,
+        ctx: "SchedulerContext",
+        *,
+        platform: str | None = ...,
+        where: str = ...,
+    ) -> "Scheduler": ...
+    @overload
+    def build(
+        self,
+        kind: Literal["platform"],
+        name: str,
+        ctx: "PlatformContext",
+        *,
+        platform: str | None = ...,
+        where: str = ...,
+    ) -> "Platform": ...
+    @overload
+    def build(
+        self,
+        kind: Literal["dataset"],
+        name: str,
+        ctx: "DatasetContext",
+        *,
+        platform: str | None = ...,
+        where: str = ...,
+    ) -> "DatasetSplits": ...
+    @overload
+    def build(
+        self, kind: Literal["reward"], name: str, ctx: "RewardContext", *, platform: str | None = ..., where: str = ...
+    ) -> "Reward": ...
+    @overload
+    def build(
+        self,
+        kind: Literal["workflow"],
+        name: str,
+        ctx: "WorkflowContext",
+        *,
+        platform: str | None = ...,
+        where: str = ...,
+    ) -> "WorkflowProtocol": ...
+    @overload
+    def build(
+        self,
+        kind: Literal["advantage_estimator"],
+        name: str,
+        ctx: "AdvantageEstimatorContext",
+        *,
+        platform: str | None = ...,
+        where: str = ...,
+    ) -> "AdvantageEstimator": ...
+    @overload
+    def build(
+        self, kind: Literal["loss"], name: str, ctx: "LossContext", *, platform: str | None = ..., where: str = ...
+    ) -> "PolicyLoss": ...
+    @overload
+    def build(
+        self,
+        kind: Literal["metric_sink"],
+        name: str,
+        ctx: "MetricSinkContext",
+        *,
+        platform: str | None = ...,
+        where: str = ...,
+    ) -> "MetricSinkProtocol": ...
+    @overload
+    def build(
+        self,
+        kind: Literal["model_source"],
+        name: str,
+        ctx: "ModelSourceContext",
+        *,
+        platform: str | None = ...,
+        where: str = ...,
+    ) -> str: ...
+    @overload
+    def build(
+        self,
+        kind: Literal["trainer"],
+        name: str,
+        ctx: "TrainerContext",
+        *,
+        platform: str | None = ...,
+        where: str = ...,
+    ) -> "Trainer": ...
+    @overload
+    def build(
+        self,
+        kind: Literal["tool_parser"],
+        name: str,
+        ctx: "ToolParserContext",
+        *,
+        platform: str | None = ...,
+        where: str = ...,
+    ) -> "ToolCallParser": ...
+    @overload
+    def build(
+        self, kind: Literal["tool"], name: str, ctx: "ToolContext", *, platform: str | None = ..., where: str = ...
+    ) -> "Tool": ...
+    @overload
+    def build(self, kind: str, name: str, ctx: Any, *, platform: str | None = ..., where: str = ...) -> Any: ...
+
+    def build(self, kind: str, name: str, ctx: Any, *, platform: str | None = None, where: str = "") -> Any:
+        """Build ``name`` of ``kind`` through its registered factory with the
+        kind's context ``ctx``, and check the result against the kind's
+        contract (``areal_kernel.api.<kind module>``, see ``areal_kernel.api.kinds``).
+
+        The one construction path of the kernel: a plugin whose object falls
+        short of its kind's contract is named here (``PluginContractError``:
+        the kind, the name, the plugin, the missing members), before the run
+        uses it. ``platform``: as for ``get``. ``where``: the config field
+        that selected the name, put before lookup and contract errors (a
+        lookup error then becomes a ``ConfigError`` of that field).
+        """
+        from areal_kernel.api.kinds import kind_contract, shortfall_error
+
+        contract = kind_contract(kind)
+        if not isinstance(ctx, contract.context):
+            raise TypeError(
+                f"Registry.build({kind!r}, {name!r}, ctx): ctx must be a {contract.context.__module__}."
+                f"{contract.context.__qualname__}, got {type(ctx).__name__}"
+            )
+        try:
+            spec = self.get(kind, name, platform=platform)
+        except PluginError as e:
+            if not where:
+                raise
+            # The user wrote the name in that field: the field's error.
+            raise ConfigError(f"{where}: {e}") from None
+        obj = contract.construct(spec.load(), ctx, spec)
+        missing = contract.shortfalls(obj)
+        if missing:
+            raise shortfall_error(spec, obj, missing, contract.contract_name, where)
+        return obj
 
     def _not_found(self, kind: str, name: str) -> Exception:
         if name in self.failed_plugins:
@@ -199,10 +393,3 @@ class Registry:
         if self.disabled_plugins:
             parts.append("Plugins disabled by AREAL_PLUGINS: " + ", ".join(sorted(self.disabled_plugins)) + ".")
         return PluginNotFoundError(" ".join(parts))
-
-
-def get_registry() -> Registry:
-    """The process-wide registry, with every enabled plugin loaded (lazily, once)."""
-    from areal_kernel.plugins.manager import get_plugin_manager
-
-    return get_plugin_manager().ensure_loaded().registry

@@ -14,16 +14,17 @@ from typing import Any, Callable
 
 from areal_kernel.api.engine import InferenceEngine
 from areal_kernel.api.io import Trajectory, TrajectoryGroup
+
+# Trajectory.metadata key of a sample's own metrics: {name: number}; the
+# trainer logs the mean over every finished sample as workflow/<name>.
+# Defined with the workflow contract; public here too.
+from areal_kernel.api.workflow import SAMPLE_METRICS_KEY, WorkflowProtocol
 from areal_kernel.errors import ArealError
 from areal_kernel.logging import get_logger
 from areal_kernel.rollout.staleness import StalenessBudget
 from areal_kernel.utils.aio import KernelEventLoop, close_loop
 
 log = get_logger(__name__)
-
-# Trajectory.metadata key of a sample's own metrics: {name: number}; the
-# trainer logs the mean over every finished sample as workflow/<name>.
-SAMPLE_METRICS_KEY = "metrics"
 
 
 def zero_variance(group: TrajectoryGroup) -> bool:
@@ -83,7 +84,7 @@ class RolloutExecutor:
     def __init__(
         self,
         engine: InferenceEngine,
-        workflow: Any,
+        workflow: WorkflowProtocol,
         next_record: Callable[[], Any],
         *,
         batch_size: int,

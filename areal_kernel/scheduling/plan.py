@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from areal_kernel.api.scheduler import Scheduler, SchedulerContext
 from areal_kernel.config.models import ExperimentConfig
 from areal_kernel.errors import ArealError
 
@@ -20,11 +21,13 @@ def scheduler_name(cfg: ExperimentConfig) -> str:
     return name
 
 
-def make_scheduler(cfg: ExperimentConfig, name: str | None = None) -> Any:
-    """The run's scheduler, built as the trainer builds it (nothing starts)."""
+def make_scheduler(cfg: ExperimentConfig, name: str | None = None) -> Scheduler:
+    """The run's scheduler, built as the trainer builds it (nothing starts):
+    ``Registry.build("scheduler", name, SchedulerContext(name, cfg))``."""
     from areal_kernel.plugins import get_registry
 
-    return get_registry().get("scheduler", name or scheduler_name(cfg)).load()(cfg)
+    name = name or scheduler_name(cfg)
+    return get_registry().build("scheduler", name, SchedulerContext(name=name, config=cfg))
 
 
 def make_plan(cfg: ExperimentConfig) -> dict[str, Any]:
@@ -91,8 +94,21 @@ def make_plan(cfg: ExperimentConfig) -> dict[str, Any]:
     }
 
 
+# The capability a trainer registers when it runs inference servers: the
+# rollout role is then planned, placed and started (``areal plan``, the
+# schedulers, ``areal train``). Also importable from areal_kernel.trainer.common.
+ROLLOUT_CAPABILITY = "rollout"
+
+
+def uses_rollout(cfg: ExperimentConfig) -> bool:
+    """Whether the selected trainer (``algorithm.type``) runs inference servers:
+    its registration declares the ``rollout`` capability."""
+    from areal_kernel.plugins import get_registry
+
+    spec = get_registry().get("trainer", cfg.algorithm.type, platform="")
+    return ROLLOUT_CAPABILITY in spec.capabilities
+
+
 def _offline(cfg: ExperimentConfig) -> bool:
     """The selected trainer runs no inference servers (no ``rollout`` capability)."""
-    from areal_kernel.trainer.common import uses_rollout
-
     return not uses_rollout(cfg)

@@ -6,11 +6,12 @@ supplies shared fixtures. Every suite is importable from here::
 
     from areal_kernel.testing import DatasetContract, RewardContract
 
-Engines and platforms: ``areal_kernel.testing.contracts``; the other kinds
-(datasets, metric sinks, advantage estimators, losses, workflows, weight
-transports, schedulers, tool-call parsers, tools): ``areal_kernel.testing.kinds``. The names resolve
-on first use, so importing a helper module of this package (``models``,
-``waits``, ``noise``) does not import pytest.
+The suites live in ``areal_kernel.testing.contracts``, one module per kind
+named after the kind's module in ``areal_kernel.api`` (``contracts.dataset``,
+``contracts.train_engine``, ...); ``areal_kernel.testing.kinds`` is the old
+path of nine of them. The names resolve on first use, so importing a helper
+module of this package (``models``, ``waits``, ``noise``) does not import
+pytest.
 
 Float comparisons across code paths (two engines, a server and an engine):
 ``areal_kernel.testing.noise`` measures the noise floor in the same test and
@@ -23,19 +24,19 @@ import importlib
 from typing import Any
 
 _SUITES = {
-    "PlatformContract": "contracts",
-    "RewardContract": "contracts",
-    "InferenceEngineContract": "contracts",
-    "TrainEngineContract": "contracts",
-    "DatasetContract": "kinds",
-    "MetricSinkContract": "kinds",
-    "AdvantageEstimatorContract": "kinds",
-    "LossContract": "kinds",
-    "WorkflowContract": "kinds",
-    "WeightTransportContract": "kinds",
-    "SchedulerContract": "kinds",
-    "ToolParserContract": "kinds",
-    "ToolContract": "kinds",
+    "PlatformContract": "contracts.platform",
+    "RewardContract": "contracts.reward",
+    "InferenceEngineContract": "contracts.inference_engine",
+    "TrainEngineContract": "contracts.train_engine",
+    "DatasetContract": "contracts.dataset",
+    "MetricSinkContract": "contracts.metric_sink",
+    "AdvantageEstimatorContract": "contracts.advantage_estimator",
+    "LossContract": "contracts.loss",
+    "WorkflowContract": "contracts.workflow",
+    "WeightTransportContract": "contracts.weight_transport",
+    "SchedulerContract": "contracts.scheduler",
+    "ToolParserContract": "contracts.tool_parser",
+    "ToolContract": "contracts.tool",
 }
 
 __all__ = sorted(_SUITES)

@@ -19,44 +19,31 @@ from areal_kernel.tools.types import Tool, ToolCall, ToolCallParser
 
 
 def build_tool_parser(name: str, where: str = "tool_parser") -> ToolCallParser:
-    """The registered tool-call parser ``name``, built with no arguments."""
-    from areal_kernel.plugins.registry import get_registry
+    """The registered tool-call parser ``name``, built with no arguments
+    (``Registry.build("tool_parser", name, ToolParserContext(name))``)."""
+    from areal_kernel.api.tool_parser import ToolParserContext
+    from areal_kernel.plugins import get_registry
 
-    try:
-        spec = get_registry().get("tool_parser", name, platform="")
-    except ConfigError:
-        raise
-    except Exception as e:
-        raise ConfigError(f"{where}: {e}") from None
-    parser = spec.load()()
-    if not isinstance(parser, ToolCallParser):
-        raise ConfigError(
-            f"{where}: tool_parser '{name}' (plugin '{spec.plugin}') built {type(parser).__name__}, which has no "
-            "stop_strings or parse(text); see areal_kernel.tools.ToolCallParser"
-        )
-    return parser
+    return get_registry().build("tool_parser", name, ToolParserContext(name), platform="", where=where)
 
 
 def build_tool(name: str, settings: Any = None, where: str = "tools") -> Tool:
     """The registered tool ``name``, built as ``Tool(**settings)`` with its
-    settings validated against the tool's ``config_model``."""
-    from areal_kernel.config.sections import settings_kwargs, validate_settings
-    from areal_kernel.plugins.registry import get_registry
+    settings validated against the tool's ``config_model``
+    (``Registry.build("tool", name, ToolContext(name, validated))``)."""
+    from areal_kernel.api.tool import ToolContext
+    from areal_kernel.config.sections import validate_settings
+    from areal_kernel.plugins import get_registry
 
+    reg = get_registry()
     try:
-        spec = get_registry().get("tool", name, platform="")
+        spec = reg.get("tool", name, platform="")
     except ConfigError:
         raise
     except Exception as e:
         raise ConfigError(f"{where}: {e}") from None
     validated = validate_settings(f"{where}.{name}", "tool", name, settings, spec=spec)
-    tool = spec.load()(**settings_kwargs(validated))
-    if not isinstance(tool, Tool):
-        raise ConfigError(
-            f"{where}: tool '{name}' (plugin '{spec.plugin}') built {type(tool).__name__}, which lacks "
-            "description, parameters or call(arguments); see areal_kernel.tools.Tool"
-        )
-    return tool
+    return reg.build("tool", name, ToolContext(name, validated), platform="", where=where)
 
 
 def tool_schema(name: str, tool: Tool) -> dict[str, Any]:

@@ -29,12 +29,16 @@ async def _episodes(rollout: Rollout, records: list[dict]) -> list[Any]:
 
 def prompt_ids(workflow: Any, record: dict[str, Any], group: Any) -> list[int]:
     """The prompt ``areal check`` shows for ``record``: the workflow's optional
-    ``encode_prompt(record)`` when it has one, else the tokens before the
+    ``encode_prompt(record)`` when it has one (one that raises
+    ``NotImplementedError``, the ``Workflow`` default, counts as none), else the tokens before the
     first generated token of the group's first trajectory (what the engine
     was asked to continue), so a workflow with only the required members works."""
     encode = getattr(workflow, "encode_prompt", None)
     if callable(encode):
-        return list(encode(record))
+        try:
+            return list(encode(record))
+        except NotImplementedError:
+            pass  # the Workflow base class's default: no encoder of its own
     t = group.trajectories[0]
     first = next((i for i, m in enumerate(t.loss_mask) if m), len(t.input_ids))
     return list(t.input_ids[:first])

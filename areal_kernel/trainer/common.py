@@ -23,13 +23,15 @@ from typing import Any, Callable, Iterator
 import yaml
 
 from areal_kernel.api.engine import TrainEngine
+from areal_kernel.api.metric_sink import MetricSinkContext, MetricSinkProtocol
 from areal_kernel.api.trainer import Trainer, TrainerContext
 from areal_kernel.config.models import ExperimentConfig
 from areal_kernel.logging import setup_logging
 from areal_kernel.plugins import get_plugin_manager, get_registry
 
-# Registered trainers with this capability use inference servers (areal check, areal plan).
-ROLLOUT_CAPABILITY = "rollout"
+# Registered trainers with this capability use inference servers (areal check,
+# areal plan); defined with the planning that places them, kept importable here.
+from areal_kernel.scheduling.plan import ROLLOUT_CAPABILITY, uses_rollout  # noqa: F401
 
 # The message when a trainer method runs before setup() built the parts it uses
 # (the attributes are None until then so that close() can tell what to stop).
@@ -82,17 +84,25 @@ class RecordStream:
             self.position += 1
 
 
-def make_sinks(cfg: ExperimentConfig, run_dir: str, total_steps: int) -> list[Any]:
+def make_sinks(cfg: ExperimentConfig, run_dir: str, total_steps: int) -> list[MetricSinkProtocol]:
     """The metric sinks named in ``logging.sinks`` (shared by every trainer),
-    each built as ``Sink(run_dir, total_steps=..., **settings)`` with its
-    validated ``logging.<name>`` settings (docs/plugin-authoring.md, Metric sinks)."""
-    from areal_kernel.config.sections import settings_kwargs
-
-    sinks = []
-    for name in cfg.logging.sinks:
-        cls = get_registry().get("metric_sink", name).load()
-        sinks.append(cls(run_dir, total_steps=total_steps, **settings_kwargs(cfg.logging.sink_settings(name))))
-    return sinks
+    each built by ``Registry.build("metric_sink", name, MetricSinkContext(...))``
+    with its validated ``logging.<name>`` settings (``areal_kernel.api.metric_sink``)."""
+    reg = get_registry()
+    return [
+        reg.build(
+            "metric_sink",
+            name,
+            MetricSinkContext(
+                name=name,
+                run_dir=run_dir,
+                total_steps=total_steps,
+                settings=cfg.logging.sink_settings(name),
+                config=cfg,
+            ),
+        )
+        for name in cfg.logging.sinks
+    ]
 
 
 def write_run_config(cfg: ExperimentConfig, run_dir: str) -> None:
@@ -114,13 +124,6 @@ def save_hf_checkpoint(engine: TrainEngine, run_dir: str, tag: str, keep_last: i
         shutil.rmtree(os.path.join(root, old), ignore_errors=True)
     get_plugin_manager().hook.areal_on_checkpoint(step=step, path=path)
     return path
-
-
-def uses_rollout(cfg: ExperimentConfig) -> bool:
-    """Whether the selected trainer (``algorithm.type``) runs inference servers:
-    its registration declares the ``rollout`` capability."""
-    spec = get_registry().get("trainer", cfg.algorithm.type, platform="")
-    return ROLLOUT_CAPABILITY in spec.capabilities
 
 
 class GracefulInterrupt:
@@ -221,5 +224,6 @@ def run_trainer(factory: Callable[[TrainerContext], Trainer], context: TrainerCo
 
 def run_training(cfg: ExperimentConfig) -> int:
     """``areal train``: the trainer registered as ``algorithm.type``, run to the end."""
-    spec = get_registry().get("trainer", cfg.algorithm.type)
-    return run_trainer(spec.load(), TrainerContext.for_config(cfg))
+    reg = get_registry()
+    reg.get("trainer", cfg.algorithm.type)  # an unknown name fails here, before logging is set up
+    return run_trainer(lambda ctx: reg.build("trainer", ctx.name, ctx), TrainerContext.for_config(cfg))

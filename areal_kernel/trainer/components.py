@@ -9,16 +9,22 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
-from pydantic import BaseModel
 
-from areal_kernel.api.engine import TrainEngine, TrainEngineContext
+from areal_kernel.api.engine import InferenceEngine, TrainEngine, TrainEngineContext
+from areal_kernel.api.inference_engine import InferenceBackendContext, InferenceBackendProtocol
 from areal_kernel.api.io import GenerationConfig
+from areal_kernel.api.reward import Reward, RewardContext, json_settings
+from areal_kernel.api.scheduler import Scheduler
+from areal_kernel.api.workflow import DEFAULT_REQUIRED_FIELDS, WorkflowContext, WorkflowProtocol
 from areal_kernel.config.models import ExperimentConfig
 from areal_kernel.errors import ArealError, ConfigError
 from areal_kernel.logging import get_logger
 from areal_kernel.plugins import get_plugin_manager, get_registry
+
+if TYPE_CHECKING:
+    from areal_kernel.reward.pool import RewardPool
 
 log = get_logger(__name__)
 
@@ -40,14 +46,6 @@ def build_train_engine(
     from areal_kernel.platforms import current_platform
 
     alloc = cfg.actor.allocation
-    spec = get_registry().get("train_engine", alloc.backend)
-    target = spec.load()
-    if not (isinstance(target, type) and issubclass(target, TrainEngine)):
-        raise ConfigError(
-            f"actor.backend: train engine '{alloc.backend}' (plugin '{spec.plugin}') registered {spec.target}, "
-            "which is not a subclass of areal_kernel.api.engine.TrainEngine; the kernel builds train engines "
-            "with Engine.from_context(context)"
-        )
     context = TrainEngineContext(
         settings=cfg.actor.plugin_config if settings is _SECTION else settings,
         config=cfg,
@@ -57,7 +55,7 @@ def build_train_engine(
         scheduler=scheduler,
         role=role,
     )
-    return target.from_context(context)
+    return get_registry().build("train_engine", alloc.backend, context)
 
 
 def resolve_model_dir(cfg: ExperimentConfig) -> str:
@@ -118,11 +116,22 @@ def load_data(
     dataset contract (``areal_kernel.data.contract``): every record has the
     ``required`` fields and a unique string id. ``needed_by`` names who reads
     them, for messages (default: the selected workflow)."""
-    from areal_kernel.data.contract import load_dataset
+    from areal_kernel.api.dataset import DatasetContext
+    from areal_kernel.data.contract import finish_dataset
+    from areal_kernel.plugins.blame import spec_origin
 
-    spec = get_registry().get("dataset", cfg.dataset.type)
-    who = needed_by or f"workflow '{cfg.workflow.type}'"
-    train, evals = load_dataset(spec, cfg.dataset, cfg.seed, required, who)
+    reg = get_registry()
+    spec = reg.get("dataset", cfg.dataset.type)
+    context = DatasetContext(
+        name=cfg.dataset.type,
+        config=cfg.dataset,
+        seed=cfg.seed,
+        required=tuple(required),
+        needed_by=needed_by or f"workflow '{cfg.workflow.type}'",
+        origin=spec_origin(spec),
+    )
+    splits = reg.build("dataset", cfg.dataset.type, context)
+    train, evals = finish_dataset(splits, spec, cfg.dataset, cfg.seed)
     if not train:
         raise ArealError(f"dataset '{cfg.dataset.type}' produced no training records")
     return train, evals[: cfg.trainer.eval_size]
@@ -131,35 +140,32 @@ def load_data(
 def reward_settings(cfg: ExperimentConfig) -> dict[str, Any]:
     """The selected reward's validated ``reward.<name>`` section as JSON data
     (every field of its ``config_model``, defaults included); ``{}`` when the
-    reward declares no settings. These are the keywords the reward receives."""
-    return reward_keywords(cfg.reward.plugin_config)
+    reward declares no settings. These are the keywords the reward receives
+    (``Reward.settings`` of the built reward)."""
+    # mode="json": what reaches the worker process is what JSON can carry.
+    return json_settings(cfg.reward.plugin_config)
 
 
-def reward_keywords(settings: Any) -> dict[str, Any]:
-    """Validated reward settings (what ``validate_settings`` returns for a
-    ``reward.<name>`` section) as the keywords the reward receives; the reward
-    contract suite passes its settings through here too."""
-    if settings is None:
-        return {}
-    if isinstance(settings, BaseModel):
-        # mode="json": what reaches the worker process is what JSON can carry.
-        return settings.model_dump(mode="json")
-    return dict(settings)
+def build_reward(cfg: ExperimentConfig) -> Reward:
+    """The selected reward (``reward.type``), built with its validated
+    ``reward.<name>`` settings bound (``areal_kernel.api.reward.Reward``)."""
+    return get_registry().build("reward", cfg.reward.type, RewardContext(cfg.reward.type, cfg.reward.plugin_config))
 
 
-def make_reward_pool(cfg: ExperimentConfig) -> Any:
+def make_reward_pool(cfg: ExperimentConfig, reward: Reward | None = None) -> "RewardPool":
     """The run's ``RewardPool``, with the selected reward's settings bound to
-    it: every ``pool.ascore(reward_target, completion, answer)`` (any
-    workflow's) calls ``reward(completion, answer, **reward_settings(cfg))``."""
+    it: every ``pool.ascore(reward.target, completion, answer)`` (any
+    workflow's) calls ``reward(completion, answer, **reward_settings(cfg))``.
+    ``reward``: the run's built reward (default: built here)."""
     from areal_kernel.reward.pool import RewardPool
 
-    spec = get_registry().get("reward", cfg.reward.type)
+    reward = reward if reward is not None else build_reward(cfg)
     return RewardPool(
         n_workers=cfg.reward.workers,
         timeout_s=cfg.reward.timeout_s,
         # What the reward's registration asked its workers to load up front (worker_preload=).
-        preload=spec.worker_preload,
-        settings={spec.target: reward_settings(cfg)},
+        preload=reward.worker_preload,
+        settings={reward.target: dict(reward.settings)},
     )
 
 
@@ -172,45 +178,89 @@ def generation_config(cfg: ExperimentConfig) -> GenerationConfig:
 
 @dataclass
 class Rollout:
-    """Inference servers + the client + the workflow + the reward pool."""
+    """Inference servers + the client + the workflow + the reward pool.
+
+    ``backend``, ``scheduler``, ``engine``, ``workflow``, ``reward`` and
+    ``reward_pool`` exist once ``start()`` has built them (reading one before
+    raises ``RuntimeError``); ``stop()`` releases whatever was built."""
 
     cfg: ExperimentConfig
     run_dir: str
     model_dir: str
     tokenizer: Any
-    backend: Any = None
-    scheduler: Any = None
-    engine: Any = None
-    workflow: Any = None
-    reward_pool: Any = None
     supervisor: Any = None  # restarts dead servers (rollout.restart_servers); None when off or unsupported
     # The newest recovery checkpoint's path (quoted when a server is lost for good).
     recovery_hint: Callable[[], str | None] | None = None
     addresses: list[str] = field(default_factory=list)
+    _backend: InferenceBackendProtocol | None = field(default=None, init=False, repr=False)
+    _scheduler: Scheduler | None = field(default=None, init=False, repr=False)
+    _engine: InferenceEngine | None = field(default=None, init=False, repr=False)
+    _workflow: WorkflowProtocol | None = field(default=None, init=False, repr=False)
+    _reward: Reward | None = field(default=None, init=False, repr=False)
+    _reward_pool: "RewardPool | None" = field(default=None, init=False, repr=False)
+
+    @staticmethod
+    def _started(part: Any, name: str) -> Any:
+        if part is None:
+            raise RuntimeError(f"Rollout.{name}: the rollout is not started (call start() first)")
+        return part
+
+    @property
+    def backend(self) -> InferenceBackendProtocol:
+        """The inference backend (``rollout.backend``) that started the servers."""
+        return self._started(self._backend, "backend")
+
+    @property
+    def scheduler(self) -> Scheduler:
+        """The run's scheduler (the servers' and the train engines' processes)."""
+        return self._started(self._scheduler, "scheduler")
+
+    @property
+    def engine(self) -> InferenceEngine:
+        """The client of the running servers."""
+        return self._started(self._engine, "engine")
+
+    @property
+    def workflow(self) -> WorkflowProtocol:
+        """The built workflow (``workflow.type``)."""
+        return self._started(self._workflow, "workflow")
+
+    @property
+    def reward(self) -> Reward:
+        """The built reward (``reward.type``), settings bound."""
+        return self._started(self._reward, "reward")
+
+    @property
+    def reward_pool(self) -> "RewardPool":
+        """The reward worker pool the workflow scores through."""
+        return self._started(self._reward_pool, "reward_pool")
 
     def start(self) -> "Rollout":
         cfg, reg = self.cfg, get_registry()
-        backend_spec = reg.get("inference_engine", cfg.rollout.allocation.backend)
-        self.backend = backend_spec.load()(cfg)
+        self._backend = backend = reg.build(
+            "inference_engine", cfg.rollout.allocation.backend, InferenceBackendContext.for_config(cfg)
+        )
         from areal_kernel.scheduling.plan import make_scheduler
 
-        self.scheduler = make_scheduler(cfg)
+        self._scheduler = scheduler = make_scheduler(cfg)
         os.makedirs(self.run_dir, exist_ok=True)
-        self.addresses = self.scheduler.start_inference(self.backend, self.model_dir, self.run_dir)
-        self.engine = self.backend.make_client(self.addresses)
+        self.addresses = scheduler.start_inference(backend, self.model_dir, self.run_dir)
+        self._engine = engine = backend.make_client(self.addresses)
         from areal_kernel.inference.supervisor import start_supervisor
 
-        self.supervisor = start_supervisor(self.backend, self.engine, cfg.rollout, recovery_hint=self.recovery_hint)
-        reward_spec = reg.get("reward", cfg.reward.type)
-        self.reward_pool = make_reward_pool(cfg)
-        wf_spec = reg.get("workflow", cfg.workflow.type)
-        self.workflow = wf_spec.load()(
+        self.supervisor = start_supervisor(backend, engine, cfg.rollout, recovery_hint=self.recovery_hint)
+        self._reward = reward = build_reward(cfg)
+        self._reward_pool = pool = make_reward_pool(cfg, reward)
+        context = WorkflowContext(
+            name=cfg.workflow.type,
             tokenizer=self.tokenizer,
             gconfig=generation_config(cfg),
-            reward_target=reward_spec.target,
-            reward_pool=self.reward_pool,
-            config=cfg.workflow.plugin_config,
+            reward=reward,
+            reward_pool=pool,
+            settings=cfg.workflow.plugin_config,
+            config=cfg,
         )
+        self._workflow = reg.build("workflow", cfg.workflow.type, context)
         return self
 
     def check(self) -> None:
@@ -221,8 +271,8 @@ class Rollout:
     def server_stats(self) -> dict[str, float]:
         """Failovers and restarts so far (for metrics)."""
         out: dict[str, float] = {}
-        if self.engine is not None and hasattr(self.engine, "stats"):
-            out["rollout/failovers"] = self.engine.stats.get("failovers", 0)
+        if self._engine is not None and hasattr(self._engine, "stats"):
+            out["rollout/failovers"] = self._engine.stats.get("failovers", 0)
         if self.supervisor is not None:
             out["rollout/server_restarts"] = self.supervisor.total_restarts
         return out
@@ -232,17 +282,19 @@ class Rollout:
         if self.supervisor is not None:
             self.supervisor.stop()
         # A workflow may own services (the agent proxy); they go before the servers they call.
-        close = getattr(self.workflow, "close", None)
+        close = getattr(self._workflow, "close", None)
         if close is not None:
             close()
-        if self.engine is not None:
-            self.engine.destroy()
-        if self.scheduler is not None:
-            self.scheduler.stop()
-        if self.reward_pool is not None:
-            self.reward_pool.close()
+        if self._engine is not None:
+            self._engine.destroy()
+        if self._scheduler is not None:
+            self._scheduler.stop()
+        if self._reward_pool is not None:
+            self._reward_pool.close()
 
 
 def workflow_required_fields(cfg: ExperimentConfig) -> tuple[str, ...]:
+    """The record fields the selected workflow reads (its class's
+    ``required_fields``), known before anything is built."""
     cls = get_registry().get("workflow", cfg.workflow.type).load()
-    return tuple(getattr(cls, "required_fields", ("prompt",)))
+    return tuple(getattr(cls, "required_fields", DEFAULT_REQUIRED_FIELDS))

@@ -5,11 +5,17 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from areal_kernel.api.engine import InferenceEngine
+
+# What a reward that declares no success_threshold counts as solved: full
+# marks on the 0/1 scale that the built-in rewards use (defined with the reward contract).
+from areal_kernel.api.reward import DEFAULT_SUCCESS_THRESHOLD
+from areal_kernel.api.workflow import WorkflowProtocol
 from areal_kernel.utils import aio
 
 
 async def _aevaluate(
-    workflow: Any, engine: Any, records: list[dict], max_new_tokens: int, concurrency: int
+    workflow: WorkflowProtocol, engine: InferenceEngine, records: list[dict], max_new_tokens: int, concurrency: int
 ) -> list[tuple[float, str]]:
     sem = asyncio.Semaphore(concurrency)
 
@@ -26,14 +32,9 @@ async def _aevaluate(
             await close(current_loop_only=True)
 
 
-# What a reward that declares no success_threshold counts as solved: full
-# marks on the 0/1 scale that the built-in rewards use.
-DEFAULT_SUCCESS_THRESHOLD = 1.0
-
-
 def evaluate(
-    workflow: Any,
-    engine: Any,
+    workflow: WorkflowProtocol,
+    engine: InferenceEngine,
     records: list[dict],
     max_new_tokens: int,
     concurrency: int = 32,

@@ -13,7 +13,11 @@ import threading
 import time
 from typing import Any, NoReturn
 
+from areal_kernel.api.advantage_estimator import AdvantageEstimator, AdvantageEstimatorContext
 from areal_kernel.api.engine import TrainEngine
+from areal_kernel.api.loss import LossContext, PolicyLoss
+from areal_kernel.api.metric_sink import MetricSinkProtocol
+from areal_kernel.api.weight_transport import WeightTransportContext, WeightTransportProtocol
 from areal_kernel.api.io import FinetuneSpec, TrajectoryBatch
 from areal_kernel.api.trainer import Trainer, TrainerContext
 from areal_kernel.config.models import ExperimentConfig
@@ -119,9 +123,9 @@ class RLTrainer(Trainer):
         self.train_engine: TrainEngine | None = None
         self.ref_engine: TrainEngine | None = None  # frozen initial policy, only when algorithm.kl_coef > 0
         self.critic: Any = None  # value model, only for estimators that need values (gae)
-        self.transport: Any = None
+        self.transport: WeightTransportProtocol | None = None
         self.executor: RolloutExecutor | None = None
-        self.sinks: list[Any] = []
+        self.sinks: list[MetricSinkProtocol] = []
         self.samples_log: SamplesLog | None = None
         self.version = 0
         self.step = 0  # last completed step
@@ -186,8 +190,14 @@ class RLTrainer(Trainer):
         from areal_kernel.algo.rl import RLConfig
 
         self.rl_cfg = RLConfig.from_config(cfg)
-        self.estimator = reg.get("advantage_estimator", cfg.algorithm.advantage, platform="").load()
-        self.loss = reg.get("loss", cfg.algorithm.loss, platform="").load()
+        a = cfg.algorithm
+        self.estimator: AdvantageEstimator = reg.build(
+            "advantage_estimator",
+            a.advantage,
+            AdvantageEstimatorContext(a.advantage, a.advantage_settings),
+            platform="",
+        )
+        self.loss: PolicyLoss = reg.build("loss", a.loss, LossContext(a.loss, a.loss_settings), platform="")
         # Each batch takes ppo_n_minibatches optimizer steps: the lr schedule counts them all.
         opt_steps = self.ft.total_train_steps * cfg.algorithm.ppo_n_minibatches
         sched = self.rollout.scheduler
@@ -205,10 +215,20 @@ class RLTrainer(Trainer):
             platform=self.rollout.scheduler.platform.name,
             mode=cfg.weight_update.mode,
         )
-        self.transport = reg.get("weight_transport", transport_name).load()(
-            self.train_engine, self.rollout.engine, self.run_dir, cfg.weight_update.bucket_mb << 20
+        assert self.rollout.engine is not None
+        self.transport = transport = reg.build(
+            "weight_transport",
+            transport_name,
+            WeightTransportContext(
+                name=transport_name,
+                train_engine=self.train_engine,
+                inference_engine=self.rollout.engine,
+                run_dir=self.run_dir,
+                bucket_bytes=cfg.weight_update.bucket_mb << 20,
+                config=cfg,
+            ),
         )
-        self.transport.setup()
+        transport.setup()
         log.info("weight transport ready", transport=transport_name)
         adapter = self.train_engine.adapter_spec()
         if adapter is not None:
@@ -222,7 +242,6 @@ class RLTrainer(Trainer):
         self.stream = RecordStream(
             self.train_records, cfg.trainer.total_train_epochs, cfg.seed, cfg.dataset.shuffle, tag=True
         )
-        a = cfg.algorithm
         self.executor = RolloutExecutor(
             self.rollout.engine,
             self.rollout.workflow,
@@ -242,6 +261,7 @@ class RLTrainer(Trainer):
     def _restore(self, ckpt: Checkpoint, state: dict[str, Any]) -> None:
         """Load a recovery checkpoint into the freshly built parts."""
         assert self.train_engine is not None and self.rollout is not None and self.executor is not None, SETUP_FIRST
+        assert self.transport is not None, SETUP_FIRST
         self.train_engine.load_state(os.path.join(ckpt.path, "engine"))
         if self.critic is not None:
             self.critic.load_state(os.path.join(ckpt.path, "critic"))
@@ -317,7 +337,8 @@ class RLTrainer(Trainer):
 
     def evaluate(self) -> dict[str, Any]:
         assert self.rollout is not None, SETUP_FIRST
-        threshold = get_registry().get("reward", self.cfg.reward.type, platform="").success_threshold
+        assert self.rollout.reward is not None, SETUP_FIRST
+        threshold = self.rollout.reward.success_threshold
         return evaluate(
             self.rollout.workflow,
             self.rollout.engine,
@@ -345,6 +366,7 @@ class RLTrainer(Trainer):
     def train(self) -> dict[str, Any]:
         assert self.train_engine is not None and self.rollout is not None, SETUP_FIRST
         assert self.executor is not None and self.samples_log is not None, SETUP_FIRST
+        assert self.transport is not None, SETUP_FIRST
         eval_on = bool(self.eval_records)
         if self.before_eval is None:
             self.before_eval = self.evaluate()
@@ -401,6 +423,7 @@ class RLTrainer(Trainer):
         assert self.train_engine is not None and self.rollout is not None, SETUP_FIRST
         hold_at = hold_step_from_env()  # a testing aid; None unless asked for
         assert self.executor is not None and self.samples_log is not None, SETUP_FIRST
+        assert self.transport is not None, SETUP_FIRST
         cfg = self.cfg
         samples_here = 0
         for step in range(self.step + 1, total + 1):
@@ -568,9 +591,13 @@ class RLTrainer(Trainer):
         if self.rollout is not None:
             self.rollout.stop()
         # After the servers: they may read the transport's files until stopped.
-        close_transport = getattr(self.transport, "close", None)
-        if close_transport is not None:
-            close_transport()
+        if self.transport is not None:
+            close_transport = getattr(self.transport, "close", None)
+            try:
+                if close_transport is not None:
+                    close_transport()
+            except Exception as e:  # the sinks below must still close
+                log.warning("weight transport close failed", transport=self.transport.name, error=repr(e))
         for sink in self.sinks:
             sink.close()
         if self.samples_log is not None:

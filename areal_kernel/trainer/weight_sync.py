@@ -20,13 +20,14 @@ import time
 from typing import Any
 
 from areal_kernel.api.engine import TrainEngine, WeightUpdateMeta
+from areal_kernel.api.weight_transport import WeightTransport
 
 
 def _dir_bytes(path: str) -> int:
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
 
 
-class DiskTransport:
+class DiskTransport(WeightTransport):
     """Save an HF directory (safetensors), then each server reloads it."""
 
     name = "disk"
@@ -80,7 +81,7 @@ class DiskTransport:
             pass  # not there, or holds something this transport did not write
 
 
-class BroadcastTransport:
+class BroadcastTransport(WeightTransport):
     """In-memory: rank 0 (the trainer) broadcasts bucketed tensors to every
     server over a torch.distributed group (the platform's backend: gloo on
     CPU, nccl on CUDA)."""

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from areal_kernel.api.io import GenerationConfig, ModelRequest, ModelResponse, StopReason, Trajectory, TrajectoryGroup
+from areal_kernel.api.workflow import Workflow
 from areal_kernel.errors import ArealError, DataError
 from areal_kernel.logging import get_logger
 from areal_kernel.tools.runtime import ToolBox, build_tool_parser, turn_stop_reason
@@ -57,8 +58,8 @@ class Turn:
 def reward_success_threshold(reward_target: str) -> float:
     """The ``success_threshold`` the reward registered under ``reward_target``
     declared (1.0 when none did, or the target is not a registered reward)."""
-    from areal_kernel.plugins.registry import get_registry
-    from areal_kernel.trainer.evaluate import DEFAULT_SUCCESS_THRESHOLD
+    from areal_kernel.plugins import get_registry
+    from areal_kernel.api.reward import DEFAULT_SUCCESS_THRESHOLD
 
     for spec in get_registry().specs("reward"):
         if spec.target == reward_target and spec.success_threshold is not None:
@@ -66,7 +67,7 @@ def reward_success_threshold(reward_target: str) -> float:
     return DEFAULT_SUCCESS_THRESHOLD
 
 
-class MultiTurnWorkflow(RewardScoring):
+class MultiTurnWorkflow(RewardScoring, Workflow):
     required_fields = ("prompt", "answer")
 
     def __init__(

@@ -47,7 +47,7 @@ class MultiTurnConfig(BaseModel):
     def _check(self) -> "MultiTurnConfig":
         from areal_kernel.config.sections import validate_settings
         from areal_kernel.errors import ConfigError
-        from areal_kernel.plugins.registry import get_registry
+        from areal_kernel.plugins import get_registry
 
         if not self.use_chat_template:
             raise ConfigError(
@@ -70,5 +70,7 @@ class MultiTurnConfig(BaseModel):
                 raise ConfigError(
                     f"{WHERE}.tool_settings.{name}: '{name}' is not in {WHERE}.tools ({self.tools or 'none'})"
                 )
-            validate_settings(f"{WHERE}.tool_settings.{name}", "tool", name, raw)
+            validate_settings(
+                f"{WHERE}.tool_settings.{name}", "tool", name, raw, spec=reg.get("tool", name, platform="")
+            )
         return self

@@ -12,6 +12,7 @@ import dataclasses
 from typing import Any
 
 from areal_kernel.api.io import GenerationConfig, ImageInputs, ModelRequest, Trajectory, TrajectoryGroup
+from areal_kernel.api.workflow import Workflow
 from areal_kernel.errors import DataError
 from areal_kernel.logging import get_logger
 from areal_kernel.workflow.rlvr_config import RLVRConfig
@@ -20,7 +21,7 @@ from areal_kernel.workflow.scoring import RewardScoring
 log = get_logger(__name__)
 
 
-class RLVRWorkflow(RewardScoring):
+class RLVRWorkflow(RewardScoring, Workflow):
     required_fields: tuple[str, ...] = ("prompt", "answer")
 
     def __init__(

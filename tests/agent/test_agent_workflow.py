@@ -134,13 +134,17 @@ def test_failing_agents_are_dropped_and_the_run_goes_on(tiny_server):
 def test_bad_agent_settings_are_config_errors():
     from areal_kernel.config.sections import validate_settings
     from areal_kernel.errors import ConfigError
+    from areal_kernel.plugins import get_registry
 
+    spec = get_registry().get("workflow", "agent")
     with pytest.raises(ConfigError, match="mode 'inline' needs the agent class"):
-        validate_settings("workflow.agent", "workflow", "agent", {"mode": "inline"})
+        validate_settings("workflow.agent", "workflow", "agent", {"mode": "inline"}, spec=spec)
     with pytest.raises(ConfigError, match="mode 'subprocess' needs the command"):
-        validate_settings("workflow.agent", "workflow", "agent", {"mode": "subprocess"})
+        validate_settings("workflow.agent", "workflow", "agent", {"mode": "subprocess"}, spec=spec)
     with pytest.raises(ConfigError, match="admin_token"):
-        validate_settings("workflow.agent", "workflow", "agent", {"mode": "online", "proxy": {"host": "0.0.0.0"}})
+        validate_settings(
+            "workflow.agent", "workflow", "agent", {"mode": "online", "proxy": {"host": "0.0.0.0"}}, spec=spec
+        )
     with pytest.raises(ConfigError, match="has no attribute 'Nope'"):
         build({"mode": "inline", "agent": "areal_kernel.agent.simple:Nope"})
 
@@ -148,8 +152,9 @@ def test_bad_agent_settings_are_config_errors():
 @pytest.mark.parametrize("name, mode", [("agent_openai.yaml", "inline"), ("agent_online.yaml", "online")])
 def test_agent_examples_validate(name, mode):
     from areal_kernel.config.loader import load_config
+    from areal_kernel.plugins import get_registry
 
-    cfg = load_config(os.path.join(REPO, "examples", name))
+    cfg = load_config(os.path.join(REPO, "examples", name), registry=get_registry())
     assert cfg.workflow.type == "agent" and cfg.workflow.plugin_config.mode == mode
 
 
@@ -161,6 +166,7 @@ def test_the_records_file_section_of_the_agent_docs_loads_its_records(tmp_path, 
     import yaml
 
     from areal_kernel.config.loader import load_config
+    from areal_kernel.plugins import get_registry
     from areal_kernel.trainer.components import load_data
 
     doc = open(os.path.join(REPO, "docs", "agents.md"), encoding="utf-8").read()
@@ -172,7 +178,7 @@ def test_the_records_file_section_of_the_agent_docs_loads_its_records(tmp_path, 
     path = tmp_path / "agent_file.yaml"
     path.write_text(yaml.safe_dump(config))
     monkeypatch.chdir(REPO)  # the doc's path is relative to the repository root, where the commands run
-    cfg = load_config(str(path))
+    cfg = load_config(str(path), registry=get_registry())
     train, evals = load_data(cfg, ())
     assert len(train) + len(evals) == 8 and len(evals) >= 1
     assert all("prompt" in r and "answer" in r for r in train + evals)

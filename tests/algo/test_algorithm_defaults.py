@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from areal_kernel.algo.rl import RLConfig
-from areal_kernel.config import load_config
+from areal_kernel.config import load_config, resolve
+from areal_kernel.plugins import get_registry
 from areal_kernel.config.models import AlgorithmConfig, ExperimentConfig, GenerationSettings, RLSettings
 
 REPO = Path(__file__).resolve().parents[2]
@@ -47,8 +48,8 @@ def test_each_rl_setting_is_declared_once():
 
 def test_empty_config_gives_the_documented_defaults_everywhere(areal_env):
     areal_env()
-    cfg = ExperimentConfig()
-    from_file = load_config("/dev/null", [])
+    cfg = resolve(ExperimentConfig(), get_registry())  # the parsed defaults, resolved as areal train does
+    from_file = load_config("/dev/null", [], registry=get_registry())
     direct = RLConfig()
     seen_by_trainer = RLConfig.from_config(cfg)
     for name, value in DOCUMENTED.items():
@@ -81,7 +82,7 @@ def test_the_trainer_sees_exactly_the_configs_values(areal_env):
     areal_env()
     overrides = [f"algorithm.{n}={_changed(n, v)}" for n, v in DOCUMENTED.items() if n != "loss"]
     overrides = [o.replace("=None", "=null") for o in overrides]
-    cfg = load_config("/dev/null", [*overrides, "rollout.gconfig.temperature=0.7", "rollout.gconfig.max_new_tokens=9"])
+    cfg = load_config("/dev/null", [*overrides, "rollout.gconfig.temperature=0.7", "rollout.gconfig.max_new_tokens=9"], registry=get_registry())
     rl = RLConfig.from_config(cfg)
     for name in DOCUMENTED:
         if name == "loss":
@@ -105,7 +106,7 @@ def test_config_constraints_hold_for_the_step_options_too(bad, areal_env):
 
     areal_env()
     with pytest.raises(ConfigError):
-        load_config("/dev/null", [bad])
+        load_config("/dev/null", [bad], registry=get_registry())
     name, _, value = bad.partition("=")
     with pytest.raises(Exception, match=name.split(".")[1]):
         RLConfig(**{name.split(".")[1]: float(value)})

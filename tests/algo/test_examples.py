@@ -29,23 +29,25 @@ def test_example_validates(run_areal, name):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert f"{path}: valid" in proc.stderr
     from areal_kernel.config.loader import load_config
+    from areal_kernel.plugins import get_registry
 
-    a = load_config(path).algorithm
+    a = load_config(path, registry=get_registry()).algorithm
     assert (a.advantage, a.loss) == RL_EXAMPLES[name]
 
 
 def test_example_knobs_are_the_documented_ones():
     from areal_kernel.config.loader import load_config
+    from areal_kernel.plugins import get_registry
 
-    ex = lambda n: load_config(os.path.join(REPO, "examples", n)).algorithm  # noqa: E731
+    ex = lambda n: load_config(os.path.join(REPO, "examples", n), registry=get_registry()).algorithm  # noqa: E731
     assert ex("dapo_arithmetic.yaml").eps_clip_high == 0.28 and ex("dapo_arithmetic.yaml").overlong_buffer_len == 4
     assert ex("gspo_arithmetic.yaml").ratio_level == "sequence"
     assert ex("dr_grpo_arithmetic.yaml").loss_agg == "seq-mean-token-sum"
     assert ex("reinforce_pp_arithmetic.yaml").kl_in == "reward"
     assert ex("ppo_arithmetic.yaml").prox_interpolate and ex("ppo_arithmetic.yaml").ppo_n_minibatches == 2
-    mt = load_config(os.path.join(REPO, "examples", "grpo_multi_turn.yaml")).workflow
+    mt = load_config(os.path.join(REPO, "examples", "grpo_multi_turn.yaml"), registry=get_registry()).workflow
     assert mt.type == "multi_turn" and (mt.plugin_config.max_turns, mt.plugin_config.turn_discount) == (2, 0.5)
-    lora = load_config(os.path.join(REPO, "examples", "grpo_lora.yaml")).actor.plugin_config.lora
+    lora = load_config(os.path.join(REPO, "examples", "grpo_lora.yaml"), registry=get_registry()).actor.plugin_config.lora
     assert (lora.rank, lora.alpha, lora.name, lora.export) == (16, 32, "policy", "adapter")
     assert len(lora.target_modules) == 7
 

@@ -29,6 +29,7 @@ def test_plugin_estimator_and_loss_selected_by_config(with_algo_plugin, tiny_lla
         str(REPO / "examples" / "grpo_arithmetic.yaml"),
         ["algorithm.advantage=sign", "algorithm.loss=vanilla_pg", "algorithm.sign={scale: 2.0}",
          "algorithm.vanilla_pg={pg_coef: 0.5}", "rollout.gconfig.temperature=1.0"],
+        registry=get_registry(),
     )  # fmt: skip
     rl_cfg = RLConfig.from_config(cfg)
     engine = TorchTrainEngine({"lr": 1e-3, "seed": 0})
@@ -45,13 +46,14 @@ def test_plugin_estimator_and_loss_selected_by_config(with_algo_plugin, tiny_lla
 
 def test_unknown_names_are_config_errors_naming_the_field(areal_env):
     from areal_kernel.config.loader import load_config
+    from areal_kernel.plugins import get_registry
     from areal_kernel.errors import ConfigError
 
     areal_env()
     with pytest.raises(ConfigError, match=r"algorithm\.advantage.*'sign'.*registered: dr_grpo, gae, grpo"):
-        load_config(str(REPO / "examples" / "grpo_arithmetic.yaml"), ["algorithm.advantage=sign"])
+        load_config(str(REPO / "examples" / "grpo_arithmetic.yaml"), ["algorithm.advantage=sign"], registry=get_registry())
     with pytest.raises(ConfigError, match=r"algorithm\.loss.*'vanilla'.*registered: ppo"):
-        load_config(str(REPO / "examples" / "grpo_arithmetic.yaml"), ["algorithm.loss=vanilla"])
+        load_config(str(REPO / "examples" / "grpo_arithmetic.yaml"), ["algorithm.loss=vanilla"], registry=get_registry())
 
 
 def test_plugin_settings_are_typed_and_arrive_with_the_models_defaults(with_algo_plugin, tiny_llama_dir):
@@ -59,9 +61,10 @@ def test_plugin_settings_are_typed_and_arrive_with_the_models_defaults(with_algo
     the validated values (defaults included) arrive as keywords."""
     from areal_kernel.algo.rl import RLConfig, compute_advantages, loss_options
     from areal_kernel.config.loader import load_config
+    from areal_kernel.plugins import get_registry
 
     base = ["algorithm.advantage=sign", "algorithm.loss=vanilla_pg"]
-    cfg = load_config(str(REPO / "examples" / "grpo_arithmetic.yaml"), [*base, "algorithm.sign={scale: '3'}"])
+    cfg = load_config(str(REPO / "examples" / "grpo_arithmetic.yaml"), [*base, "algorithm.sign={scale: '3'}"], registry=get_registry())
     assert type(cfg.algorithm.advantage_settings).__name__ == "SignSettings"
     assert cfg.algorithm.advantage_settings.scale == 3.0  # coerced by the plugin's model
     rl_cfg = RLConfig.from_config(cfg)
@@ -87,12 +90,13 @@ def test_plugin_settings_are_typed_and_arrive_with_the_models_defaults(with_algo
 )
 def test_bad_plugin_settings_are_one_error_naming_the_field(with_algo_plugin, override, fragments):
     from areal_kernel.config.loader import load_config
+    from areal_kernel.plugins import get_registry
     from areal_kernel.errors import ConfigError
 
     with pytest.raises(ConfigError) as info:
         load_config(
             str(REPO / "examples" / "grpo_arithmetic.yaml"),
-            ["algorithm.advantage=sign", "algorithm.loss=vanilla_pg", override],
+            ["algorithm.advantage=sign", "algorithm.loss=vanilla_pg", override], registry=get_registry(),
         )
     msg = str(info.value)
     assert len(msg.splitlines()) == 1, msg
@@ -102,8 +106,9 @@ def test_bad_plugin_settings_are_one_error_naming_the_field(with_algo_plugin, ov
 
 def test_settings_for_a_name_without_a_config_model_are_refused(areal_env):
     from areal_kernel.config.loader import load_config
+    from areal_kernel.plugins import get_registry
     from areal_kernel.errors import ConfigError
 
     areal_env()
     with pytest.raises(ConfigError, match=r"algorithm\.ppo: loss 'ppo' takes no settings"):
-        load_config(str(REPO / "examples" / "grpo_arithmetic.yaml"), ["algorithm.ppo={eps_clip: 0.1}"])
+        load_config(str(REPO / "examples" / "grpo_arithmetic.yaml"), ["algorithm.ppo={eps_clip: 0.1}"], registry=get_registry())

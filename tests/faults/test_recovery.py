@@ -118,9 +118,10 @@ def test_resume_with_a_changed_config_is_refused(tiny_model, tmp_path):
     """Resuming with a different batch size would not be the same run: refused, naming the field."""
     from areal_kernel.checkpoint import CheckpointManager
     from areal_kernel.config.loader import load_config
+    from areal_kernel.plugins import get_registry
 
     run_dir = tmp_path / "changed"
-    cfg = load_config(EXAMPLE, _args(tiny_model, str(run_dir), 0)[2:])
+    cfg = load_config(EXAMPLE, _args(tiny_model, str(run_dir), 0)[2:], registry=get_registry())
     state = {"format": 1, "step": 1, "config": cfg.dump()}
 
     def write(path):

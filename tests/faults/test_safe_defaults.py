@@ -32,12 +32,13 @@ def _post(address: str, path: str, body: dict, token: str | None = None) -> int:
 
 def test_defaults_bind_loopback_without_token():
     from areal_kernel.config import load_config
+    from areal_kernel.plugins import get_registry
     from areal_kernel.inference.embedded.launcher import EmbeddedLauncher, EmbeddedServerConfig
     from areal_kernel.inference.embedded.server import parse_args
 
     assert EmbeddedServerConfig().host == "127.0.0.1"
     assert parse_args(["--model", "m", "--port", "1"]).host == "127.0.0.1"
-    cfg = load_config(None, [])
+    cfg = load_config(None, [], registry=get_registry())
     assert (cfg.rollout.plugin_config or EmbeddedServerConfig()).host == "127.0.0.1"
     launcher = EmbeddedLauncher(EmbeddedServerConfig(), run_dir=None)
     assert launcher.admin_token is None  # loopback: nobody else can reach the routes
@@ -75,11 +76,12 @@ def test_control_routes_need_the_token_generation_stays_open(tmp_path):
     connect) launched through the embedded backend, as a run does."""
     from areal_kernel.api.engine import WeightUpdateMeta
     from areal_kernel.config import load_config
+    from areal_kernel.plugins import get_registry
     from areal_kernel.inference.embedded.backend import EmbeddedBackend
     from areal_kernel.testing.models import make_tiny_llama
 
     model = make_tiny_llama(tmp_path / "tiny")
-    cfg = load_config(None, ["rollout.embedded.host=127.0.0.2", "rollout.embedded.startup_timeout_s=300"])
+    cfg = load_config(None, ["rollout.embedded.host=127.0.0.2", "rollout.embedded.startup_timeout_s=300"], registry=get_registry())
     backend = EmbeddedBackend(cfg)
     try:
         (address,) = backend.launch(model, [[]], str(tmp_path / "run"))

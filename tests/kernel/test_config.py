@@ -2,6 +2,7 @@
 import pytest
 
 from areal_kernel.config import load_config, parse_allocation
+from areal_kernel.plugins import get_registry
 from areal_kernel.config.allocation import AllocationError
 from areal_kernel.config.overrides import apply_overrides, parse_override
 from areal_kernel.errors import ConfigError
@@ -14,11 +15,11 @@ def write(tmp_path, text, name="c.yaml"):
 
 
 def test_defaults_validate_and_round_trip(tmp_path):
-    cfg = load_config(None)
+    cfg = load_config(None, registry=get_registry())
     assert cfg.actor.backend == "torch" and cfg.rollout.backend == "embedded"
     import yaml
 
-    again = load_config(write(tmp_path, yaml.safe_dump(cfg.dump())))
+    again = load_config(write(tmp_path, yaml.safe_dump(cfg.dump())), registry=get_registry())
     assert again.dump() == cfg.dump()
 
 
@@ -36,7 +37,7 @@ def test_overrides_are_typed():
 def test_overrides_apply_to_a_validated_config(tmp_path):
     path = write(tmp_path, "trainer:\n  batch_size: 4\nlogging:\n  sinks: [console]\n")
     cfg = load_config(path, ["trainer.max_steps=7", "logging.sinks=[jsonl, console]", "rollout.max_staleness=0",
-                             "dataset.field_map={prompt: question}"])
+                             "dataset.field_map={prompt: question}"], registry=get_registry())
     assert cfg.trainer.batch_size == 4 and cfg.trainer.max_steps == 7
     assert cfg.logging.sinks == ["jsonl", "console"]
     assert cfg.rollout.max_staleness == 0
@@ -66,7 +67,7 @@ def test_list_index_override():
 )
 def test_bad_override_syntax(override, message):
     with pytest.raises(ConfigError, match=message):
-        load_config(None, [override])
+        load_config(None, [override], registry=get_registry())
 
 
 @pytest.mark.parametrize(
@@ -88,14 +89,14 @@ def test_bad_override_syntax(override, message):
 )
 def test_config_errors_name_the_field(override, message):
     with pytest.raises(ConfigError) as e:
-        load_config(None, [override])
+        load_config(None, [override], registry=get_registry())
     assert message in str(e.value)
 
 
 def test_malformed_yaml_reports_the_line(tmp_path):
     path = write(tmp_path, "trainer:\n  batch_size: 4\n  max_steps: [1, 2\nmodel: {}\n")
     with pytest.raises(ConfigError) as e:
-        load_config(path)
+        load_config(path, registry=get_registry())
     assert f"{path}:" in str(e.value) and "invalid YAML" in str(e.value)
     line = int(str(e.value).split(":")[1])
     assert 3 <= line <= 4
@@ -103,21 +104,21 @@ def test_malformed_yaml_reports_the_line(tmp_path):
 
 def test_top_level_must_be_a_mapping(tmp_path):
     with pytest.raises(ConfigError, match="the top level must be a mapping of sections, got list"):
-        load_config(write(tmp_path, "- a\n- b\n"))
+        load_config(write(tmp_path, "- a\n- b\n"), registry=get_registry())
 
 
 def test_missing_and_directory_config(tmp_path):
     with pytest.raises(ConfigError, match="config file not found"):
-        load_config(str(tmp_path / "nope.yaml"))
+        load_config(str(tmp_path / "nope.yaml"), registry=get_registry())
     with pytest.raises(ConfigError, match="is a directory"):
-        load_config(str(tmp_path))
+        load_config(str(tmp_path), registry=get_registry())
 
 
 def test_builtin_backend_section_is_validated():
-    cfg = load_config(None, ["actor.torch.lr=0.001"])
+    cfg = load_config(None, ["actor.torch.lr=0.001"], registry=get_registry())
     assert cfg.actor.plugin_config.lr == 0.001
     with pytest.raises(ConfigError, match=r"actor\.torch\.lrr: unknown key; did you mean 'lr'\?"):
-        load_config(None, ["actor.torch.lrr=0.001"])
+        load_config(None, ["actor.torch.lrr=0.001"], registry=get_registry())
 
 
 @pytest.mark.parametrize(
@@ -172,9 +173,10 @@ def test_schema_holds_every_registered_settings_model():
     go, tools included (`workflow.multi_turn.tool_settings.<tool>`), so that
     an editor validating against the schema refuses what `areal validate` refuses."""
     from areal_kernel.config.loader import json_schema
-    from areal_kernel.plugins.registry import KINDS, get_registry
+    from areal_kernel.plugins import get_registry
+    from areal_kernel.plugins.registry import KINDS
 
-    schema = json_schema()
+    schema = json_schema(get_registry())
     found = _settings_nodes(schema, {})
     want = {f"{k} '{s.name}'" for k in KINDS for s in get_registry().specs(k) if s.config_model is not None}
     assert "tool 'calculator'" in want
@@ -184,3 +186,109 @@ def test_schema_holds_every_registered_settings_model():
     assert tools["additionalProperties"] is False
     calc = tools["properties"]["calculator"]["properties"]
     assert calc["max_length"]["minimum"] == 1 and calc["max_length"]["default"] == 200
+
+
+# -- two phases: parse without plugins, resolve against a registry ------------
+
+
+def _small_registry():
+    """A registry filled by hand (no plugin loaded): one factory per selected
+    name of a default config, plus an engine and an estimator with settings."""
+    from pydantic import BaseModel, ConfigDict
+
+    from areal_kernel.plugins.registry import FactorySpec, Registry
+
+    class EngineSettings(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+        lr: float = 0.5
+
+    class ClashingSettings(BaseModel):
+        gamma: float = 0.9  # a keyword the kernel passes every estimator itself
+
+    reg = Registry()
+    names = {
+        "train_engine": ["torch", "mine"], "inference_engine": ["embedded"], "dataset": ["arithmetic"],
+        "workflow": ["rlvr"], "reward": ["math"], "advantage_estimator": ["grpo", "clashing"], "loss": ["ppo"],
+        "trainer": ["grpo"], "metric_sink": ["console", "jsonl", "tensorboard"], "scheduler": ["local"],
+    }  # fmt: skip
+    models = {("train_engine", "mine"): EngineSettings, ("advantage_estimator", "clashing"): ClashingSettings}
+    for kind, kind_names in names.items():
+        for name in kind_names:
+            reg.add(FactorySpec(kind, name, "probe:target", "probe", config_model=models.get((kind, name))))
+    return reg
+
+
+def test_parsing_checks_the_shape_without_loading_a_plugin():
+    # In a fresh process: no plugin module is imported, unknown names parse.
+    import json
+    import subprocess
+    import sys
+
+    code = (
+        "import json, sys\n"
+        "from areal_kernel.config import validate_config\n"
+        "cfg = validate_config({'actor': {'backend': 'nosuch:d2', 'nosuch': {'x': 1}}, 'reward': {'type': 'nope'},\n"
+        "                       'algorithm': {'advantage': 'zzz'}, 'logging': {'sinks': ['none']}})\n"
+        "loaded = sorted(m for m in sys.modules if m.startswith(('areal_kernel.plugins', 'areal_kernel.builtin')))\n"
+        "print(json.dumps([cfg.actor.allocation.d, loaded]))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == [2, []]
+
+
+def test_parsing_still_refuses_a_bad_shape():
+    from areal_kernel.config import validate_config
+
+    with pytest.raises(ConfigError, match=r"actor\.fsdp: unknown key.*go under actor\.torch"):
+        validate_config({"actor": {"backend": "torch", "fsdp": {}}})
+    with pytest.raises(ConfigError, match=r"algorithm\.gpro: unknown key; did you mean 'grpo'"):
+        validate_config({"algorithm": {"gpro": {}}})
+    with pytest.raises(ConfigError, match=r"logging\.wandb: unknown key"):
+        validate_config({"logging": {"sinks": ["console"], "wandb": {}}})
+
+
+def test_resolve_checks_names_and_settings_against_the_registry_it_is_given():
+    from areal_kernel.config import resolve, validate_config
+
+    reg = _small_registry()
+    cfg = resolve(validate_config({"actor": {"backend": "mine:d2", "mine": {"lr": 0.1}}}), reg)
+    assert cfg.actor.plugin_config.lr == 0.1 and cfg.rollout.plugin_config is None
+    # Defaults of a settings model arrive when no section was written.
+    assert resolve(validate_config({"actor": {"backend": "mine"}}), reg).actor.plugin_config.lr == 0.5
+    # The names the given registry holds, not the process's plugins, decide.
+    with pytest.raises(ConfigError, match=r"reward\.type: no reward named 'code_exec'\. Available: math\."):
+        resolve(validate_config({"reward": {"type": "code_exec"}}), reg)
+    with pytest.raises(ConfigError, match=r"actor\.mine\.lrr: unknown key; did you mean 'lr'"):
+        resolve(validate_config({"actor": {"backend": "mine", "mine": {"lrr": 1}}}), reg)
+    with pytest.raises(ConfigError, match=r"^src is invalid:\nalgorithm\.loss: no loss named 'vanilla'"):
+        resolve(validate_config({"algorithm": {"loss": "vanilla"}}), reg, "src")
+    with pytest.raises(ConfigError, match=r"algorithm\.clashing: .* field\(s\) gamma, which the kernel already passes"):
+        resolve(validate_config({"algorithm": {"advantage": "clashing"}}), reg)
+
+
+def test_plugin_settings_of_a_parsed_config_are_refused_until_resolved():
+    from areal_kernel.config import resolve, validate_config
+
+    cfg = validate_config({"actor": {"backend": "mine", "mine": {"lr": "0.25"}}})
+    for read in (
+        lambda: cfg.actor.plugin_config,
+        lambda: cfg.algorithm.loss_settings,
+        lambda: cfg.logging.sink_settings("console"),
+        lambda: cfg.scheduler.section("local"),
+    ):
+        with pytest.raises(ConfigError, match="not resolved against the plugin registry"):
+            read()
+    resolve(cfg, _small_registry())
+    assert cfg.actor.plugin_config.lr == 0.25 and cfg.algorithm.loss_settings is None
+    assert cfg.logging.sink_settings("console") is None and cfg.scheduler.section("local") is None
+    # A selection changed after resolving reads as unresolved, never as the old name's settings.
+    cfg.actor.backend = "torch"
+    with pytest.raises(ConfigError, match=r"actor\.torch: the config was parsed but not resolved"):
+        cfg.actor.plugin_config
+    cfg.algorithm.advantage = "clashing"
+    with pytest.raises(ConfigError, match=r"algorithm\.clashing: the config was parsed but not resolved"):
+        cfg.algorithm.advantage_settings
+    # Resolving again is harmless and picks the new selection up.
+    cfg.algorithm.advantage = "grpo"
+    assert resolve(cfg, get_registry()).actor.plugin_config.lr > 0  # the built-in torch engine's settings

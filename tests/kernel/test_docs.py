@@ -48,15 +48,16 @@ def _testing_section() -> str:
 
 
 def _suites() -> dict[str, type]:
-    """Every class named ``*Contract`` defined in a module of areal_kernel.testing."""
+    """Every class named ``*Contract`` defined in a module of areal_kernel.testing
+    (the suites' package ``areal_kernel.testing.contracts`` included)."""
     import importlib
     import pkgutil
 
     import areal_kernel.testing as testing
 
     found = {}
-    for mod in pkgutil.iter_modules(testing.__path__):
-        module = importlib.import_module(f"areal_kernel.testing.{mod.name}")
+    for mod in pkgutil.walk_packages(testing.__path__, prefix="areal_kernel.testing."):
+        module = importlib.import_module(mod.name)
         for name, obj in vars(module).items():
             if isinstance(obj, type) and name.endswith("Contract") and obj.__module__ == module.__name__:
                 found[name] = obj
@@ -206,13 +207,16 @@ def _table_cells(heading: str) -> list[list[str]]:
 
 
 def test_kinds_table_is_the_kernel_kind_table():
-    """Cell for cell what ``areal_kernel.plugins.kinds.KIND_DOCS`` says, one row per registry kind."""
-    from areal_kernel.plugins.kinds import KIND_DOCS
+    """Cell for cell what ``areal_kernel.api.kinds.KIND_DOCS`` says, one row per registry kind (the
+    same list ``KIND_MODULES``, and so ``Registry.build``, comes from)."""
+    from areal_kernel.api.kinds import KIND_DOCS, KIND_MODULES, kind_contract
     from areal_kernel.plugins.registry import KINDS
 
     import areal_kernel.testing as testing
 
     assert sorted(d.kind for d in KIND_DOCS) == sorted(KINDS), "KIND_DOCS must hold every registry kind once"
+    assert KIND_MODULES == {d.kind: d.module for d in KIND_DOCS}
+    assert all(kind_contract(d.kind).kind == d.kind for d in KIND_DOCS)  # each row's module holds its KIND
     for d in KIND_DOCS:
         assert d.suite.startswith("none") or d.suite in testing.__all__, f"{d.kind}: no suite {d.suite}"
     rows = _table_cells("### Every kind in one place")
@@ -230,3 +234,20 @@ def test_kinds_table_is_the_kernel_kind_table():
     }
     links = {a for d in KIND_DOCS for a in re.findall(r"\]\(#([\w-]+)\)", d.target)}
     assert links - anchors == set(), links - anchors
+
+
+def test_each_suite_lives_in_the_module_named_after_its_kind():
+    """Tests shaped like the code: the suite of the kind whose contract is
+    ``areal_kernel.api.<m>`` is defined in ``areal_kernel.testing.contracts.<m>``."""
+    from areal_kernel.api.kinds import KIND_DOCS
+
+    import areal_kernel.testing as testing
+
+    suites = [d for d in KIND_DOCS if not d.suite.startswith("none")]
+    assert len(suites) == len(testing.__all__), [d.kind for d in suites]
+    wrong = {
+        d.suite: getattr(testing, d.suite).__module__
+        for d in suites
+        if getattr(testing, d.suite).__module__ != "areal_kernel.testing.contracts." + d.module.rpartition(".")[2]
+    }
+    assert not wrong, f"suites outside the contracts module named after their kind's api module: {wrong}"

@@ -1,5 +1,5 @@
 """The kernel's own defaults pass the contract suites third parties subclass
-(areal_kernel.testing.kinds): every built-in dataset source, metric sink,
+(areal_kernel.testing.contracts): every built-in dataset source, metric sink,
 advantage estimator, loss, workflow, weight transport and scheduler, built
 through the registry exactly as a run builds it."""
 from __future__ import annotations

@@ -48,17 +48,19 @@ ALLOWED: dict[str, tuple[int, str]] = {
     "tests/offline/test_trainers_learn.py": (
         2, HAND + ": the NLL logged twice (same number), and a DPO margin of 0 when policy and reference are one model"
     ),
-    "areal_kernel/testing/kinds.py": (
-        13,
-        HAND + ": a fake trainer's known metrics, estimator advantages of hand-made rewards (0 for equal rewards, "
-        "invariance to renaming/reordering), a loss on hand-made tensors split into micro-batches vs whole, and a "
-        "sign bound",
+    "areal_kernel/testing/contracts/metric_sink.py": (4, HAND + ": a fake trainer's known metrics"),
+    "areal_kernel/testing/contracts/advantage_estimator.py": (
+        3, HAND + ": estimator advantages of hand-made rewards (0 for equal rewards, invariance to renaming/reordering)"
+    ),
+    "areal_kernel/testing/contracts/loss.py": (
+        6, HAND + ": a loss on hand-made tensors split into micro-batches vs whole; and " + BOUND
     ),
     "tests/engine/test_torch_engine.py": (2, "the clipped norm recomputed by hand from the gradients (" + HAND + "); "
                                           "save/load continuing exactly (" + SAME + ")"),  # fmt: skip
-    "areal_kernel/testing/contracts.py": (
-        6, SAME + ": a server reloaded with its first weights, save_state/load_state; and " + BOUND
+    "areal_kernel/testing/contracts/inference_engine.py": (
+        2, SAME + ": a server reloaded with its first weights; and " + BOUND
     ),
+    "areal_kernel/testing/contracts/train_engine.py": (4, SAME + ": save_state/load_state; and " + BOUND),
     "tests/faults/test_recovery.py": (1, SAME),
     "tests/faults/test_interrupt.py": (1, SAME + ": a run interrupted and resumed against an uninterrupted one"),
     "tests/kernel/test_gpu_check.py": (1, HAND + ": the GPU check's parameter count against Qwen2-1.5B's published size"),
@@ -91,7 +93,7 @@ ALLOWED: dict[str, tuple[int, str]] = {
 def _files() -> list[Path]:
     tests = [p for p in (ROOT / "tests").rglob("*.py")]
     plugins = [p for p in (ROOT / "plugins").glob("*/tests/**/*.py")]
-    suites = [p for p in (ROOT / "areal_kernel" / "testing").glob("*.py") if p.name != "noise.py"]
+    suites = [p for p in (ROOT / "areal_kernel" / "testing").rglob("*.py") if p.name != "noise.py"]
     return sorted(p for p in tests + plugins + suites if "plugin_packages" not in p.parts)
 
 
@@ -135,7 +137,7 @@ def test_the_scan_sees_the_suite_and_the_contract_suites():
     files = {p.relative_to(ROOT).as_posix() for p in _files()}
     assert "plugins/areal-megatron/tests/megatron_helpers.py" in files
     assert "plugins/areal-fsdp/tests/test_fsdp_parity.py" in files
-    assert "areal_kernel/testing/contracts.py" in files and "areal_kernel/testing/noise.py" not in files
+    assert "areal_kernel/testing/contracts/train_engine.py" in files and "areal_kernel/testing/noise.py" not in files
 
 
 def test_the_scan_catches_what_it_forbids(tmp_path):

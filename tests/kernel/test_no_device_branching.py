@@ -45,7 +45,7 @@ def _sources() -> list[Path]:
 
 
 def _registered_names() -> frozenset[str]:
-    from areal_kernel.plugins.registry import get_registry
+    from areal_kernel.plugins import get_registry
 
     reg = get_registry()
     return frozenset(spec.name for kind in NAMED_KINDS for spec in reg.specs(kind))

@@ -9,7 +9,7 @@ from areal_kernel.errors import ConfigError
 from areal_kernel.platforms import Platform
 from areal_kernel.platforms.base import CpuPlatform, CudaPlatform
 from areal_kernel.plugins.manager import PluginManager, PluginRecord
-from areal_kernel.plugins.registry import get_registry
+from areal_kernel.plugins import get_registry
 
 
 class _ThirdPartyAccel(Platform):
@@ -118,10 +118,10 @@ def test_capabilities_the_kernel_reads_are_declared_by_the_builtins():
 def test_a_critic_on_an_engine_without_the_capability_is_one_clear_error():
     from areal_kernel.trainer.run import needs_critic
 
-    assert needs_critic(load_config(None, ["algorithm.advantage=gae"])) is True
-    assert needs_critic(load_config(None)) is False
+    assert needs_critic(load_config(None, ["algorithm.advantage=gae"], registry=get_registry())) is True
+    assert needs_critic(load_config(None, registry=get_registry())) is False
     assert get_registry().find("train_engine", "fsdp") is not None, "areal-fsdp (installed with the suite) is not registered"
-    cfg = load_config(None, ["algorithm.advantage=gae", "actor.backend=fsdp:d2"])
+    cfg = load_config(None, ["algorithm.advantage=gae", "actor.backend=fsdp:d2"], registry=get_registry())
     with pytest.raises(ConfigError, match="does not declare the 'critic' capability") as e:
         needs_critic(cfg)
     assert "torch" in str(e.value)

@@ -54,8 +54,9 @@ def contract_env(contract_site) -> dict[str, str]:
 
 def _config(*overrides: str):
     from areal_kernel.config.loader import load_config
+    from areal_kernel.plugins import get_registry
 
-    return load_config("/dev/null", list(overrides))
+    return load_config("/dev/null", list(overrides), registry=get_registry())
 
 
 def _fake_model(tmp_path: Path) -> str:
@@ -262,7 +263,7 @@ def test_areal_error_from_a_plugin_stays_its_own_line(run_areal, contract_env, t
 
 
 def test_check_runs_a_workflow_with_only_the_documented_members(run_areal, contract_env, tiny_chat_model, tmp_path):
-    """`minimal` has no ``encode_prompt`` and puts no ``metadata["completion"]``
+    """`minimal` keeps the ``Workflow`` base's ``encode_prompt`` (it raises) and puts no ``metadata["completion"]``
     on its trajectories (both optional): `areal check` shows the prompt the
     engine continued and the decoded generated tokens instead."""
     proc = run_areal(

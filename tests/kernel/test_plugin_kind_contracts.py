@@ -82,7 +82,7 @@ class TestMinimalWorkflow(WorkflowContract):
 def test_the_workflow_suite_refuses_a_reward_above_its_calls(
     with_contract_plugin, areal_tiny_chat_model_dir, tmp_path_factory, tmp_path
 ):
-    from areal_kernel.testing.kinds import _embedded_engine
+    from areal_kernel.testing.contracts._shared import _embedded_engine
 
     suite = WorkflowContract()
     launcher, engine = _embedded_engine(areal_tiny_chat_model_dir, str(tmp_path_factory.mktemp("inflating-server")))

@@ -14,6 +14,8 @@ import textwrap
 import pytest
 
 from areal_kernel.config.models import ExperimentConfig
+from areal_kernel.plugins import get_registry
+from areal_kernel.config import resolve
 from areal_kernel.engine.ranks import RankGroup
 from areal_kernel.scheduling.local import LocalScheduler
 from areal_kernel.testing.procs import wait_gone
@@ -62,7 +64,7 @@ if __name__ == "__main__":
 @pytest.fixture
 def group(tmp_path):
     (tmp_path / "sticky_rank.py").write_text(textwrap.dedent(RANK_MODULE))
-    cfg = ExperimentConfig.model_validate({"actor": {"backend": "torch:d2"}})
+    cfg = resolve(ExperimentConfig.model_validate({"actor": {"backend": "torch:d2"}}), get_registry())
     # Not the group's own scheduler: its stop() would end the ranks' process
     # groups, children included, and hide whether a rank ends its own.
     sched = LocalScheduler(cfg)

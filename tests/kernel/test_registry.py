@@ -102,9 +102,10 @@ def test_observer_hooks_reach_plugins(with_test_plugins, tmp_path, monkeypatch):
     out = tmp_path / "observed.txt"
     monkeypatch.setenv("AREAL_TEST_OBSERVER_FILE", str(out))
     from areal_kernel.config import load_config
+    from areal_kernel.plugins import get_registry
     from areal_kernel.plugins import get_plugin_manager
 
-    get_plugin_manager().hook.areal_on_run_start(config=load_config(None), run_dir=str(tmp_path))
+    get_plugin_manager().hook.areal_on_run_start(config=load_config(None, registry=get_registry()), run_dir=str(tmp_path))
     assert out.read_text() == "run_start areal-run\n"
 
 
@@ -141,3 +142,39 @@ def test_success_threshold_is_a_reward_setting_and_must_be_a_number():
 
     pm._register_module(PluginRecord("nan", "m"), _module(areal_register_rewards=areal_register_rewards_bad))
     assert pm.records["nan"].status == "failed" and "expected a finite number" in pm.records["nan"].error
+
+
+def test_the_default_platform_check_asks_whoever_made_the_registry():
+    """The registry sits below the platform layer: its default platform check
+    uses the callable its owner gave it (the plugin manager's platform)."""
+    from areal_kernel.errors import PlatformNotSupportedError
+
+    gpu_only = FactorySpec("train_engine", "gpu_only", "a:b", "p", platforms=("cuda",))
+    seen = []
+    reg = Registry(platform_name=lambda: seen.append(1) or "cpu")
+    reg.add(gpu_only)
+    reg.add(FactorySpec("train_engine", "anywhere", "a:b", "p"))
+    with pytest.raises(PlatformNotSupportedError, match="supports platforms cuda; the current platform is 'cpu'"):
+        reg.get("train_engine", "gpu_only")
+    assert reg.get("train_engine", "gpu_only", platform="cuda") is gpu_only
+    n = len(seen)
+    reg.get("train_engine", "anywhere")  # supports every platform: the current one is not asked
+    assert len(seen) == n == 1
+    # Filled by hand without an owner: only a platform passed explicitly is checked.
+    hand = Registry()
+    hand.add(gpu_only)
+    assert hand.get("train_engine", "gpu_only") is gpu_only
+    with pytest.raises(PlatformNotSupportedError):
+        hand.get("train_engine", "gpu_only", platform="cpu")
+
+
+def test_the_plugin_manager_holds_the_platform_its_registry_checks_against(areal_env):
+    from areal_kernel.platforms import current_platform, reset_current_platform
+    from areal_kernel.plugins import get_plugin_manager
+
+    areal_env(AREAL_PLATFORM="cpu")
+    pm = get_plugin_manager()
+    assert current_platform() is pm.platform() and pm.platform().name == "cpu"
+    assert pm.registry.platform_name is not None and pm.registry.platform_name() == "cpu"
+    reset_current_platform()
+    assert pm._platform is None and current_platform() is pm.platform()

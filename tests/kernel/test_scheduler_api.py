@@ -10,24 +10,25 @@ import pytest
 
 from areal_kernel.api.scheduler import Placement
 from areal_kernel.config import validate_config
+from areal_kernel.plugins import get_registry
 from areal_kernel.errors import ConfigError
 
 
 def test_a_section_for_a_scheduler_that_is_not_selected_names_the_field():
     with pytest.raises(ConfigError, match=r"scheduler\.locl: unknown key.*did you mean 'local'"):
-        validate_config({"scheduler": {"type": "local", "locl": {}}})
+        validate_config({"scheduler": {"type": "local", "locl": {}}}, registry=get_registry())
 
 
 def test_local_takes_no_settings():
     with pytest.raises(ConfigError, match=r"scheduler\.local: scheduler 'local' takes no settings"):
-        validate_config({"scheduler": {"type": "local", "local": {"x": 1}}})
+        validate_config({"scheduler": {"type": "local", "local": {"x": 1}}}, registry=get_registry())
 
 
 def test_an_unknown_scheduler_type_lists_the_registered_ones():
     with pytest.raises(
         ConfigError, match=r"scheduler\.type: no scheduler named 'nope' is registered; registered: .*local"
     ):
-        validate_config({"scheduler": {"type": "nope"}})
+        validate_config({"scheduler": {"type": "nope"}}, registry=get_registry())
 
 
 def test_a_server_placed_beyond_loopback_gets_an_admin_token(tmp_path):

@@ -16,10 +16,12 @@ from pathlib import Path
 
 import pytest
 
+from areal_kernel.config import resolve
 from areal_kernel.config.models import ExperimentConfig
 from areal_kernel.engine.ranks import RankError, RankGroup
 from areal_kernel.errors import ServerError
 from areal_kernel.inference.launcher import SubprocessLauncher
+from areal_kernel.plugins import get_registry
 from areal_kernel.scheduling.local import LocalScheduler
 
 RANK_MODULE = '''
@@ -91,7 +93,7 @@ def _group(tmp_path: Path) -> tuple[RankGroup, LocalScheduler]:
     code = tmp_path / "code"
     code.mkdir(exist_ok=True)
     (code / "echo_rank.py").write_text(textwrap.dedent(RANK_MODULE))
-    sched = LocalScheduler(ExperimentConfig.model_validate({"actor": {"backend": "torch:d2"}}))
+    sched = LocalScheduler(resolve(ExperimentConfig.model_validate({"actor": {"backend": "torch:d2"}}), get_registry()))
     group = RankGroup("echo", "echo_rank", 2, sched, None, startup_timeout_s=120, pythonpath=[str(code)])
     return group, sched
 

@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel, ConfigDict, Field
 
+from areal_kernel.api.metric_sink import MetricSink
+
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = str(REPO / "examples" / "grpo_arithmetic.yaml")
 
@@ -18,11 +20,14 @@ class RecorderSettings(BaseModel):
     every: int = Field(1, ge=1)
 
 
-class Recorder:
+class Recorder(MetricSink):
     """A sink with settings, built the way the kernel builds every sink."""
 
     def __init__(self, run_dir: str, *, total_steps: int | None = None, prefix: str, every: int) -> None:
         self.args = {"run_dir": run_dir, "total_steps": total_steps, "prefix": prefix, "every": every}
+
+    def log(self, step: int, metrics: dict) -> None:
+        pass
 
 
 @pytest.fixture
@@ -42,15 +47,16 @@ def recorder_registered(areal_env):
 
 def test_sink_settings_are_validated_and_reach_the_constructor(recorder_registered, tmp_path):
     from areal_kernel.config.loader import load_config
+    from areal_kernel.plugins import get_registry
     from areal_kernel.trainer.common import make_sinks
 
-    cfg = load_config(EXAMPLE, ["logging.sinks=[jsonl, recorder]", "logging.recorder={prefix: x, every: '3'}"])
+    cfg = load_config(EXAMPLE, ["logging.sinks=[jsonl, recorder]", "logging.recorder={prefix: x, every: '3'}"], registry=get_registry())
     assert cfg.logging.sink_settings("recorder") == RecorderSettings(prefix="x", every=3)
     jsonl, rec = make_sinks(cfg, str(tmp_path), 7)
     assert rec.args == {"run_dir": str(tmp_path), "total_steps": 7, "prefix": "x", "every": 3}
     jsonl.close()
     # No section: the model's defaults arrive (the only defaults there are).
-    cfg = load_config(EXAMPLE, ["logging.sinks=[recorder]"])
+    cfg = load_config(EXAMPLE, ["logging.sinks=[recorder]"], registry=get_registry())
     (rec,) = make_sinks(cfg, str(tmp_path), 2)
     assert rec.args["prefix"] == "rec" and rec.args["every"] == 1
 
@@ -68,10 +74,11 @@ def test_sink_settings_are_validated_and_reach_the_constructor(recorder_register
 )
 def test_bad_sink_settings_are_one_error_naming_the_field(recorder_registered, overrides, fragments):
     from areal_kernel.config.loader import load_config
+    from areal_kernel.plugins import get_registry
     from areal_kernel.errors import ConfigError
 
     with pytest.raises(ConfigError) as info:
-        load_config(EXAMPLE, ["logging.sinks=[recorder]", "logging.recorder={prefix: a}", *overrides])
+        load_config(EXAMPLE, ["logging.sinks=[recorder]", "logging.recorder={prefix: a}", *overrides], registry=get_registry())
     msg = str(info.value)
     assert len(msg.splitlines()) == 1, msg
     for fragment in fragments:
@@ -114,7 +121,9 @@ def test_wandb_settings_validate_without_importing_wandb(areal_env):
     code = (
         "import sys\n"
         "from areal_kernel.config.loader import load_config\n"
-        f"c = load_config({EXAMPLE!r}, ['logging.sinks=[wandb]', 'logging.wandb={{project: p, mode: offline}}'])\n"
+        "from areal_kernel.plugins import get_registry\n"
+        f"c = load_config({EXAMPLE!r}, ['logging.sinks=[wandb]', 'logging.wandb={{project: p, mode: offline}}'], "
+        "registry=get_registry())\n"
         "assert c.logging.sink_settings('wandb').mode == 'offline'\n"
         "assert 'wandb' not in sys.modules and 'torch' not in sys.modules, sorted(sys.modules)\n"
     )

@@ -77,9 +77,10 @@ def test_the_log_says_what_the_weights_are_stored_in_and_run_as(capsys):
     from safetensors import safe_open
 
     from areal_kernel.config.loader import load_config
+    from areal_kernel.plugins import get_registry
     from areal_kernel.trainer.components import log_model_precision, resolve_model_dir, stored_dtype
 
-    cfg = load_config(None, ["model.path=smollm2-135m-instruct"])
+    cfg = load_config(None, ["model.path=smollm2-135m-instruct"], registry=get_registry())
     assert cfg.model.dtype == "float32"
     path = resolve_model_dir(cfg)
     with safe_open(os.path.join(path, "model.safetensors"), "pt") as f:

@@ -9,6 +9,7 @@ import pytest
 from offline_paths import EXAMPLES, REPO
 
 from areal_kernel.config import load_config
+from areal_kernel.plugins import get_registry
 from areal_kernel.errors import DataError
 
 OFFLINE_EXAMPLES = {
@@ -20,7 +21,7 @@ OFFLINE_EXAMPLES = {
 
 @pytest.mark.parametrize("name", sorted(OFFLINE_EXAMPLES))
 def test_example_validates(name):
-    cfg = load_config(os.path.join(EXAMPLES, name), [])
+    cfg = load_config(os.path.join(EXAMPLES, name), [], registry=get_registry())
     algo, dataset = OFFLINE_EXAMPLES[name]
     assert cfg.algorithm.type == algo and cfg.dataset.type == dataset
     assert cfg.model.path == "smollm2-135m-instruct"
@@ -95,11 +96,11 @@ def test_offline_config_mistakes_name_the_field(capsys):
 
     dpo = os.path.join(EXAMPLES, "dpo_arithmetic.yaml")
     with pytest.raises(ConfigError, match=r"algorithm\.dpo\.bta: unknown key; did you mean 'beta'"):
-        load_config(dpo, ["algorithm.dpo.bta=0.2"])
+        load_config(dpo, ["algorithm.dpo.bta=0.2"], registry=get_registry())
     with pytest.raises(ConfigError, match=r"algorithm\.dpo\.label_smoothing"):
-        load_config(dpo, ["algorithm.dpo.label_smoothing=0.7"])
+        load_config(dpo, ["algorithm.dpo.label_smoothing=0.7"], registry=get_registry())
     with pytest.raises(ConfigError, match=r"algorithm\.sft\.loss_aggregation"):
-        load_config(dpo, ["algorithm.sft.loss_aggregation=sum"])
+        load_config(dpo, ["algorithm.sft.loss_aggregation=sum"], registry=get_registry())
     # `areal check` dry-runs a rollout, which offline algorithms do not have.
     assert main(["check", os.path.join(EXAMPLES, "sft_chat.yaml")]) == 2
     assert "trains offline" in capsys.readouterr().err

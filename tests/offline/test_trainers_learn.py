@@ -10,6 +10,7 @@ import pytest
 from offline_paths import EXAMPLES
 
 from areal_kernel.config import load_config
+from areal_kernel.plugins import get_registry
 from areal_kernel.trainer.common import run_training
 
 pytestmark = pytest.mark.slow
@@ -47,7 +48,7 @@ def write_preferences(path, seed=0):
 def run(example, model, run_dir, *overrides):
     cfg = load_config(
         os.path.join(EXAMPLES, example),
-        [f"model.path={model}", f"run_dir={run_dir}", "logging.sinks=[jsonl]", *overrides],
+        [f"model.path={model}", f"run_dir={run_dir}", "logging.sinks=[jsonl]", *overrides], registry=get_registry(),
     )
     assert run_training(cfg) == 0
     with open(os.path.join(run_dir, "result.json")) as f:

@@ -25,7 +25,7 @@ class TestCodeExecContract(RewardContract):
 
 
 def test_registered_by_the_builtin_plugin():
-    from areal_kernel.plugins.registry import get_registry
+    from areal_kernel.plugins import get_registry
 
     spec = get_registry().get("reward", "code_exec", platform="")
     assert spec.load() is code_exec_reward

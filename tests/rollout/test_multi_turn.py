@@ -197,6 +197,7 @@ def test_greedy_evaluation_answers_tool_calls_and_scores_once(tok, engine, pool)
 
 def test_bad_settings_name_the_field():
     from areal_kernel.config.loader import validate_config
+    from areal_kernel.plugins import get_registry
     from areal_kernel.errors import ConfigError
 
     for bad, where in [
@@ -208,7 +209,7 @@ def test_bad_settings_name_the_field():
         ({"use_chat_template": False}, "workflow.multi_turn.use_chat_template"),
     ]:
         with pytest.raises(ConfigError) as e:
-            validate_config({"workflow": {"type": "multi_turn", "multi_turn": bad}}, "test")
+            validate_config({"workflow": {"type": "multi_turn", "multi_turn": bad}}, "test", registry=get_registry())
         assert where in str(e.value), (bad, str(e.value))
 
 

@@ -18,7 +18,7 @@ from areal_kernel.errors import ConfigError, DataError
 def _load_file(path: str):
     from areal_kernel.config.models import DatasetConfig
     from areal_kernel.data.contract import load_dataset
-    from areal_kernel.plugins.registry import get_registry
+    from areal_kernel.plugins import get_registry
 
     spec = get_registry().get("dataset", "file")
     cfg = DatasetConfig(type="file", path=path, eval_fraction=0.0)

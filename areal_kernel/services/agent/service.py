@@ -120,10 +120,11 @@ def load_spec_records(spec: AgentRunSpec) -> list[dict[str, Any]]:
     if spec.records:
         return read_jsonl(Path(spec.records), "--records")
     from areal_kernel.config import load_config
+    from areal_kernel.plugins import get_registry
     from areal_kernel.trainer.components import load_data
 
     assert spec.dataset is not None
-    train, _ = load_data(load_config(spec.dataset), (), needed_by="areal agent run")
+    train, _ = load_data(load_config(spec.dataset, registry=get_registry()), (), needed_by="areal agent run")
     return train
 
 

@@ -93,6 +93,7 @@ class ModelService:
     def prepare(self, taken: set[int]) -> None:
         from areal_kernel.config.allocation import AllocationError, parse_allocation
         from areal_kernel.config.models import ExperimentConfig
+        from areal_kernel.config.resolve import resolve
         from areal_kernel.config.sections import format_validation_error, validate_settings
         from areal_kernel.platforms import current_platform
         from areal_kernel.plugins import get_registry
@@ -129,7 +130,7 @@ class ModelService:
         if settings is not None:
             raw["rollout"][alloc.backend] = settings
         try:
-            cfg = ExperimentConfig.model_validate(raw)
+            cfg = resolve(ExperimentConfig.model_validate(raw), get_registry())
         except ValidationError as err:
             raise ConfigError(format_validation_error(err, model=ExperimentConfig)) from None
         try:
@@ -143,7 +144,9 @@ class ModelService:
         except ArealError as err:
             raise ConfigError(str(err).replace("model.path", "--model-path", 1)) from None
         self.stop_ids = _stop_ids(self.tokenizer, self.model_dir)
-        self.backend = spec.load()(cfg)
+        from areal_kernel.api.inference_engine import InferenceBackendContext
+
+        self.backend = get_registry().build("inference_engine", alloc.backend, InferenceBackendContext.for_config(cfg))
         self.cfg = cfg
         self.devices = replica_device_plan(current_platform(), alloc, taken)
 

@@ -13,8 +13,10 @@ from areal_kernel.errors import ConfigError
 
 def _cfg(actor: dict):
     from areal_kernel.config.models import ExperimentConfig
+    from areal_kernel.plugins import get_registry
+    from areal_kernel.config import resolve
 
-    return ExperimentConfig.model_validate({"actor": actor})
+    return resolve(ExperimentConfig.model_validate({"actor": actor}), get_registry())
 
 
 def test_fsdp_section_is_validated_by_the_plugin_model():

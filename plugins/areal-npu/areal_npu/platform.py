@@ -21,6 +21,8 @@ from typing import Any
 
 from areal_kernel.platforms import Platform
 
+from areal_npu.detect import torch_npu_installed
+
 # Where the Ascend installers put the toolkit and the driver by default.
 DEFAULT_TOOLKIT_HOME = "/usr/local/Ascend/ascend-toolkit/latest"
 DRIVER_VERSION_FILE = "/usr/local/Ascend/driver/version.info"
@@ -116,8 +118,6 @@ class NPUPlatform(Platform):
     # -- availability ----------------------------------------------------------
     @classmethod
     def _why_unavailable(cls) -> str | None:
-        from areal_npu.plugin import torch_npu_installed
-
         if not torch_npu_installed():
             return f"torch_npu is not installed in this environment; {INSTALL_HINT}"
         try:

@@ -7,10 +7,11 @@ every process that resolves its platform, on machines with and without NPUs.
 
 from __future__ import annotations
 
-import importlib.util
 from typing import Any
 
 from areal_kernel.hookspecs import hookimpl
+
+from areal_npu.detect import torch_npu_installed
 
 PLATFORM_TARGET = "areal_npu.platform:NPUPlatform"
 
@@ -18,14 +19,6 @@ PLATFORM_TARGET = "areal_npu.platform:NPUPlatform"
 @hookimpl
 def areal_register_platforms(register: Any) -> None:
     register("npu", PLATFORM_TARGET, description="Ascend NPUs (torch_npu, hccl collectives)")
-
-
-def torch_npu_installed() -> bool:
-    """Whether a ``torch_npu`` module can be found, without importing it."""
-    try:
-        return importlib.util.find_spec("torch_npu") is not None
-    except (ImportError, ValueError):  # a broken or half-imported entry counts as absent
-        return False
 
 
 def probe() -> str | None:

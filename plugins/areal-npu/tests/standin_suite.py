@@ -81,12 +81,15 @@ def test_standin_npu_platform_answers_through_torch_npu(torch_npu_standin):
 
 def test_standin_sglang_gets_its_npu_variant_and_user_settings_win(torch_npu_standin):
     from areal_kernel.config.loader import validate_config
+    from areal_kernel.plugins import get_registry
     from areal_sglang.backend import SGLangBackend
 
-    cfg = validate_config({"rollout": {"backend": "sglang:d1t2"}})
+    cfg = validate_config({"rollout": {"backend": "sglang:d1t2"}}, registry=get_registry())
     sc = SGLangBackend(cfg).server_config
     assert (sc.device, sc.attention_backend) == ("npu", "ascend")
-    cfg = validate_config({"rollout": {"backend": "sglang:d1t2", "sglang": {"attention_backend": "triton"}}})
+    cfg = validate_config(
+        {"rollout": {"backend": "sglang:d1t2", "sglang": {"attention_backend": "triton"}}}, registry=get_registry()
+    )
     sc = SGLangBackend(cfg).server_config
     assert (sc.device, sc.attention_backend) == ("npu", "triton")
 
@@ -111,8 +114,9 @@ def test_standin_versions_leave_out_what_is_not_found(tmp_path, torch_npu_standi
 
 def _cfg(actor: str, rollout: str):
     from areal_kernel.config.loader import validate_config
+    from areal_kernel.plugins import get_registry
 
-    return validate_config({"actor": {"backend": actor}, "rollout": {"backend": rollout}})
+    return validate_config({"actor": {"backend": actor}, "rollout": {"backend": rollout}}, registry=get_registry())
 
 
 @pytest.mark.parametrize(

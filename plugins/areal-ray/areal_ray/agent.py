@@ -13,7 +13,7 @@ import subprocess
 from typing import Any
 
 from areal_kernel.api.scheduler import LocalProcess, Placement, spawn_local
-from areal_kernel.inference.launcher import tail_file
+from areal_kernel.utils.procs import tail_file
 from areal_kernel.utils.network import find_free_port
 
 

@@ -27,7 +27,7 @@ from typing import Any
 
 from areal_kernel.api.scheduler import ACTOR, NODE_LOST, ROLLOUT, Placement, ProcessHandle, SchedulePlan, Scheduler
 from areal_kernel.errors import ArealError
-from areal_kernel.inference.launcher import tail_file
+from areal_kernel.utils.procs import tail_file
 from areal_kernel.logging import get_logger
 from areal_kernel.utils.network import is_loopback
 

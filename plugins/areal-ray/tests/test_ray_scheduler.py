@@ -300,7 +300,8 @@ def test_a_lost_agent_polls_as_node_lost_and_its_process_follows(ray_cluster, tm
 
     cfg = validate_config(
         {"actor": {"backend": "torch:d2"}, "rollout": {"backend": "embedded:d2"},
-         "scheduler": {"type": "ray", "ray": _ray_section(ray_cluster)}}
+         "scheduler": {"type": "ray", "ray": _ray_section(ray_cluster)}},
+        registry=get_registry(),
     )  # fmt: skip
     sched = get_registry().get("scheduler", "ray").load()(cfg)
     try:

@@ -33,6 +33,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
+from areal_kernel.api.weight_transport import WeightTransport
 from areal_kernel.errors import ArealError, ConfigError, ServerError
 
 if TYPE_CHECKING:
@@ -203,7 +204,7 @@ def _await_all(futures: list[concurrent.futures.Future], what: str) -> list[Any]
     return results
 
 
-class SGLangBroadcastTransport:
+class SGLangBroadcastTransport(WeightTransport):
     """``weight_update.mode: broadcast`` for ``rollout.backend: sglang``."""
 
     name = TRANSPORT_NAME

@@ -26,6 +26,7 @@ def contract_alt_model_dir(alt_model_dir):
 @pytest.fixture(scope="module")
 def backend(model_dir, oracle_url, tmp_path_factory):
     from areal_kernel.config import validate_config
+    from areal_kernel.plugins import get_registry
     from areal_sglang.backend import SGLangBackend
 
     cfg = validate_config(
@@ -34,7 +35,8 @@ def backend(model_dir, oracle_url, tmp_path_factory):
                 "backend": "sglang:d2",
                 "sglang": {"startup_timeout_s": 120, "extra_env": {"AREAL_SGLANG_ORACLE_URL": oracle_url}},
             }
-        }
+        },
+        registry=get_registry(),
     )
     b = SGLangBackend(cfg, launch_prefix=STANDIN_PREFIX)
     addresses = b.launch(model_dir, [[], []], str(tmp_path_factory.mktemp("contract")))

@@ -33,8 +33,9 @@ def test_registered_as_inference_engine_with_disk_and_broadcast_updates():
 
 def _cfg(**sglang):
     from areal_kernel.config import validate_config
+    from areal_kernel.plugins import get_registry
 
-    return validate_config({"rollout": {"backend": "sglang:d2t2", "sglang": sglang}})
+    return validate_config({"rollout": {"backend": "sglang:d2t2", "sglang": sglang}}, registry=get_registry())
 
 
 def test_section_is_validated_against_the_plugin_model():
@@ -103,7 +104,10 @@ def test_broadcast_config_validates_and_selects_the_sglang_transport():
     from areal_sglang.backend import SGLangBackend
     from areal_sglang.weights import SGLangBroadcastTransport
 
-    cfg = validate_config({"rollout": {"backend": "sglang"}, "weight_update": {"mode": "broadcast", "bucket_mb": 8}})
+    cfg = validate_config(
+        {"rollout": {"backend": "sglang"}, "weight_update": {"mode": "broadcast", "bucket_mb": 8}},
+        registry=get_registry(),
+    )
     SGLangBackend(cfg)  # no longer refused
     name = _select(
         train=cfg.actor.allocation.backend,
@@ -112,7 +116,9 @@ def test_broadcast_config_validates_and_selects_the_sglang_transport():
         mode=cfg.weight_update.mode,
     )
     assert get_registry().get("weight_transport", name).load() is SGLangBroadcastTransport
-    ok = SGLangBackend(validate_config({"rollout": {"backend": "sglang"}, "model": {"dtype": "bfloat16"}}))
+    ok = SGLangBackend(
+        validate_config({"rollout": {"backend": "sglang"}, "model": {"dtype": "bfloat16"}}, registry=get_registry())
+    )
     assert ok.server_config.dtype is None  # follows model.dtype at launch
 
 

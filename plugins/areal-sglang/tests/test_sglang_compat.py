@@ -112,11 +112,14 @@ def test_npu_variant_launch_command_is_parsed_by_sglang(sglang_oracle, monkeypat
     server sees its NPUs through ASCEND_RT_VISIBLE_DEVICES. Not run on NPUs."""
     import areal_kernel.platforms as platforms
     from areal_kernel.config.loader import validate_config
+    from areal_kernel.plugins import get_registry
     from areal_npu.platform import NPUPlatform
     from areal_sglang.backend import SGLangBackend
 
     monkeypatch.setattr(platforms, "current_platform", lambda: NPUPlatform())
-    launcher = SGLangBackend(validate_config({"rollout": {"backend": "sglang:d2t2"}})).make_launcher(str(tmp_path))
+    launcher = SGLangBackend(
+        validate_config({"rollout": {"backend": "sglang:d2t2"}}, registry=get_registry())
+    ).make_launcher(str(tmp_path))
     launcher.check_launch("/models/qwen", 2, 2)
     cmd = launcher.command("/models/qwen", 31234, 1, [2, 3])
     assert launcher.environment(1, 2, [2, 3])["ASCEND_RT_VISIBLE_DEVICES"] == "2,3"

@@ -1,4 +1,4 @@
-"""The kernel's scheduler contract suite (``areal_kernel.testing.kinds.
+"""The kernel's scheduler contract suite (``areal_kernel.testing.contracts.
 SchedulerContract``) against the ``slurm`` scheduler, inside a real
 allocation of the test cluster: two nodes, four one-CPU tasks."""
 
@@ -9,7 +9,7 @@ from typing import Any, Iterator
 
 import pytest
 
-from areal_kernel.testing.kinds import SchedulerContract
+from areal_kernel.testing.contracts import SchedulerContract
 
 
 @pytest.fixture(scope="module")

