@@ -118,6 +118,10 @@ def render_panel(panel: Panel, runs: Sequence[RunData], labels: Sequence[str]) -
         parts.append(f'<img alt="{_e(panel.title)}" src="data:image/png;base64,{image}">')
         if absent:
             parts.append(f'<p class="note">Not logged: {_e(", ".join(absent))}.</p>')
+    for run, label in zip(runs, labels):
+        said = panel.explain(run) if panel.explain is not None else None
+        if said:
+            parts.append(f'<p class="note">{_e(label) + ": " if len(runs) > 1 else ""}{_e(said)}</p>')
     parts.extend(f'<p class="note">{_e(n)}</p>' for n in panel.notes)
     parts.append("</section>")
     return "\n".join(parts)

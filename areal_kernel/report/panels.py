@@ -54,6 +54,8 @@ class Panel:
     needs: str
     prefixes: tuple[str, ...] = ()
     notes: tuple[str, ...] = field(default_factory=tuple)
+    # A note that depends on the run (its config), e.g. which series carry the signal.
+    explain: Callable[[RunData], str | None] | None = None
 
     def all_series(self, run: RunData) -> list[Series]:
         known = {s.key for s in self.series}
@@ -73,6 +75,25 @@ def generated_tokens_per_s(row: Row) -> float | None:
     if n is None or length is None or not step_s:
         return None
     return n * length / step_s
+
+
+def mismatch_explained(run: RunData) -> str | None:
+    """Which of the loss's statistics measure the gap between the servers'
+    logprobs and the trainer's in this run (it depends on how the proximal
+    logprobs are made)."""
+    recompute = run.config_value("algorithm.recompute_proximal")
+    if recompute is False:
+        return (
+            "algorithm.recompute_proximal is false: the proximal logprobs are the servers', so the behaviour weight "
+            "is 1 by construction. The ratio and its KL estimate compare the trainer's logprobs with the servers' "
+            "(exactly so at the first optimizer step of a batch; stale tokens add the policy's change)."
+        )
+    if recompute is True:
+        return (
+            "algorithm.recompute_proximal is true: the behaviour weight compares the trainer's logprobs (current "
+            "weights, before the step) with the servers' on the same tokens; stale tokens add the policy's change."
+        )
+    return None
 
 
 PANELS: tuple[Panel, ...] = (
@@ -108,14 +129,16 @@ PANELS: tuple[Panel, ...] = (
         "Train/inference mismatch",
         "importance weight / fraction",
         (
-            Series("train/behav_imp_weight", "behaviour importance weight exp(prox - server logprob), mean"),
-            Series("train/behav_imp_weight_max", "behaviour importance weight, max"),
+            Series("train/behav_imp_weight", "behaviour weight exp(proximal - server logprob), mean"),
+            Series("train/behav_imp_weight_max", "behaviour weight, max"),
             Series("train/behav_masked_frac", "tokens dropped by behav_imp_weight_cap"),
             Series("train/behav_clamped_frac", "tokens clamped to behav_imp_weight_cap"),
-            Series("train/approx_kl", "approx. KL(old policy || current) in the update"),
+            Series("train/importance_weight", "ratio exp(trainer - proximal logprob), mean"),
+            Series("train/approx_kl", "k3 KL estimate of that ratio"),
         ),
-        needs="train/behav_imp_weight (decoupled PPO loss) or mismatch/* metrics",
+        needs="train/behav_imp_weight or train/importance_weight (the PPO loss's statistics) or mismatch/* metrics",
         prefixes=("mismatch/",),
+        explain=mismatch_explained,
         notes=(
             "The logprob gap between servers and trainer on the same tokens is drawn from mismatch/* metrics when a "
             "run logs them; without them this panel shows the importance-weight statistics of the loss.",

@@ -158,6 +158,8 @@ def test_report_of_a_finished_run(run_dir, capsys, tmp_path):
         ends = [s for s in samples if rewards.get(s["step"]) == end(rewards.values())]
         assert any(all(uid in text for uid in s["uids"]) for s in ends), (end, ends, rewards)
     assert "algorithm.type" in text and "grpo" in text
+    # The example trains with recompute_proximal: false; the mismatch panel says which series carry the gap.
+    assert "algorithm.recompute_proximal is false" in text
     assert not err
 
 
@@ -263,3 +265,10 @@ def test_inspect_bad_step_names_the_range(run_dir):
     assert proc.stderr.strip().splitlines() == [
         f"areal: error: step {STEPS + 1} is not in samples.jsonl of {run_dir}: valid steps are 1..{STEPS}"
     ]
+
+
+def test_monitoring_doc_names_every_plotted_metric():
+    doc = open(os.path.join(REPO, "docs", "monitoring.md"), encoding="utf-8").read()
+    missing = [s.key for p in PANELS for s in p.series if f"`{s.key}`" not in doc and s.derive is None]
+    missing += [f"{prefix}*" for p in PANELS for prefix in p.prefixes if f"`{prefix}*`" not in doc]
+    assert not missing, f"docs/monitoring.md does not explain: {missing}"
