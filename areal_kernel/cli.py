@@ -327,7 +327,10 @@ def cmd_report(args: argparse.Namespace) -> int:
         out = os.path.join(runs[0].path, f"compare-{runs[1].name}.html")
     from areal_kernel.report.html import write_report
 
-    path = write_report(runs, out)
+    try:
+        path = write_report(runs, out)
+    except OSError as e:
+        raise ArealError(f"areal report: cannot write {out}: {e.strerror or e}; choose another file with -o") from None
     for run in runs:
         for note in run.notes:
             print(f"note: {run.name}: {note}", file=sys.stderr)

@@ -96,7 +96,8 @@ def render_panel(panel: Panel, runs: Sequence[RunData], labels: Sequence[str]) -
                     ys,
                     label=name,
                     color=colours[keys.index(key) % len(colours)],
-                    marker=series.marker or style["marker"],
+                    # Long runs: a marker per step would hide the line.
+                    marker=series.marker or (style["marker"] if series.points or len(xs) <= 60 else None),
                     markersize=7 if series.points else 3,
                     linestyle="none" if series.points else style["linestyle"],
                 )
