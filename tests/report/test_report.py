@@ -23,6 +23,7 @@ import pytest
 
 from areal_kernel.cli import main
 from areal_kernel.report.panels import PANELS
+from areal_kernel.testing.recovery import trained_steps
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXAMPLE = os.path.join(REPO, "examples", "grpo_arithmetic.yaml")
@@ -181,6 +182,7 @@ def test_partial_last_line_and_missing_files(run_dir, capsys, tmp_path):
     assert f"line(s) {last_step + 1} unreadable and left out (the last one cut short" in text
     assert "no samples.jsonl" in text and "no result.json: the run is still going" in text
     assert f"{STEPS - 1} (1..{STEPS - 1})" in text
+    assert trained_steps(cut) == list(range(1, STEPS))  # the kill-and-resume tests' reader: the same lines
     assert "not recorded" in text  # the steps table has no sample ids
     for pid in ("reward", "staleness", "throughput"):
         assert page.panels[pid]["img"] and coloured_pixels(page.panels[pid]["img"][0]) > 50, pid
