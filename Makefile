@@ -39,8 +39,10 @@ $(STAMP): $(INSTALL_INPUTS)
 	$(PIP) install -q --no-deps --target $(VENV)/sglang-oracle -r $(SGLANG_ORACLE_REQS)
 	@touch $(STAMP)
 
+# The run, then its report (docs/monitoring.md): the page's path is the last line.
 demo: install
 	$(VENV)/bin/areal train examples/grpo_arithmetic.yaml
+	$(VENV)/bin/areal report runs/grpo-arithmetic
 
 # Two workers, one per core (conftest.py: a file is one unit of work, the
 # BIG_MEMORY_FILES one unit together, handed out first). ruff first (seconds);

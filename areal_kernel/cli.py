@@ -56,6 +56,24 @@ def build_parser() -> argparse.ArgumentParser:
     add_agent_commands(agent_sub)
     p.set_defaults(func=lambda a, agent_parser=p: (agent_parser.print_help(), EXIT_USER_ERROR)[1])
 
+    p = sub.add_parser(
+        "report",
+        help="one self-contained HTML page of a run's plots, config and best/worst steps",
+        description="Writes RUN_DIR/report.html (or -o OUT): reward and held-out accuracy, staleness, "
+        "train/inference mismatch, throughput, weight updates, server restarts, monitor events, the config and "
+        "the best and worst steps. --compare RUN_A RUN_B overlays two runs on the same axes. A run that is still "
+        "going, was cut short or comes from an older version gets a page of what it has, saying what is missing.",
+    )
+    p.add_argument("run_dir", nargs="?", help="the run directory (run_dir of `areal train`)")
+    p.add_argument("--compare", nargs=2, metavar=("RUN_A", "RUN_B"), help="overlay two runs")
+    p.add_argument("-o", "--output", help="the HTML file to write (default: report.html in the (first) run directory)")
+    p.set_defaults(func=cmd_report)
+
+    p = sub.add_parser("inspect", help="a trained step's samples and their provenance")
+    p.add_argument("run_dir", help="the run directory (run_dir of `areal train`)")
+    p.add_argument("--step", type=int, required=True, help="the training step (1-based)")
+    p.set_defaults(func=cmd_inspect)
+
     p = sub.add_parser("check", help="dry run: a few samples through data, workflow, engine and reward")
     _add_config_args(p)
     p.add_argument("-n", "--num-samples", type=int, default=4)
@@ -292,6 +310,40 @@ def cmd_agent_serve(args: argparse.Namespace) -> int:
     from areal_kernel.trainer.common import run_training
 
     return run_training(load_config(args.config, [*args.overrides, "workflow.agent.mode=online"], get_registry()))
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from areal_kernel.report.rundir import read_run
+
+    if bool(args.run_dir) == bool(args.compare):
+        raise ArealError("areal report: give one RUN_DIR, or --compare RUN_A RUN_B (not both)")
+    dirs = list(args.compare) if args.compare else [args.run_dir]
+    runs = [read_run(d) for d in dirs]  # a missing directory is one error line, before any drawing
+    if args.output:
+        out = args.output
+    elif len(runs) == 1:
+        out = os.path.join(runs[0].path, "report.html")
+    else:
+        out = os.path.join(runs[0].path, f"compare-{runs[1].name}.html")
+    from areal_kernel.report.html import write_report
+
+    try:
+        path = write_report(runs, out)
+    except OSError as e:
+        raise ArealError(f"areal report: cannot write {out}: {e.strerror or e}; choose another file with -o") from None
+    for run in runs:
+        for note in run.notes:
+            print(f"note: {run.name}: {note}", file=sys.stderr)
+    print(f"report: {path}", flush=True)
+    return 0
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from areal_kernel.report.inspect_step import format_step
+    from areal_kernel.report.rundir import read_run
+
+    print(format_step(read_run(args.run_dir), args.step))
+    return 0
 
 
 def cmd_check(args: argparse.Namespace) -> int:

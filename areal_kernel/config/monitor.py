@@ -26,9 +26,9 @@ class MismatchMonitorConfig(StrictModel):
     bound: float = Field(
         0.01,
         gt=0,
-        description="A step counts as mismatched when mismatch/k3 (the per-token k3 estimate of the KL divergence "
-        "between the servers' sampling distribution and the trainer's, on tokens sampled with the trainer's "
-        "current weights) is above this.",
+        description="A step counts as mismatched when mismatch/fresh_k3 (the per-token k3 estimate of the KL "
+        "divergence between the servers' sampling distribution and the trainer's, on tokens sampled with the "
+        "trainer's current weights) is above this; steps without such tokens are not checked.",
     )
     patience: int = Field(3, ge=1, description="Consecutive mismatched steps before the alarm.")
     token_threshold: float = Field(

@@ -106,11 +106,14 @@ class MismatchAlarm(ArealError):
 
 @dataclass
 class MismatchMonitor:
-    """Counts consecutive steps whose ``mismatch/k3`` exceeds ``bound``; at
+    """Counts consecutive checked steps whose ``mismatch/fresh_k3`` exceeds
+    ``bound`` (only fresh tokens: on older ones the gap also holds the
+    policy's own change since they were sampled, 0.04-0.25 in k3 for
+    SmolLM2 at the learning tests' learning rate); at
     ``patience`` of them it warns once per streak (``warn``), or (``error``)
     ``raise_if_alarmed`` raises ``MismatchAlarm``, so that the trainer logs
-    the step's metrics first. Steps without compared tokens neither extend
-    nor break a streak."""
+    the step's metrics first. Steps without fresh tokens neither extend nor
+    break a streak."""
 
     bound: float
     patience: int
@@ -123,8 +126,8 @@ class MismatchMonitor:
     def observe(self, step: int, metrics: dict[str, float]) -> dict[str, float]:
         """Fold in step ``step``'s metrics (keys as ``finish`` returns them);
         returns the monitor's own metrics for the step."""
-        k3 = metrics.get("k3")
-        if self.action == "off" or k3 is None or not metrics.get("tokens"):
+        k3 = metrics.get("fresh_k3")
+        if self.action == "off" or k3 is None or not metrics.get("fresh_tokens"):
             return {}
         if math.isfinite(k3) and k3 <= self.bound:
             self.streak = 0
@@ -134,9 +137,10 @@ class MismatchMonitor:
         if fired:
             self.alarms += 1
             msg = (
-                f"train/inference mismatch at step {step}: mismatch/k3={k3:.3g} above monitor.mismatch.bound="
-                f"{self.bound:g} for {self.patience} consecutive steps (mean |logprob difference| "
-                f"{metrics.get('abs_mean', float('nan')):.3g}, max {metrics.get('abs_max', float('nan')):.3g}); "
+                f"train/inference mismatch at step {step}: mismatch/fresh_k3={k3:.3g} above monitor.mismatch.bound="
+                f"{self.bound:g} for {self.patience} consecutive checked steps (on tokens sampled with the trainer's "
+                f"weights: mean |logprob difference| {metrics.get('fresh_abs_mean', float('nan')):.3g}, max "
+                f"{metrics.get('fresh_abs_max', float('nan')):.3g}); "
                 f"{WHAT_TO_CHECK}"
             )
             if self.action == "error":

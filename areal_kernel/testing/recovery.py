@@ -66,19 +66,12 @@ def kill_after_checkpoint(args: list[str], run_dir: str, step: int, timeout: flo
 
 def trained_steps(run_dir: str) -> list[int]:
     """The steps ``metrics.jsonl`` has a training line for (a line torn by a kill is skipped)."""
-    steps = []
-    try:
-        with open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8") as f:
-            for line in f:
-                try:
-                    rec = json.loads(line)
-                except ValueError:
-                    continue
-                if isinstance(rec, dict) and "perf/step_s" in rec:
-                    steps.append(int(rec["step"]))
-    except FileNotFoundError:
-        pass
-    return steps
+    from areal_kernel.report.rundir import METRICS_FILE, STEP_KEY, read_jsonl
+
+    path = os.path.join(run_dir, METRICS_FILE)
+    if not os.path.isfile(path):
+        return []
+    return [int(rec["step"]) for rec in read_jsonl(path).rows if STEP_KEY in rec]
 
 
 def interrupt_after_step(

@@ -49,7 +49,8 @@ SUBSTITUTIONS = {
     "[--json]": "optional flag: the command is run without it and with it",
     "make demo": "run as `areal train examples/grpo_arithmetic.yaml trainer.max_steps=2 trainer.eval_size=8` (what "
     "`make demo` runs, shortened from 20 steps and a 32-prompt held-out evaluation: the learning itself is checked "
-    "by tests/e2e/test_grpo_learns.py and bench/bench_demo_seeds.py)",
+    "by tests/e2e/test_grpo_learns.py and bench/bench_demo_seeds.py), then the `areal report` line of the Makefile's "
+    "demo recipe as it stands",
     "areal train examples/sft_chat.yaml": "+ model.path=<tiny model> trainer.max_steps=2: the command takes "
     "overrides, and the SFT example's full epoch of SmolLM2 would take minutes without checking more",
     "areal inf run": "+ --port <free port>, and 127.0.0.1:8000 -> 127.0.0.1:<that port> in the python line: "
@@ -264,6 +265,14 @@ def test_make_demo(user):
     for name in ("config.yaml", "metrics.jsonl", "samples.jsonl", "result.json"):
         assert (run_dir / name).is_file(), name
     assert (run_dir / "checkpoints" / "final").is_dir()
+    # The demo ends with the run's report: the Makefile recipe's last command prints the page's path.
+    recipe = re.search(r"^demo:.*\n((?:\t.*\n)+)", (REPO / "Makefile").read_text(encoding="utf-8"), re.MULTILINE)
+    assert recipe, "the Makefile has no demo recipe"
+    last = recipe.group(1).strip().splitlines()[-1].strip()
+    assert last.startswith("$(VENV)/bin/areal report "), last
+    out = user.run(["areal", *shlex.split(last)[1:]]).stdout
+    page = Path(out.strip().splitlines()[-1].removeprefix("report: "))
+    assert page == run_dir.resolve() / "report.html" and page.is_file(), out
     # 1 GB of SmolLM2 checkpoints that no later test reads: gone now rather
     # than at the end of the session, which keeps the module's directory.
     shutil.rmtree(run_dir)

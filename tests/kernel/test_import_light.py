@@ -1,4 +1,5 @@
-"""`import areal_kernel` (and the plugin machinery, config and CLI) must not import torch."""
+"""`import areal_kernel` (and the plugin machinery, config and CLI) must not import torch, nor matplotlib
+(only `areal report`'s drawing imports it)."""
 import subprocess
 import sys
 
@@ -18,13 +19,17 @@ LIGHT_MODULES = [
     "areal_kernel.tools.hermes",
     "areal_kernel.tools.builtin_tools",
     "areal_kernel.workflow.multi_turn_config",
+    "areal_kernel.report",
+    "areal_kernel.report.rundir",
+    "areal_kernel.report.panels",
+    "areal_kernel.report.inspect_step",
 ]
 
 
 @pytest.mark.parametrize("module", LIGHT_MODULES)
 def test_module_does_not_import_torch(module):
     code = (
-        f"import sys, {module}; heavy = [m for m in ('torch', 'transformers', 'datasets', 'vllm') if m in sys.modules];"
+        f"import sys, {module}; heavy = [m for m in ('torch', 'transformers', 'datasets', 'vllm', 'matplotlib') if m in sys.modules];"
         "print(','.join(heavy)); sys.exit(1 if heavy else 0)"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

@@ -83,7 +83,9 @@ def test_the_wrapped_loss_keeps_its_own_stats_and_gradient():
 
 
 def _step(k3: float, tokens: float = 32.0) -> dict:
-    return {"tokens": tokens, "k3": k3, "abs_mean": 0.1, "abs_max": 0.5}
+    # Only the fresh numbers count; the all-token ones (policy change included) must not.
+    return {"tokens": 64.0, "k3": 9.0, "fresh_tokens": tokens, "fresh_k3": k3, "fresh_abs_mean": 0.1,
+            "fresh_abs_max": 0.5}  # fmt: skip
 
 
 def test_warn_fires_once_per_streak_at_patience():
@@ -102,14 +104,14 @@ def test_error_raises_after_the_step_is_observed_and_nan_counts():
     mon.observe(1, _step(float("nan")))
     mon.raise_if_alarmed()
     assert mon.observe(2, _step(0.2))["mismatch_alarm"] == 1.0
-    with pytest.raises(MismatchAlarm, match=r"mismatch/k3=0.2 above monitor.mismatch.bound=0.01 for 2"):
+    with pytest.raises(MismatchAlarm, match=r"mismatch/fresh_k3=0.2 above monitor.mismatch.bound=0.01 for 2"):
         mon.raise_if_alarmed()
 
 
 def test_steps_without_tokens_and_off_leave_no_trace():
     mon = MismatchMonitor(bound=0.01, patience=2, action="warn", warn=lambda m: None)
     mon.observe(1, _step(0.5))
-    assert mon.observe(2, {"tokens": 0.0}) == {}
+    assert mon.observe(2, {"tokens": 32.0, "k3": 5.0, "fresh_tokens": 0.0}) == {}
     assert mon.observe(3, _step(0.5))["mismatch_alarm"] == 1.0  # the streak went on across step 2
     off = MismatchMonitor(bound=0.01, patience=1, action="off")
     assert off.observe(1, _step(9.0)) == {} and off.alarms == 0
