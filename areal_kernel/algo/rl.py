@@ -19,6 +19,8 @@ from areal_kernel.api.engine import TrainEngine
 from areal_kernel.api.io import TrajectoryBatch
 from areal_kernel.config.models import GenerationSettings, RLSettings, rl_settings_of
 from areal_kernel.errors import ConfigError, DataError
+from areal_kernel.monitor.mismatch import finish as finish_mismatch
+from areal_kernel.monitor.mismatch import measured_loss
 
 if TYPE_CHECKING:
     from areal_kernel.api.advantage_estimator import AdvantageEstimator
@@ -250,6 +252,7 @@ def rl_train_step(
     critic: Any = None,
     estimator: Callable[..., Any] | None = None,
     loss: Callable[..., Any] | None = None,
+    mismatch_threshold: float = 0.5,
 ) -> dict[str, Any]:
     """Advantages, then ``cfg.ppo_n_minibatches`` optimizer steps of the actor
     (and one critic step when the estimator uses values). ``estimator`` /
@@ -258,7 +261,11 @@ def rl_train_step(
     ``compute_values`` and ``train_values``) when the estimator has
     ``needs_values`` in its registered capabilities. Returns the actor's stats (averaged over minibatches),
     ``critic_*`` stats, ``reward`` (raw batch mean) and ``adv_abs`` (mean over
-    sequences of the mean |advantage| on their loss tokens)."""
+    sequences of the mean |advantage| on their loss tokens), and ``mismatch``:
+    the train/inference mismatch of the first minibatch's tokens sampled with
+    the engine's current weights (``areal_kernel.monitor.mismatch``; tokens
+    whose log-probabilities differ by more than ``mismatch_threshold`` count
+    in its ``frac_over``)."""
     if len(batch) == 0:
         raise DataError("RL step got an empty batch")
     engine_temp = getattr(engine, "temperature", None)
@@ -287,6 +294,9 @@ def rl_train_step(
     prox_all = engine.compute_logprobs(batch, only_loss_tokens=True) if cfg.recompute_proximal else None
     v_prox = float(engine.get_version()) if hasattr(engine, "get_version") else 0.0
     loss_fn = bind_loss(loss_impl, loss_options(cfg))
+    # The first minibatch is scored before this step's first optimizer
+    # update: its log-probabilities are compared with the servers' (mismatch).
+    first_fn = measured_loss(loss_fn, int(v_prox), mismatch_threshold)
     n_mb = cfg.ppo_n_minibatches
     per_mb: list[dict[str, Any]] = []
     for k, idx in enumerate(_split(len(trajs), n_mb)):
@@ -302,7 +312,7 @@ def rl_train_step(
             ]
         if ref_logprobs is not None:
             extra["ref_logprobs"] = [ref_logprobs[i] for i in idx]
-        per_mb.append(dict(engine.train_batch(sub, loss_fn, extra)))
+        per_mb.append(dict(engine.train_batch(sub, first_fn if k == 0 else loss_fn, extra)))
 
     stats: dict[str, Any] = {}
     for key in per_mb[0]:
@@ -312,6 +322,7 @@ def rl_train_step(
         stats[key] = (
             max(vals) if key.endswith("_max") else (min(vals) if key.endswith("_min") else sum(vals) / len(vals))
         )
+    stats["mismatch"] = finish_mismatch(stats)
     if critic is not None and returns is not None:
         cstats = critic.train_values(batch, returns, values, value_eps_clip=cfg.value_eps_clip)
         stats.update({f"critic_{k}": v for k, v in cstats.items()})

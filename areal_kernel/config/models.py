@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 from pydantic import ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
+from areal_kernel.config.monitor import MonitorConfig
 from areal_kernel.config.offline import DPOConfig, RMConfig, SFTConfig
 from areal_kernel.config.sections import PluginSection, StrictModel, require_resolved, unknown_section_error
 from areal_kernel.errors import ConfigError
@@ -401,6 +402,9 @@ class ExperimentConfig(StrictModel):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
+    monitor: MonitorConfig = Field(
+        default_factory=MonitorConfig, description="Checks that watch the run for silent failures (docs/monitoring.md)."
+    )
     recover: Literal["auto", "off"] = Field(
         "auto",
         description="auto: resume an interrupted run from the newest complete recovery checkpoint in run_dir; "

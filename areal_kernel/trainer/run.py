@@ -23,6 +23,7 @@ from areal_kernel.api.trainer import Trainer, TrainerContext
 from areal_kernel.config.models import ExperimentConfig
 from areal_kernel.errors import ArealError, ConfigError
 from areal_kernel.logging import get_logger
+from areal_kernel.monitor.mismatch import MismatchMonitor
 from areal_kernel.plugins import get_plugin_manager, get_registry
 from areal_kernel.rollout.executor import RolloutExecutor, staleness_histogram, zero_variance
 from areal_kernel.trainer.common import (
@@ -190,6 +191,8 @@ class RLTrainer(Trainer):
         from areal_kernel.algo.rl import RLConfig
 
         self.rl_cfg = RLConfig.from_config(cfg)
+        mm = cfg.monitor.mismatch
+        self.mismatch = MismatchMonitor(bound=mm.bound, patience=mm.patience, action=mm.action)
         a = cfg.algorithm
         self.estimator: AdvantageEstimator = reg.build(
             "advantage_estimator",
@@ -443,7 +446,7 @@ class RLTrainer(Trainer):
             ref = self.ref_engine.compute_logprobs(batch, only_loss_tokens=True) if self.ref_engine else None
             train_stats = rl_train_step(
                 batch, self.train_engine, self.rl_cfg, ref_logprobs=ref, critic=self.critic,
-                estimator=self.estimator, loss=self.loss,
+                estimator=self.estimator, loss=self.loss, mismatch_threshold=cfg.monitor.mismatch.token_threshold,
             )  # fmt: skip
             t2 = time.monotonic()
             new_version = self.version + 1
@@ -460,6 +463,9 @@ class RLTrainer(Trainer):
             self.samples_log.log(step, new_version, [g.sample_uid for g in groups])
             step_s = time.monotonic() - t0
             metrics.update({f"train/{k}": v for k, v in train_stats.items() if isinstance(v, (int, float))})
+            mismatch = train_stats.get("mismatch") or {}
+            metrics.update({f"mismatch/{k}": v for k, v in mismatch.items()})
+            metrics.update({f"monitor/{k}": v for k, v in self.mismatch.observe(step, mismatch).items()})
             metrics.update(upd)
             metrics.update(self.executor.stats.snapshot_and_reset())
             metrics.update(self.rollout.server_stats())
@@ -481,6 +487,7 @@ class RLTrainer(Trainer):
             if step == hold_at:
                 hold_after_step(self.run_dir, step)
             self._check_reward_health()
+            self.mismatch.raise_if_alarmed()
             self._check_skipped(train_stats)
             if cfg.checkpoint.save_hf_every and step % cfg.checkpoint.save_hf_every == 0 and step < total:
                 self.save_hf(f"step{step}")

@@ -168,6 +168,10 @@ def _no_weights_model(tiny_model: str, workdir: Path) -> str:
     return str(broken)
 
 
+# max_staleness=0: every step's tokens were sampled with the trainer's weights,
+# the ones the alarm reads (docs/monitoring.md).
+MONITOR_BASE = ["reward.type=fault_spread", "monitor.mismatch.action=error", "monitor.mismatch.patience=2",
+                "rollout.max_staleness=0"]  # fmt: skip
 NAN_BASE = ["reward.type=fault_spread", "algorithm.loss=fault_nan_ppo", "checkpoint.save_every=1"]
 
 # One ``areal train`` run per test: (overrides, extra environment, model
@@ -188,6 +192,12 @@ CASES: dict[str, tuple[list[str], dict[str, str], object]] = {
     # calls were made) trips at step 2 or 3, after a recovery checkpoint.
     "budget": (["reward.type=fault_always_raise", "trainer.max_steps=8", "checkpoint.save_every=1",
                 "checkpoint.keep_last=8", "rollout.max_concurrent_rollouts=2", "rollout.max_staleness=0"], {}, None),
+    # The mismatch monitor set to stop the run at its second mismatched step:
+    # the clean run must finish, the one whose servers sample at a quarter of
+    # the trainer's temperature must stop at step 2.
+    "mismatch_clean": ([*MONITOR_BASE, "trainer.max_steps=3"], {}, None),
+    "mismatch_cold": ([*MONITOR_BASE, "trainer.max_steps=4", "workflow.type=fault_hot_rlvr",
+                       "workflow.fault_hot_rlvr.temperature_factor=0.25"], {}, None),
     "server_exits": (["trainer.max_steps=2"], {}, _no_weights_model),
     # Python alone takes longer than 1 s to start the server: it is alive but
     # not yet answering /health when the launcher gives up and kills it.
@@ -206,7 +216,8 @@ def fault_runs(request, fault_site, tiny_model, data_file, tmp_path_factory) -> 
     from concurrent.futures import ThreadPoolExecutor
 
     selected = {getattr(item, "originalname", item.name) for item in request.session.items}
-    wanted = [case for case in CASES if any(TEST_CASE.get(t) == case for t in selected)]
+    direct = {TEST_CASE[t] for t in selected if t in TEST_CASE}
+    wanted = [case for case in CASES if case in direct or direct & set(ALSO_FOR.get(case, ()))]
     pool = ThreadPoolExecutor(PARALLEL_RUNS, thread_name_prefix="areal-fault-run")
 
     def one(name: str) -> Run:
@@ -381,6 +392,47 @@ def test_nan_streak_stops_the_run_and_keeps_the_last_good_checkpoint(run):
     assert _same(_weights(ckpts[1] / "engine" / "model.safetensors"), _weights(named / "engine" / "model.safetensors"))
 
 
+# -- train/inference mismatch monitor ------------------------------------------
+
+
+def _mismatch(steps: list[dict]) -> list[float]:
+    return [s["mismatch/fresh_k3"] for s in steps]
+
+
+def test_mismatch_monitor_stays_quiet_on_a_clean_run(run):
+    r = run
+    assert r.returncode == 0, r.explain()
+    steps = r.steps()
+    assert [s["step"] for s in steps] == [1, 2, 3]
+    assert all(s["mismatch/tokens"] == s["train/n_loss_tokens"] > 0 for s in steps), steps
+    assert all(s["monitor/mismatch_alarm"] == 0.0 and s["monitor/mismatch_streak"] == 0.0 for s in steps), steps
+    # Every step sampled with the weights the trainer holds (max_staleness=0):
+    # the two log-probabilities of each token come from the same weights.
+    assert all(s["mismatch/fresh_tokens"] == s["mismatch/tokens"] for s in steps), steps
+    assert "train/inference mismatch" not in r.stdout + r.stderr, r.explain()
+
+
+def test_mismatch_monitor_stops_a_run_whose_servers_sample_at_another_temperature(run, fault_runs):
+    r = run
+    line = _one_line_error(r)
+    assert "train/inference mismatch at step 2" in line, line
+    assert "monitor.mismatch.bound=0.01 for 2 consecutive checked steps" in line, line
+    assert "temperature" in line, line  # what to check
+    assert not (r.run_dir / "result.json").exists()
+    steps = r.steps()  # the step that fired is logged before the stop
+    assert [s["step"] for s in steps] == [1, 2], steps
+    assert [s["monitor/mismatch_streak"] for s in steps] == [1.0, 2.0]
+    assert [s["monitor/mismatch_alarm"] for s in steps] == [0.0, 1.0]
+    # Against the noise floor of the clean run over the same steps: the
+    # faulted run's k3 is far above its largest (measured: 1.3e-13 to
+    # 1.6e-13 clean, 0.16-0.21 faulted on this tiny model).
+    clean = fault_runs["mismatch_clean"].result()
+    assert clean.returncode == 0, clean.explain()
+    floor = max(_mismatch(clean.steps()))
+    assert min(_mismatch(steps)) > 0.01 > floor, (_mismatch(steps), floor)
+    assert min(_mismatch(steps)) > 1000 * floor, (_mismatch(steps), floor)
+
+
 # -- inference servers --------------------------------------------------------
 
 
@@ -413,12 +465,17 @@ def test_server_never_healthy_within_startup_timeout(run):
     assert str(r.run_dir / "server-0.log") in head
 
 
+# Runs that a test of another case also reads: case -> those cases.
+ALSO_FOR = {"mismatch_clean": ("mismatch_cold",)}  # the cold run's noise floor
+
 TEST_CASE = {
     test_reward_that_raises_is_scored_zero_and_counted.__name__: "raise",
     test_reward_that_hangs_times_out_and_is_counted.__name__: "hang",
     test_failure_budget_stops_the_run_and_keeps_what_was_written.__name__: "budget",
     test_isolated_nan_step_is_skipped_and_leaves_weights_unchanged.__name__: "nan_isolated",
     test_nan_streak_stops_the_run_and_keeps_the_last_good_checkpoint.__name__: "nan_streak",
+    test_mismatch_monitor_stays_quiet_on_a_clean_run.__name__: "mismatch_clean",
+    test_mismatch_monitor_stops_a_run_whose_servers_sample_at_another_temperature.__name__: "mismatch_cold",
     test_server_that_exits_at_start_is_reported_with_its_log_tail.__name__: "server_exits",
     test_server_never_healthy_within_startup_timeout.__name__: "server_unhealthy",
 }

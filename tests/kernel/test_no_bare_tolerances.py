@@ -40,6 +40,7 @@ ALLOWED: dict[str, tuple[int, str]] = {
     "tests/algo/test_advantages.py": (3, HAND),
     "tests/algo/test_grpo.py": (3, HAND),
     "tests/algo/test_estimators.py": (1, HAND),
+    "tests/monitor/test_mismatch.py": (1, HAND + ": k3 of a hand-made 1e-4 log-prob gap against its d^2/2 expansion"),
     "tests/algo/test_losses.py": (18, HAND),
     "tests/algo/test_loss_variants.py": (12, HAND),
     "tests/inference/test_embedded_sampling.py": (2, HAND + ": logprobs of hand-made logits"),

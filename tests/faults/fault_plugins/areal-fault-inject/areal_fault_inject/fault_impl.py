@@ -9,10 +9,13 @@ O_EXCL (atomic across worker processes and restarts).
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 
 from pydantic import BaseModel, ConfigDict
+
+from areal_kernel.workflow.rlvr import RLVRWorkflow
 
 
 class NanLossSettings(BaseModel):
@@ -88,3 +91,25 @@ def nan_ppo_loss(logprobs, data, *, nan_steps, **kwargs):
     if _step["n"] in set(nan_steps):
         loss = loss * float("nan")
     return loss, stats
+
+
+class HotSamplerSettings(BaseModel):
+    """``workflow.fault_hot_rlvr``."""
+
+    model_config = ConfigDict(extra="forbid")
+    temperature_factor: float = 2.0
+
+
+class HotSamplerWorkflow(RLVRWorkflow):
+    """The built-in rlvr workflow, but the servers are asked to sample at
+    another temperature than the run's (the trainer scores with the
+    configured one): the silent fault the mismatch monitor must catch."""
+
+    @classmethod
+    def from_context(cls, context):
+        factor = context.settings.temperature_factor
+        hot = dataclasses.replace(context.gconfig, temperature=context.gconfig.temperature * factor)
+        return cls(
+            tokenizer=context.tokenizer, gconfig=hot, reward_target=context.reward.target,
+            reward_pool=context.reward_pool,
+        )  # fmt: skip

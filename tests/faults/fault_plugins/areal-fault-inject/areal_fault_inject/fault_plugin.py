@@ -20,3 +20,13 @@ def areal_register_losses(register):
         config_model=f"{_IMPL}:NanLossSettings",  # algorithm.fault_nan_ppo: {nan_steps: [...]}
         description="the ppo loss, NaN on the steps in nan_steps",
     )
+
+
+@hookimpl
+def areal_register_workflows(register):
+    register(
+        "fault_hot_rlvr",
+        f"{_IMPL}:HotSamplerWorkflow",
+        config_model=f"{_IMPL}:HotSamplerSettings",  # workflow.fault_hot_rlvr: {temperature_factor: ...}
+        description="rlvr whose requests ask the servers for temperature_factor x the configured temperature",
+    )
