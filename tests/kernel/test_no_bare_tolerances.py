@@ -65,6 +65,7 @@ ALLOWED: dict[str, tuple[int, str]] = {
     "tests/faults/test_interrupt.py": (1, SAME + ": a run interrupted and resumed against an uninterrupted one"),
     "tests/kernel/test_gpu_check.py": (1, HAND + ": the GPU check's parameter count against Qwen2-1.5B's published size"),
     "tests/faults/test_recovery_lora.py": (1, SAME),
+    "areal_kernel/testing/rank_engines.py": (1, SAME + ": the rank-engine recovery suite"),
     "plugins/areal-fsdp/tests/test_fsdp_recovery.py": (1, SAME),
     "plugins/areal-megatron/tests/test_megatron_recovery.py": (1, SAME),
     "plugins/areal-fsdp/tests/test_fsdp_parity.py": (2, SAME + ": DCP save -> load -> the same two steps"),

@@ -10,9 +10,9 @@ import textwrap
 import time
 
 import pytest
-from fsdp_helpers import random_batch
 
 from areal_kernel.errors import DataError
+from areal_kernel.testing.rank_engines import random_batch
 
 pytestmark = pytest.mark.slow
 
