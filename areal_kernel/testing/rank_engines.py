@@ -234,8 +234,9 @@ class RankEngineRecoverySuite:
         ]  # fmt: skip
 
     def test_killed_run_resumes_exactly(self, tiny_chat_model: str, tmp_path: Any) -> None:
-        """About 65 s: three runs of ``areal train`` (uninterrupted, killed,
-        resumed), each starting its ranks and a server."""
+        """Over 60 s (about 65 s on an idle 2-core machine, 224 s seen for
+        FSDP with other work on the cores): three runs of ``areal train``
+        (uninterrupted, killed, resumed), each starting its ranks and a server."""
         import torch
 
         from areal_kernel.testing.recovery import kill_after_checkpoint, load_weights, read_samples, run_train
