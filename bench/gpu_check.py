@@ -351,8 +351,7 @@ def _server_placement(plat: Any) -> tuple[int, dict[str, str], str]:
 
 
 def sec_broadcast(args: argparse.Namespace, backend: str) -> dict[str, Any]:
-    _test_helpers()
-    from fsdp_helpers import ppo_step_inputs, random_batch  # type: ignore
+    from areal_kernel.testing.rank_engines import ppo_step_inputs, random_batch
 
     from areal_kernel.algo.losses import make_ppo_loss_fn
     from areal_kernel.engine.torch_engine import TorchTrainEngine

@@ -15,18 +15,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 def tiny_model_dir(tmp_path_factory) -> str:
     """Tiny random Llama (vocab 256, 2 layers, tied embeddings); weights drawn
     with std 0.2 so greedy generations depend on the weights."""
-    import torch
-    from safetensors.torch import load_file, save_file
+    from areal_kernel.testing.rank_engines import make_spread_tiny_llama
 
-    from areal_kernel.testing.models import make_tiny_llama
-
-    d = make_tiny_llama(str(tmp_path_factory.mktemp("tiny-llama")), seed=3)
-    path = os.path.join(d, "model.safetensors")
-    sd = load_file(path)
-    g = torch.Generator().manual_seed(0)
-    sd = {k: (torch.randn(v.shape, generator=g) * 0.2 if v.dim() > 1 else v) for k, v in sd.items()}
-    save_file(sd, path, metadata={"format": "pt"})
-    return d
+    return make_spread_tiny_llama(str(tmp_path_factory.mktemp("tiny-llama")), layers=2)
 
 
 @pytest.fixture(scope="session")

@@ -7,12 +7,12 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
-from fsdp_helpers import random_batch
 
 from areal_kernel.errors import DataError
+from areal_kernel.testing.procs import is_alive, wait_gone
+from areal_kernel.testing.rank_engines import random_batch
 
 pytestmark = pytest.mark.slow
 
@@ -50,26 +50,11 @@ def test_ranks_die_with_their_controller(tiny_model_dir, tmp_path):
         line = ctrl.stdout.readline()
         rank_pids = [int(x) for x in line.split()]
         assert len(rank_pids) == 2, f"controller printed {line!r}"
-        for pid in rank_pids:
-            os.kill(pid, 0)  # alive
+        assert all(is_alive(pid) for pid in rank_pids), rank_pids
         os.killpg(ctrl.pid, signal.SIGKILL)  # the controller dies without any cleanup
         ctrl.wait()
-        deadline = time.monotonic() + 60
-        alive = set(rank_pids)
-        while alive and time.monotonic() < deadline:
-            for pid in list(alive):
-                try:
-                    done, _ = os.waitpid(pid, os.WNOHANG)
-                except ChildProcessError:
-                    done = pid  # not our child: probe it instead
-                    try:
-                        os.kill(pid, 0)
-                        done = 0
-                    except ProcessLookupError:
-                        pass
-                if done:
-                    alive.discard(pid)
-            time.sleep(0.2)
+        # Orphaned, a rank is reaped by init: a zombie counts as gone (testing.procs).
+        alive = [pid for pid in rank_pids if not wait_gone(pid, timeout_s=60)]
         assert not alive, f"ranks {sorted(alive)} outlived their controller"
     finally:
         if ctrl.poll() is None:

@@ -9,13 +9,13 @@ import os
 
 import pytest
 import torch
-from fsdp_helpers import ppo_step_inputs, random_batch
 from transformers import AutoModelForCausalLM
 
 from areal_kernel.algo.losses import make_ppo_loss_fn
 from areal_kernel.api.engine import WeightUpdateMeta
 from areal_kernel.engine.torch_engine import TorchTrainEngine
 from areal_kernel.testing.noise import assert_within_noise, measure_noise_floor
+from areal_kernel.testing.rank_engines import ppo_step_inputs, random_batch
 
 pytestmark = pytest.mark.slow
 

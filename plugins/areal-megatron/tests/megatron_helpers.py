@@ -4,8 +4,6 @@ whole-suite run loaded first)."""
 
 from __future__ import annotations
 
-import os
-import sys
 from typing import Any
 
 from areal_kernel.algo.losses import make_ppo_loss_fn
@@ -16,9 +14,7 @@ from areal_kernel.testing.noise import (
     measure_noise_floor,
     sum_rounding,
 )
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "areal-fsdp", "tests"))
-from fsdp_helpers import ppo_step_inputs, random_batch  # noqa: E402
+from areal_kernel.testing.rank_engines import ppo_step_inputs, random_batch
 
 # The parity comparison shared by test_megatron_parity and test_megatron_layouts:
 # 4 optimizer steps (PPO loss, clipping active, linear schedule) of a layout

@@ -38,7 +38,7 @@ from megatron_helpers import (
 
 from areal_kernel.engine.torch_engine import TorchTrainEngine
 from areal_kernel.testing.noise import assert_within_noise
-from fsdp_helpers import ppo_step_inputs, random_batch  # on sys.path through megatron_helpers
+from areal_kernel.testing.rank_engines import ppo_step_inputs, random_batch
 
 pytestmark = pytest.mark.slow
 

@@ -1,0 +1,406 @@
+"""Shared suites for train engines whose model lives in rank processes
+(``areal_kernel.engine.ranked.RankedTrainEngine`` subclasses: areal-fsdp,
+areal-megatron): the tests every such engine owes beyond
+``TrainEngineContract``, written once.
+
+- :class:`RankEngineGRPOSuite`: a real asynchronous GRPO run through
+  ``areal train`` on SmolLM2 that must clear the kernel's learning bar
+  (``areal_kernel.testing.learning.ARITHMETIC``; its ``lr=0`` control is the
+  kernel's, see the class).
+- :class:`RankEngineRecoverySuite`: ``kill -9`` of a real ``areal train``
+  after a recovery checkpoint, ``recover: auto``, and the same samples and
+  weights as an uninterrupted run.
+- :class:`RankEngineWeightUpdateSuite` (the in-memory broadcast) and
+  :class:`RankEngineDiskUpdateSuite` (the disk transport with the streamed
+  export): weights from the ranks into a real embedded inference server,
+  through the kernel's transport hook and registry, as ``areal train`` does.
+
+A plugin subclasses each suite in a test file of its own and sets the class
+attributes the suite names (its engine name, its example config, ...); the
+weight-update suites also ask for a fixture giving the engine under test.
+The helpers below (``random_batch``, ``ppo_step_inputs``, ``forward_floor``,
+``make_spread_tiny_llama``) are what these suites and an engine's parity
+tests build batches, floors and models from.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import pytest
+
+from areal_kernel.testing.learning import ARITHMETIC, LearningCheck, step_rows
+from areal_kernel.testing.noise import NoiseFloor, assert_within_noise
+
+if TYPE_CHECKING:
+    from areal_kernel.api.io import ModelResponse, TrajectoryBatch
+
+__all__ = [
+    "RankEngineGRPOSuite",
+    "RankEngineRecoverySuite",
+    "RankEngineWeightUpdateSuite",
+    "RankEngineDiskUpdateSuite",
+    "random_batch",
+    "ppo_step_inputs",
+    "forward_floor",
+    "make_spread_tiny_llama",
+]
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def random_batch(
+    lengths: list[int], seed: int = 0, prompt_len: int = 3, vocab: int = 256, shared_prompts: bool = False
+) -> TrajectoryBatch:
+    """Trajectories of random tokens; consecutive pairs form a GRPO group
+    (with ``shared_prompts`` the pair also shares its first ``prompt_len`` tokens)."""
+    import random
+
+    from areal_kernel.api.io import Trajectory, TrajectoryBatch
+
+    rng = random.Random(seed)
+    trajs: list[Trajectory] = []
+    for k, n in enumerate(lengths):
+        p = min(prompt_len, n - 1)
+        ids = [rng.randrange(4, vocab) for _ in range(n)]
+        if shared_prompts and k % 2 == 1 and len(trajs[-1].input_ids) > p:
+            ids[:p] = trajs[-1].input_ids[:p]
+        trajs.append(
+            Trajectory(
+                input_ids=ids,
+                loss_mask=[0] * p + [1] * (n - p),
+                logprobs=[0.0] * p + [-rng.uniform(3.0, 8.0) for _ in range(n - p)],
+                versions=[-1] * p + [0] * (n - p),
+                reward=float(k % 2),
+                group_id=f"g{k // 2}",
+            )
+        )
+    return TrajectoryBatch(trajs)
+
+
+def ppo_step_inputs(batch: TrajectoryBatch, engine: Any) -> dict[str, Any]:
+    """GRPO-style extras: +1/-1 advantages by reward, proximal logprobs from ``engine``."""
+    adv = [[(1.0 if t.reward > 0 else -1.0) * m for m in t.loss_mask] for t in batch.trajectories]
+    return {"advantages": adv, "prox_logprobs": engine.compute_logprobs(batch, only_loss_tokens=True)}
+
+
+def forward_floor(model_dir: str, weights: dict[str, Any], ids: list[int], start: int) -> NoiseFloor:
+    """The noise floor of a comparison with these weights' logprobs of
+    ``ids[start:]``: transformers' forward with sdpa against eager attention
+    (``areal_kernel.testing.noise``)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from areal_kernel.testing.noise import measure_noise_floor
+
+    rows = []
+    for attn in ("sdpa", "eager"):
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation=attn).eval()
+        model.load_state_dict(weights, strict=False)  # a tied lm_head is not in the transfer names
+        with torch.no_grad():
+            logp = model(torch.tensor([ids])).logits[0].log_softmax(-1)
+        rows.append([logp[i - 1, ids[i]].item() for i in range(start, len(ids))])
+    return measure_noise_floor("logprobs, same weights", rows[0], rows[1])
+
+
+def make_spread_tiny_llama(path: str, layers: int = 2) -> str:
+    """A tiny random Llama (``make_tiny_llama``: vocab 256, tied embeddings,
+    seed 3) whose matrices are redrawn with std 0.2 (seed 0), so that greedy
+    generations depend on the weights: a stale weight update shows."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from areal_kernel.testing.models import make_tiny_llama
+
+    d = make_tiny_llama(path, seed=3, layers=layers)
+    file = os.path.join(d, "model.safetensors")
+    sd = load_file(file)
+    g = torch.Generator().manual_seed(0)
+    sd = {k: (torch.randn(v.shape, generator=g) * 0.2 if v.dim() > 1 else v) for k, v in sd.items()}
+    save_file(sd, file, metadata={"format": "pt"})
+    return d
+
+
+def _failed(proc: Any) -> str:
+    return str(proc.stdout[-3000:] + proc.stderr[-3000:])
+
+
+# ---------------------------------------------------------------- end to end
+
+
+class RankEngineGRPOSuite:
+    """A real asynchronous GRPO run through ``areal train`` with the plugin's
+    example (``EXAMPLE``: SmolLM2-135M-Instruct on ``N_RANKS`` rank processes,
+    one embedded inference server, weights in memory every step).
+
+    Asserted: the sampling reward clears ``CHECK``'s bar (``ARITHMETIC``:
+    steps 3-6 must sample above 0.55), staleness stays bounded (some samples
+    one version old, none older), versions advance, every step ran on
+    ``N_RANKS`` ranks and broadcast the model, the ranks logged to
+    ``<run_dir>/<ENGINE_NAME>-ranks`` and are gone, and the final HF export is
+    a loadable directory.
+
+    The negative control is shared with the kernel's: the ``frozen`` case of
+    tests/e2e/test_grpo_learns.py (the kernel's example with every lr at 0)
+    must fail the same check. A frozen policy samples the same whichever
+    engine holds it, and the plugins' examples' other rollout settings
+    (``filter_retry_budget: 1``, in-memory updates) gave the identical
+    per-step series when the kernel's example ran with them (seed 1); sharing
+    keeps two more SmolLM2 ranks off the big-memory unit, the suite's longest.
+
+    Class attributes: ``ENGINE_NAME`` (the ``actor.backend`` name),
+    ``EXAMPLE`` (path of the plugin's example config), ``N_RANKS``, ``STEPS``,
+    ``CHECK``. Fixtures: ``run_areal`` (the kernel's pytest plugin), ``tmp_path``."""
+
+    ENGINE_NAME: ClassVar[str]
+    EXAMPLE: ClassVar[str]
+    N_RANKS: ClassVar[int] = 2
+    # The fewest that give the check its four-step window after the initial policy's steps.
+    STEPS: ClassVar[int] = 6
+    CHECK: ClassVar[LearningCheck] = ARITHMETIC
+
+    def test_grpo_raises_the_reward(self, run_areal: Any, tmp_path: Any) -> None:
+        """Over 60 s (65-290 s seen, by engine and by what else shares the
+        cores): ``N_RANKS`` SmolLM2 ranks plus a server start, and ``STEPS``
+        real GRPO steps."""
+        run_dir = str(tmp_path / "run")
+        proc = run_areal(
+            "train", self.EXAMPLE, f"run_dir={run_dir}", f"trainer.max_steps={self.STEPS}", "trainer.eval_size=0",
+            "logging.sinks=[jsonl]",
+            timeout=1500,
+        )  # fmt: skip
+        assert proc.returncode == 0, _failed(proc)
+        steps = step_rows(run_dir)
+        assert len(steps) == self.STEPS
+        assert all(r["train/n_ranks"] == float(self.N_RANKS) and r["train/skipped"] == 0.0 for r in steps)
+        print(f"\n{self.CHECK.describe(steps)}")
+        self.CHECK.assert_learned(steps)
+        # Asynchronous (some samples one version old), never staler than allowed.
+        assert max(r["rollout/staleness_max"] for r in steps) <= 1
+        assert any(r["rollout/staleness_max"] == 1 for r in steps), [r["rollout/staleness_max"] for r in steps]
+        assert [r["version"] for r in steps] == list(range(1, self.STEPS + 1))
+        assert all(r["weights/mb"] > 100 for r in steps)  # SmolLM2 broadcast from the ranks each step
+        # The ranks logged to the run dir and are gone; the export is a loadable HF dir.
+        logs = sorted(os.listdir(os.path.join(run_dir, f"{self.ENGINE_NAME}-ranks")))
+        assert logs == sorted(f"rank-{r}.log" for r in range(self.N_RANKS))
+        with open(os.path.join(run_dir, "result.json")) as f:
+            final = json.load(f)["checkpoint"]
+        assert os.path.isfile(os.path.join(final, "config.json")) and os.path.isfile(
+            os.path.join(final, "tokenizer_config.json")
+        )
+        assert any(f.endswith(".safetensors") for f in os.listdir(final))
+
+
+# ---------------------------------------------------------------- recovery
+
+
+class RankEngineRecoverySuite:
+    """Exact recovery: ``kill -9`` a real ``areal train`` with the plugin's
+    example after recovery checkpoint 1 (``kill_after_checkpoint``), run it
+    again (``recover: auto``) and compare with an uninterrupted run: same
+    sample ids per step, same final weights, and training moved them.
+
+    Tiny random Llama with SmolLM2's tokenizer (``make_tiny_chat_llama``);
+    its arithmetic rewards are 0, so an entropy bonus is what makes each
+    update depend on the sampled tokens.
+
+    Class attributes: ``ENGINE_NAME`` (its ``actor.<name>`` section takes
+    ``lr``), ``EXAMPLE``, ``STEPS``, ``EXTRA_ARGS`` (overrides such as
+    ``actor.backend=<name>:t2`` for the layout under test)."""
+
+    ENGINE_NAME: ClassVar[str]
+    EXAMPLE: ClassVar[str]
+    STEPS: ClassVar[int]
+    EXTRA_ARGS: ClassVar[tuple[str, ...]] = ()
+
+    @pytest.fixture(scope="class")
+    def tiny_chat_model(self, tmp_path_factory: pytest.TempPathFactory) -> str:
+        from areal_kernel.testing.models import make_tiny_chat_llama
+
+        return make_tiny_chat_llama(tmp_path_factory.mktemp(f"tiny-{self.ENGINE_NAME}-recovery"))
+
+    def train_args(self, model: str, run_dir: str) -> list[str]:
+        """The ``areal`` arguments of both runs."""
+        return [
+            "train", self.EXAMPLE, f"model.path={model}", f"run_dir={run_dir}", *self.EXTRA_ARGS,
+            f"trainer.max_steps={self.STEPS}", "trainer.batch_size=2", "trainer.eval_size=0",
+            "rollout.gconfig.n_samples=4", "rollout.gconfig.max_new_tokens=6", "rollout.max_staleness=0",
+            "algorithm.dynamic_filter=false", "algorithm.entropy_coef=0.05", f"actor.{self.ENGINE_NAME}.lr=1e-3",
+            "checkpoint.save_every=1", "logging.sinks=[jsonl]",
+        ]  # fmt: skip
+
+    def test_killed_run_resumes_exactly(self, tiny_chat_model: str, tmp_path: Any) -> None:
+        """Over 60 s (about 65 s on an idle 2-core machine, 224 s seen for
+        FSDP with other work on the cores): three runs of ``areal train``
+        (uninterrupted, killed, resumed), each starting its ranks and a server."""
+        import torch
+
+        from areal_kernel.testing.recovery import kill_after_checkpoint, load_weights, read_samples, run_train
+
+        ref_dir, run_dir = str(tmp_path / "reference"), str(tmp_path / "killed")
+        ref = run_train(self.train_args(tiny_chat_model, ref_dir))
+        assert ref.returncode == 0, _failed(ref)
+        kill_after_checkpoint(self.train_args(tiny_chat_model, run_dir), run_dir, step=1)
+        resumed = run_train(self.train_args(tiny_chat_model, run_dir))
+        assert resumed.returncode == 0, _failed(resumed)
+        with open(os.path.join(run_dir, "result.json")) as f:
+            assert json.load(f)["resumed_from_step"] == 1
+        got, want = read_samples(run_dir), read_samples(ref_dir)
+        assert [s["step"] for s in got] == list(range(1, self.STEPS + 1))
+        assert [s["uids"] for s in got] == [s["uids"] for s in want]
+        a = load_weights(os.path.join(ref_dir, "checkpoints", "final"))
+        b = load_weights(os.path.join(run_dir, "checkpoints", "final"))
+        base = load_weights(tiny_chat_model)
+        assert max(float((a[k] - base[k]).abs().max()) for k in a if k in base) > 1e-4  # training moved them
+        for k in a:
+            torch.testing.assert_close(b[k], a[k], rtol=1e-5, atol=1e-6, msg=f"weight {k} differs after resume")
+
+
+# ---------------------------------------------------------------- weight updates
+
+
+class _WeightUpdateBase:
+    """What both weight-update suites share: a real embedded server on
+    ``tiny_model_dir`` (a fixture of the plugin's conftest, the model the
+    engine under test holds), greedy generation from it, and the comparison
+    of its logprobs with the ranks' recompute."""
+
+    ENGINE_NAME: ClassVar[str]
+    PROMPT: ClassVar[list[int]] = [5, 6, 7, 8, 9]
+    # The server (KV-cache decoding) against the ranks' recompute: within
+    # SERVER_MULTIPLE x the sdpa-vs-eager floor of a forward with the same
+    # weights (forward_floor), as in tests/inference. Measured with 2 FSDP
+    # ranks 0.3-1.4x (AVX-512) and 1.8-2.3x (ATEN_CPU_CAPABILITY=avx2): 8x
+    # leaves 3x headroom; a stale weight is off by > 1e-3 (asserted).
+    SERVER_MULTIPLE: ClassVar[float] = 8.0
+
+    @pytest.fixture(scope="class")
+    def server_client(self, tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Any:
+        from areal_kernel.inference.client import RemoteInferenceEngine
+        from areal_kernel.inference.embedded.backend import EmbeddedProtocol
+        from areal_kernel.inference.embedded.launcher import EmbeddedLauncher, EmbeddedServerConfig
+
+        launcher = EmbeddedLauncher(EmbeddedServerConfig(dtype="float32"), run_dir=str(tmp_path_factory.mktemp("srv")))
+        try:
+            infos = launcher.launch(tiny_model_dir, n_servers=1, devices_per_server=0)
+            yield RemoteInferenceEngine([i.address for i in infos], EmbeddedProtocol())
+        finally:
+            launcher.stop()
+
+    def greedy(self, client: Any) -> ModelResponse:
+        from areal_kernel.api.io import GenerationConfig, ModelRequest
+
+        async def go() -> ModelResponse:
+            try:
+                req = ModelRequest(list(self.PROMPT), GenerationConfig(max_new_tokens=8, greedy=True))
+                return await client.agenerate(req)  # type: ignore[no-any-return]
+            finally:
+                await client.aclose(current_loop_only=True)
+
+        return asyncio.run(go())
+
+    def transport(self, mode: str, engine: Any, client: Any, run_dir: str, bucket_bytes: int) -> tuple[str, Any]:
+        """The transport the kernel's hook selects for ``mode`` on cpu, built
+        from the registry as ``areal train`` builds it."""
+        from areal_kernel.plugins import get_plugin_manager, get_registry
+
+        name = get_plugin_manager().hook.areal_select_weight_transport(
+            train_backend=self.ENGINE_NAME, inference_backend="embedded", platform="cpu", mode=mode
+        )
+        return name, get_registry().get("weight_transport", name).load()(engine, client, run_dir, bucket_bytes)
+
+    @staticmethod
+    def engine_logprobs(engine: Any, resp: ModelResponse) -> list[float]:
+        from areal_kernel.api.io import Trajectory, TrajectoryBatch
+
+        ids = list(resp.input_ids) + list(resp.output_ids)
+        n = len(ids)
+        lp = engine.compute_logprobs(TrajectoryBatch([Trajectory(ids, [0] * n, [0.0] * n, [-1] * n, reward=0.0)]))[0]
+        return list(lp[len(resp.input_ids) :])
+
+    def disagreement(self, engine: Any, resp: ModelResponse) -> float:
+        return max(abs(a - b) for a, b in zip(resp.output_logprobs, self.engine_logprobs(engine, resp)))
+
+    def check_agree(self, engine: Any, resp: ModelResponse) -> None:
+        """The server's logprobs against the ranks' recompute, on the floor of
+        a forward with the weights the ranks hold (gathered to full HF tensors)."""
+        ids = list(resp.input_ids) + list(resp.output_ids)
+        floor = forward_floor(engine.model_path, engine.full_weights(), ids, len(resp.input_ids))
+        print(
+            assert_within_noise(resp.output_logprobs, self.engine_logprobs(engine, resp), floor, self.SERVER_MULTIPLE)
+        )
+
+    @staticmethod
+    def train_steps(engine: Any, seeds: range, lengths: list[int]) -> None:
+        from areal_kernel.algo.losses import make_ppo_loss_fn
+
+        loss = make_ppo_loss_fn(eps_clip=0.2)
+        for seed in seeds:
+            batch = random_batch(lengths, seed=seed)
+            engine.train_batch(batch, loss, ppo_step_inputs(batch, engine))
+
+
+class RankEngineWeightUpdateSuite(_WeightUpdateBase):
+    """The in-memory broadcast from the ranks (asked for by name: the kernel
+    default on cpu is disk) in many 16 KB buckets: the server computes what
+    the ranks hold; after training the server has not moved by itself; the
+    update brings it to the trained weights.
+
+    Class attribute ``ENGINE_NAME``. Fixtures: ``update_engine`` (an
+    initialized engine of the plugin on ``tiny_model_dir``, lr about 1e-3;
+    parametrise it for several layouts), ``tiny_model_dir``
+    (``make_spread_tiny_llama`` gives one whose generations show a stale weight)."""
+
+    def test_broadcast_changes_server_outputs(self, update_engine: Any, server_client: Any, tmp_path: Any) -> None:
+        engine, client = update_engine, server_client
+        name, transport = self.transport("broadcast", engine, client, str(tmp_path), bucket_bytes=16 << 10)
+        assert name == "broadcast"
+        transport.setup()
+        try:
+            # (1) Push the engine's current weights: the server then computes what the ranks hold.
+            v1 = client.get_version() + 1
+            assert transport.update(v1)["weights/mb"] > 0.05
+            first = self.greedy(client)
+            assert set(first.output_versions) == {v1}
+            self.check_agree(engine, first)
+            # (2) Train: the engine moves away from what the server serves.
+            self.train_steps(engine, range(3), [6, 8, 7, 9])
+            assert self.disagreement(engine, first) > 1e-3
+            # The server did not move by itself.
+            assert self.greedy(client).output_logprobs == first.output_logprobs
+            # (3) The in-memory update brings the server to the trained weights.
+            v2 = v1 + 1
+            transport.update(v2)
+            second = self.greedy(client)
+            assert client.get_version() == v2 and set(second.output_versions) == {v2}
+            self.check_agree(engine, second)
+            assert second.output_logprobs != first.output_logprobs
+        finally:
+            transport.close()
+
+
+class RankEngineDiskUpdateSuite(_WeightUpdateBase):
+    """The disk transport (the kernel default on cpu) writes the engine's
+    streamed HF export after a training step, and the server serves it.
+    Same class attribute and fixtures as :class:`RankEngineWeightUpdateSuite`."""
+
+    def test_disk_transport_uses_the_streamed_export(
+        self, update_engine: Any, server_client: Any, tmp_path: Any
+    ) -> None:
+        engine, client = update_engine, server_client
+        self.train_steps(engine, range(11, 12), [7, 9, 6, 8])
+        name, transport = self.transport("disk", engine, client, str(tmp_path), bucket_bytes=0)
+        assert name == "disk"
+        transport.setup()
+        try:
+            version = client.get_version() + 1
+            transport.update(version)
+            after = self.greedy(client)
+            assert set(after.output_versions) == {version}
+            self.check_agree(engine, after)
+        finally:
+            transport.close()
