@@ -533,8 +533,10 @@ class RLTrainer(Trainer):
         )
         watchdog = threading.Timer(limit, INTERRUPT.expire)
         watchdog.daemon = True
-        watchdog.start()
         try:
+            # Started inside the try: with a short limit the watchdog's
+            # interrupt could otherwise land before the handler is in place.
+            watchdog.start()
             path = self.save_recovery()
         except KeyboardInterrupt:
             why = f"not finished within {limit:g} s" if INTERRUPT.expired else "a second interrupt"
