@@ -35,6 +35,7 @@ from areal_kernel.trainer.components import log_model_precision
 from areal_kernel.trainer.toolkit import (
     MetricSinks,
     Rollout,
+    build_weight_transport,
     evaluate_held_out,
     finetune_spec,
     load_datasets,
@@ -42,7 +43,6 @@ from areal_kernel.trainer.toolkit import (
     resolve_model,
     start_rollout,
     start_train_engine,
-    start_weight_transport,
 )
 from areal_kernel.trainer.recovery import (
     SAMPLES_FILE,
@@ -207,7 +207,8 @@ class RLTrainer(Trainer):
             self.ref_engine = start_train_engine(
                 ctx, self.model, self.ft.total_train_steps, settings=engine_cfg, scheduler=sched, role="ref"
             )
-        self.transport = transport = start_weight_transport(ctx, self.train_engine, self.rollout)
+        self.transport = transport = build_weight_transport(ctx, self.train_engine, self.rollout)
+        transport.setup()
         log.info("weight transport ready", transport=transport.name)
         adapter = self.train_engine.adapter_spec()
         if adapter is not None:

@@ -22,9 +22,9 @@ way (the ``grpo`` trainer calls these same functions):
   held-out records, scored (``eval/reward``, ``eval/accuracy``);
 - ``start_train_engine(ctx, model, total_steps)``: the ``actor.backend``
   train engine, built and initialized;
-- ``start_weight_transport(ctx, engine, rollout)``: the transport that
-  ``weight_update.mode`` selects, set up (``update(version)`` puts the train
-  engine's weights on the servers);
+- ``build_weight_transport(ctx, engine, rollout)``: the transport that
+  ``weight_update.mode`` selects (call its ``setup()``; ``update(version)``
+  then puts the train engine's weights on the servers);
 - ``build_reward(ctx)`` and ``start_reward_pool(ctx)``: the selected reward
   with its settings bound, and a ``RewardPool`` of worker processes that
   calls it (the rollout has its own; these are for a trainer that scores
@@ -72,7 +72,7 @@ __all__ = [
     "open_metric_sinks",
     "start_rollout",
     "start_train_engine",
-    "start_weight_transport",
+    "build_weight_transport",
     "evaluate_held_out",
     "build_reward",
     "start_reward_pool",
@@ -243,14 +243,16 @@ def start_train_engine(
     return engine
 
 
-def start_weight_transport(ctx: TrainerContext, engine: TrainEngine, rollout: Rollout) -> WeightTransportProtocol:
+def build_weight_transport(ctx: TrainerContext, engine: TrainEngine, rollout: Rollout) -> WeightTransportProtocol:
     """The weight transport for this run (chosen by the
     ``areal_select_weight_transport`` hook from ``weight_update.mode``, the
-    train and inference backends and the platform), built and set up.
-    ``transport.update(version)`` puts ``engine``'s current weights on every
-    server under ``version`` and returns its metrics; call
+    train and inference backends and the platform), built between ``engine``
+    and the rollout's servers. Keep it, then call ``transport.setup()``: a
+    setup that fails leaves the transport for your ``close`` to release in
+    order. ``transport.update(version)`` puts ``engine``'s current weights
+    on every server under ``version`` and returns its metrics; call
     ``transport.close()`` (when it has one) after ``rollout.stop()``: the
-    servers may read its files until then."""
+    servers may read its files or join its process group until then."""
     cfg = ctx.config
     name = get_plugin_manager().hook.areal_select_weight_transport(
         train_backend=cfg.actor.allocation.backend,
@@ -270,16 +272,6 @@ def start_weight_transport(ctx: TrainerContext, engine: TrainEngine, rollout: Ro
             config=cfg,
         ),
     )
-    try:
-        transport.setup()
-    except BaseException:
-        close = getattr(transport, "close", None)
-        if close is not None:
-            try:
-                close()
-            except Exception as e:  # the setup error is the one to report
-                log.warning("weight transport close after a failed setup failed", transport=name, error=repr(e))
-        raise
     return transport
 
 

@@ -28,6 +28,7 @@ from areal_kernel.plugins import get_plugin_manager
 from areal_kernel.trainer.common import RecordStream, save_hf_checkpoint, write_run_config
 from areal_kernel.trainer.toolkit import (
     MetricSinks,
+    build_weight_transport,
     evaluate_held_out,
     finetune_spec,
     load_datasets,
@@ -35,7 +36,6 @@ from areal_kernel.trainer.toolkit import (
     resolve_model,
     start_rollout,
     start_train_engine,
-    start_weight_transport,
 )
 
 SAMPLES_FILE = "rft_samples.jsonl"  # one line per sample: its reward, whether it was kept, its text
@@ -88,7 +88,8 @@ class RFTTrainer(Trainer):
         threshold = self.settings.min_reward
         self.min_reward = self.rollout.reward.success_threshold if threshold is None else threshold
         self.engine = start_train_engine(ctx, self.model, self.ft.total_train_steps, scheduler=self.rollout.scheduler)
-        self.transport = start_weight_transport(ctx, self.engine, self.rollout)
+        self.transport = build_weight_transport(ctx, self.engine, self.rollout)
+        self.transport.setup()  # kept first: if setup fails, close() releases it after the servers
         self.stream = RecordStream(
             self.data.train, self.cfg.trainer.total_train_epochs, self.cfg.seed, self.cfg.dataset.shuffle, tag=True
         )
