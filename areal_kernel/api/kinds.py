@@ -191,7 +191,7 @@ KIND_DOCS: tuple[KindDoc, ...] = (
         "a `Trainer` subclass (`areal_kernel.api.trainer`) built as `factory(context)` with a `TrainerContext`, "
         "then `setup()`, `train()`, `close(status)`; see [Trainers](#trainers)",
         "controller",
-        "none yet (test it with `run_areal`: `areal train` on your trainer)",
+        "TrainerContract",
     ),
     KindDoc(
         "tool_parser",

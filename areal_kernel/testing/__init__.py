@@ -37,6 +37,7 @@ _SUITES = {
     "SchedulerContract": "contracts.scheduler",
     "ToolParserContract": "contracts.tool_parser",
     "ToolContract": "contracts.tool",
+    "TrainerContract": "contracts.trainer",
 }
 
 __all__ = sorted(_SUITES)

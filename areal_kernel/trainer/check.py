@@ -3,7 +3,6 @@ printed, before anyone spends hours on a run that cannot learn."""
 
 from __future__ import annotations
 
-import asyncio
 import os
 from typing import Any
 
@@ -17,14 +16,6 @@ from areal_kernel.trainer.components import (
     stored_dtype,
     workflow_required_fields,
 )
-from areal_kernel.utils import aio
-
-
-async def _episodes(rollout: Rollout, records: list[dict]) -> list[Any]:
-    try:
-        return await asyncio.gather(*(rollout.workflow.arun_episode(rollout.engine, r) for r in records))
-    finally:
-        await rollout.engine.aclose(current_loop_only=True)
 
 
 def prompt_ids(workflow: Any, record: dict[str, Any], group: Any) -> list[int]:
@@ -76,7 +67,7 @@ def _run_check(cfg: ExperimentConfig, n: int) -> int:
     rollout = Rollout(cfg, os.path.join(cfg.resolved_run_dir(), "check"), model_dir, tok)
     try:
         rollout.start()
-        groups = aio.run(_episodes(rollout, records), "areal check")
+        groups = rollout.run_episodes(records, "areal check")
     finally:
         rollout.stop()
     total, ok = 0, 0

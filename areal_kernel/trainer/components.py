@@ -7,14 +7,15 @@ engines with ``build_train_engine``.
 
 from __future__ import annotations
 
+import asyncio
 import os
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 
 from areal_kernel.api.engine import InferenceEngine, TrainEngine, TrainEngineContext
 from areal_kernel.api.inference_engine import InferenceBackendContext, InferenceBackendProtocol
-from areal_kernel.api.io import GenerationConfig
+from areal_kernel.api.io import GenerationConfig, TrajectoryGroup
 from areal_kernel.api.reward import Reward, RewardContext, json_settings
 from areal_kernel.api.scheduler import Scheduler
 from areal_kernel.api.workflow import DEFAULT_REQUIRED_FIELDS, WorkflowContext, WorkflowProtocol
@@ -180,6 +181,7 @@ def generation_config(cfg: ExperimentConfig) -> GenerationConfig:
 class Rollout:
     """Inference servers + the client + the workflow + the reward pool.
 
+    A context manager: ``with`` a started rollout stops it at the end.
     ``backend``, ``scheduler``, ``engine``, ``workflow``, ``reward`` and
     ``reward_pool`` exist once ``start()`` has built them (reading one before
     raises ``RuntimeError``); ``stop()`` releases whatever was built."""
@@ -198,6 +200,7 @@ class Rollout:
     _workflow: WorkflowProtocol | None = field(default=None, init=False, repr=False)
     _reward: Reward | None = field(default=None, init=False, repr=False)
     _reward_pool: "RewardPool | None" = field(default=None, init=False, repr=False)
+    _stopped: bool = field(default=False, init=False, repr=False)
 
     @staticmethod
     def _started(part: Any, name: str) -> Any:
@@ -263,6 +266,31 @@ class Rollout:
         self._workflow = reg.build("workflow", cfg.workflow.type, context)
         return self
 
+    def __enter__(self) -> "Rollout":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    def run_episodes(self, records: Sequence[dict], what: str = "rollout episodes") -> list[TrajectoryGroup | None]:
+        """``workflow.arun_episode(engine, record)`` for every record at once
+        (in order; ``None`` where the workflow rejected a record), on an event
+        loop of its own that ends with the call (``what`` names it in log
+        messages). Each group's trajectories carry their rewards."""
+        from areal_kernel.utils import aio
+
+        return aio.run(self._episodes(list(records)), what)
+
+    async def _episodes(self, records: list[dict]) -> list[TrajectoryGroup | None]:
+        wf, engine = self.workflow, self.engine
+        try:
+            return list(await asyncio.gather(*(wf.arun_episode(engine, r) for r in records)))
+        finally:
+            # The client's HTTP sessions belong to this loop, which ends here.
+            close = getattr(engine, "aclose", None)
+            if close is not None:
+                await close(current_loop_only=True)
+
     def check(self) -> None:
         """Raise if a server was lost for good (restart budget spent)."""
         if self.supervisor is not None:
@@ -278,6 +306,11 @@ class Rollout:
         return out
 
     def stop(self) -> None:
+        """Stop what ``start()`` built (all of it or the part it got to);
+        a second call does nothing."""
+        if self._stopped:
+            return
+        self._stopped = True
         # The supervisor first: servers stopped below must not be restarted.
         if self.supervisor is not None:
             self.supervisor.stop()

@@ -16,9 +16,8 @@ from typing import Any, NoReturn
 from areal_kernel.api.advantage_estimator import AdvantageEstimator, AdvantageEstimatorContext
 from areal_kernel.api.engine import TrainEngine
 from areal_kernel.api.loss import LossContext, PolicyLoss
-from areal_kernel.api.metric_sink import MetricSinkProtocol
-from areal_kernel.api.weight_transport import WeightTransportContext, WeightTransportProtocol
-from areal_kernel.api.io import FinetuneSpec, TrajectoryBatch
+from areal_kernel.api.weight_transport import WeightTransportProtocol
+from areal_kernel.api.io import TrajectoryBatch
 from areal_kernel.api.trainer import Trainer, TrainerContext
 from areal_kernel.config.models import ExperimentConfig
 from areal_kernel.errors import ArealError, ConfigError
@@ -30,20 +29,22 @@ from areal_kernel.trainer.common import (
     INTERRUPT,
     SETUP_FIRST,
     RecordStream,
-    make_sinks,
     save_hf_checkpoint,
     write_run_config,
 )
-from areal_kernel.trainer.components import (
+from areal_kernel.trainer.components import log_model_precision
+from areal_kernel.trainer.toolkit import (
+    MetricSinks,
     Rollout,
-    build_train_engine,
-    load_data,
-    load_tokenizer,
-    log_model_precision,
-    resolve_model_dir,
-    workflow_required_fields,
+    build_weight_transport,
+    evaluate_held_out,
+    finetune_spec,
+    load_datasets,
+    open_metric_sinks,
+    resolve_model,
+    start_rollout,
+    start_train_engine,
 )
-from areal_kernel.trainer.evaluate import evaluate
 from areal_kernel.trainer.recovery import (
     SAMPLES_FILE,
     STATE_FILE,
@@ -126,7 +127,7 @@ class RLTrainer(Trainer):
         self.critic: Any = None  # value model, only for estimators that need values (gae)
         self.transport: WeightTransportProtocol | None = None
         self.executor: RolloutExecutor | None = None
-        self.sinks: list[MetricSinkProtocol] = []
+        self.sinks = MetricSinks([])
         self.samples_log: SamplesLog | None = None
         self.version = 0
         self.step = 0  # last completed step
@@ -142,10 +143,14 @@ class RLTrainer(Trainer):
         cfg, reg = self.cfg, get_registry()
         # Everything that can fail on user input comes before anything is
         # written into run_dir (an earlier run's files stay as they were).
+        # The parts come from the trainer toolkit (areal_kernel.trainer.toolkit),
+        # which plugin trainers use too.
+        ctx = self.context
         self.needs_critic = needs_critic(cfg)
-        self.model_dir = resolve_model_dir(cfg)
-        self.tokenizer = load_tokenizer(self.model_dir)
-        self.train_records, self.eval_records = load_data(cfg, workflow_required_fields(cfg))
+        self.model = resolve_model(ctx)
+        self.model_dir, self.tokenizer = self.model.path, self.model.tokenizer
+        data = load_datasets(ctx)
+        self.train_records, self.eval_records = data.train, data.held_out
         plan = plan_start(cfg, self.run_dir)
         # Whether it resumes (and from where) or starts over (and why), and
         # what happened to the earlier run's logs: said on every start.
@@ -171,18 +176,11 @@ class RLTrainer(Trainer):
             print(f"starting at step 0: {plan.reason}{note}", flush=True)
         write_run_config(cfg, self.run_dir)
         log_model_precision(cfg, self.model_dir)
-        self.ft = FinetuneSpec(
-            total_train_epochs=cfg.trainer.total_train_epochs,
-            dataset_size=len(self.train_records),
-            train_batch_size=cfg.trainer.batch_size,
-            max_steps=cfg.trainer.max_steps,
-        )
-        self.sinks = make_sinks(cfg, self.run_dir, self.ft.total_train_steps)
+        self.ft = finetune_spec(ctx, len(self.train_records))
+        self.sinks = open_metric_sinks(ctx, self.ft.total_train_steps)
         self.hook.areal_on_run_start(config=cfg, run_dir=self.run_dir)
         log.info("starting inference servers", backend=str(cfg.rollout.allocation), model=self.model_dir)
-        self.rollout = Rollout(
-            cfg, self.run_dir, self.model_dir, self.tokenizer, recovery_hint=self._latest_checkpoint_path
-        ).start()
+        self.rollout = start_rollout(ctx, self.model, recovery_hint=self._latest_checkpoint_path)
         log.info("inference servers ready", addresses=self.rollout.addresses)
         engine_cfg = cfg.actor.plugin_config
         if engine_cfg is not None and hasattr(engine_cfg, "temperature"):
@@ -204,35 +202,17 @@ class RLTrainer(Trainer):
         # Each batch takes ppo_n_minibatches optimizer steps: the lr schedule counts them all.
         opt_steps = self.ft.total_train_steps * cfg.algorithm.ppo_n_minibatches
         sched = self.rollout.scheduler
-        self.train_engine = build_train_engine(cfg, self.run_dir, settings=engine_cfg, scheduler=sched)
-        self.train_engine.initialize(self.model_dir, opt_steps)
+        self.train_engine = start_train_engine(ctx, self.model, opt_steps, settings=engine_cfg, scheduler=sched)
         if self.needs_critic:
             self.critic = self._make_critic(engine_cfg, opt_steps)
         if cfg.algorithm.kl_coef > 0:
             # A frozen copy of the initial policy, only ever used for scoring.
-            self.ref_engine = build_train_engine(cfg, self.run_dir, settings=engine_cfg, scheduler=sched, role="ref")
-            self.ref_engine.initialize(self.model_dir, self.ft.total_train_steps)
-        transport_name = self.hook.areal_select_weight_transport(
-            train_backend=cfg.actor.allocation.backend,
-            inference_backend=cfg.rollout.allocation.backend,
-            platform=self.rollout.scheduler.platform.name,
-            mode=cfg.weight_update.mode,
-        )
-        assert self.rollout.engine is not None
-        self.transport = transport = reg.build(
-            "weight_transport",
-            transport_name,
-            WeightTransportContext(
-                name=transport_name,
-                train_engine=self.train_engine,
-                inference_engine=self.rollout.engine,
-                run_dir=self.run_dir,
-                bucket_bytes=cfg.weight_update.bucket_mb << 20,
-                config=cfg,
-            ),
-        )
+            self.ref_engine = start_train_engine(
+                ctx, self.model, self.ft.total_train_steps, settings=engine_cfg, scheduler=sched, role="ref"
+            )
+        self.transport = transport = build_weight_transport(ctx, self.train_engine, self.rollout)
         transport.setup()
-        log.info("weight transport ready", transport=transport_name)
+        log.info("weight transport ready", transport=transport.name)
         adapter = self.train_engine.adapter_spec()
         if adapter is not None:
             # Requests name the adapter this run trains; the servers serve it
@@ -335,20 +315,11 @@ class RLTrainer(Trainer):
 
     # -- pieces -----------------------------------------------------------------
     def log_metrics(self, step: int, metrics: dict[str, Any]) -> None:
-        for sink in self.sinks:
-            sink.log(step, metrics)
+        self.sinks.log(step, metrics)
 
     def evaluate(self) -> dict[str, Any]:
         assert self.rollout is not None, SETUP_FIRST
-        assert self.rollout.reward is not None, SETUP_FIRST
-        threshold = self.rollout.reward.success_threshold
-        return evaluate(
-            self.rollout.workflow,
-            self.rollout.engine,
-            self.eval_records,
-            self.cfg.rollout.gconfig.max_new_tokens,
-            success_threshold=threshold,
-        )
+        return evaluate_held_out(self.context, self.rollout, self.eval_records)
 
     @staticmethod
     def _eval_metrics(result: dict[str, Any]) -> dict[str, float]:
@@ -607,8 +578,7 @@ class RLTrainer(Trainer):
                     close_transport()
             except Exception as e:  # the sinks below must still close
                 log.warning("weight transport close failed", transport=self.transport.name, error=repr(e))
-        for sink in self.sinks:
-            sink.close()
+        self.sinks.close()
         if self.samples_log is not None:
             self.samples_log.close()
         self.hook.areal_on_run_end(status=status, run_dir=self.run_dir)

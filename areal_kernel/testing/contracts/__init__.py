@@ -38,6 +38,7 @@ from areal_kernel.testing.contracts.scheduler import SchedulerContract
 from areal_kernel.testing.contracts.tool import ToolContract
 from areal_kernel.testing.contracts.tool_parser import ToolParserContract
 from areal_kernel.testing.contracts.train_engine import TrainEngineContract
+from areal_kernel.testing.contracts.trainer import TrainerContract
 from areal_kernel.testing.contracts.weight_transport import WeightTransportContract
 from areal_kernel.testing.contracts.workflow import WorkflowContract
 
@@ -53,6 +54,7 @@ __all__ = [
     "ToolContract",
     "ToolParserContract",
     "TrainEngineContract",
+    "TrainerContract",
     "WeightTransportContract",
     "WorkflowContract",
 ]
