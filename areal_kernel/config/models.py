@@ -184,18 +184,6 @@ class RLSettings(StrictModel):
         return self
 
 
-# What the kernel passes every advantage estimator besides (rewards,
-# group_ids), and every policy loss besides (logprobs, data), as keywords
-# (areal_kernel.algo.rl). A plugin's config_model field of one of these names
-# could never arrive: resolve() refuses it. Also importable from
-# areal_kernel.algo.estimators and areal_kernel.algo.losses.
-ESTIMATOR_KEYWORDS = ("loss_masks", "token_rewards", "values", "gamma", "lam", "norm", "std_normalize", "eps")
-LOSS_KEYWORDS = (
-    "entropy", "eps_clip", "eps_clip_high", "dual_clip", "ratio_level", "behav_imp_weight_cap",
-    "behav_imp_weight_mode", "kl_coef", "kl_estimator", "entropy_coef", "loss_agg",
-)  # fmt: skip
-
-
 def rl_settings_of(algorithm: RLSettings) -> dict[str, Any]:
     """Every ``RLSettings`` field of ``algorithm`` by name (what the RL step is built from)."""
     return {name: getattr(algorithm, name) for name in RLSettings.model_fields}

@@ -18,7 +18,12 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from pydantic import BaseModel
 
-from areal_kernel.config.models import ESTIMATOR_KEYWORDS, LOSS_KEYWORDS
+from areal_kernel.config.knobs import (
+    ESTIMATOR_CALL_KEYWORDS,
+    LEGACY_ESTIMATOR_KEYWORDS,
+    LEGACY_LOSS_KEYWORDS,
+    LOSS_CALL_KEYWORDS,
+)
 from areal_kernel.config.sections import PluginSection, unknown_section_error, validate_settings
 from areal_kernel.errors import ConfigError, PluginLoadError, PluginNotFoundError
 
@@ -164,10 +169,15 @@ def _resolve_algorithm(algorithm: AlgorithmConfig, registry: PluginLookup) -> No
                 f"'{name}' and declares settings; one section cannot hold both"
             )
         if kind != "trainer":
-            reserved = ESTIMATOR_KEYWORDS if kind == "advantage_estimator" else LOSS_KEYWORDS
+            # The kernel passes these itself (the knobs as keywords too, to a callable
+            # without a knobs parameter, while that convention lasts): a settings
+            # field of the same name could never arrive.
+            if kind == "advantage_estimator":
+                reserved = ESTIMATOR_CALL_KEYWORDS + LEGACY_ESTIMATOR_KEYWORDS
+            else:
+                reserved = LOSS_CALL_KEYWORDS + LEGACY_LOSS_KEYWORDS
             clash = sorted(set(type(value).model_fields) & set(reserved))
             if clash:
-                # The kernel passes these itself; a settings field of the same name could never arrive.
                 raise ConfigError(
                     f"{where}: the config_model of {kind} '{name}' has field(s) {', '.join(clash)}, which the "
                     f"kernel already passes (algorithm.{clash[0]}); rename them in the plugin"

@@ -59,7 +59,7 @@ def test_unknown_names_are_config_errors_naming_the_field(areal_env):
 def test_plugin_settings_are_typed_and_arrive_with_the_models_defaults(with_algo_plugin, tiny_llama_dir):
     """``algorithm.<name>`` is validated against the registered config_model;
     the validated values (defaults included) arrive as keywords."""
-    from areal_kernel.algo.rl import RLConfig, compute_advantages, loss_options
+    from areal_kernel.algo.rl import RLConfig, compute_advantages
     from areal_kernel.config.loader import load_config
     from areal_kernel.plugins import get_registry
 
@@ -68,12 +68,12 @@ def test_plugin_settings_are_typed_and_arrive_with_the_models_defaults(with_algo
     assert type(cfg.algorithm.advantage_settings).__name__ == "SignSettings"
     assert cfg.algorithm.advantage_settings.scale == 3.0  # coerced by the plugin's model
     rl_cfg = RLConfig.from_config(cfg)
-    assert loss_options(rl_cfg)["pg_coef"] == 1.0  # the model's default: the function has none
+    assert rl_cfg.loss_settings.pg_coef == 1.0  # the model's default: the function has none
     adv, _ = compute_advantages(_fixed_batch(), rl_cfg)
     assert max(abs(a) for row in adv for a in row) == pytest.approx(3.0)
     # Built without a config file: the model's defaults still arrive.
     direct = RLConfig(advantage="sign", loss="vanilla_pg")
-    assert direct.advantage_settings.scale == 1.0 and loss_options(direct)["pg_coef"] == 1.0
+    assert direct.advantage_settings.scale == 1.0 and direct.loss_settings.pg_coef == 1.0
     assert cfg.dump()["algorithm"]["sign"] == {"scale": 3.0}  # config.yaml keeps the section
 
 
