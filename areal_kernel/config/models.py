@@ -134,8 +134,10 @@ class RLSettings(StrictModel):
     """The knobs of the RL actor (and critic) update: the one definition of
     each setting and its default. ``AlgorithmConfig`` (what users write under
     ``algorithm:``) and ``areal_kernel.algo.rl.RLConfig`` (what the RL step
-    reads) both inherit these fields; neither restates them
-    (tests/algo/test_algorithm_defaults.py keeps it that way)."""
+    reads) both inherit these fields, and ``LossKnobs`` / ``AdvantageKnobs``
+    (what losses and estimators get) copy theirs from here; none restates a
+    default (tests/algo/test_algorithm_defaults.py and test_knobs.py keep it
+    that way)."""
 
     advantage: str = Field("grpo", description="Registered advantage estimator.")
     loss: str = Field("ppo", description="Registered policy loss.")
@@ -199,8 +201,9 @@ class TrainerChoice(StrictModel):
 class AlgorithmConfig(RLSettings, TrainerChoice):
     """``type`` selects the trainer (a registered name, see ``areal plugins``;
     built in: ``grpo`` for the asynchronous RL loop, ``sft``, ``dpo``,
-    ``ipo``, ``rm``). The RL knobs (``RLSettings``) are what every estimator
-    and loss receives. An estimator, loss or trainer that registered a
+    ``ipo``, ``rm``). The RL knobs (``RLSettings``) are what the RL step
+    reads; every estimator and loss receives its share of them as one frozen
+    object (``LossKnobs`` / ``AdvantageKnobs``, areal_kernel.config.knobs). An estimator, loss or trainer that registered a
     ``config_model`` takes its own settings from ``algorithm.<its name>:
     {...}`` (validated against that model; see ``advantage_settings`` /
     ``loss_settings`` / ``trainer_settings``)."""

@@ -199,3 +199,37 @@ def test_the_removed_keyword_lists_are_deprecated_aliases():
         assert rl.loss_options(RLConfig(eps_clip=0.3))["eps_clip"] == 0.3
     with pytest.raises(AttributeError):
         losses.NOT_A_NAME  # noqa: B018
+
+
+@pytest.mark.parametrize(
+    "kind, field",
+    [("loss", "knobs"), ("loss", "entropy"), ("loss", "eps_clip"), ("advantage_estimator", "knobs"),
+     ("advantage_estimator", "values"), ("advantage_estimator", "norm")],
+)  # fmt: skip
+def test_a_setting_named_like_what_the_kernel_passes_is_refused(kind, field):
+    """The call keywords (and, while the old convention lives, the knobs' old
+    keyword names) could never reach a plugin as its own setting."""
+    from pydantic import create_model
+
+    from areal_kernel.config import resolve, validate_config
+    from areal_kernel.errors import ConfigError
+    from areal_kernel.plugins.registry import FactorySpec, Registry
+
+    reg = Registry()
+    names = {
+        "train_engine": ["torch"], "inference_engine": ["embedded"], "dataset": ["arithmetic"], "workflow": ["rlvr"],
+        "reward": ["math"], "advantage_estimator": ["grpo"], "loss": ["ppo"], "trainer": ["grpo"],
+        "metric_sink": ["console", "jsonl", "tensorboard"], "scheduler": ["local"],
+    }  # fmt: skip
+    for k, kind_names in names.items():
+        for name in kind_names:
+            reg.add(FactorySpec(k, name, "probe:target", "probe"))
+    settings = create_model("Clash", **{field: (float, 1.0)})
+    reg.add(FactorySpec(kind, "mine", "probe:target", "probe", config_model=settings))
+    key = "loss" if kind == "loss" else "advantage"
+    with pytest.raises(ConfigError, match=rf"algorithm\.mine: .* field\(s\) {field}, which the kernel already passes"):
+        resolve(validate_config({"algorithm": {key: "mine"}}), reg)
+    # A knob's field name that is no keyword of either convention is free (adv_eps arrives as knobs.adv_eps).
+    if kind == "advantage_estimator":
+        reg.add(FactorySpec(kind, "free", "probe:target", "probe", config_model=create_model("Free", adv_eps=(float, 1.0))))
+        assert resolve(validate_config({"algorithm": {key: "free"}}), reg).algorithm.advantage_settings.adv_eps == 1.0
