@@ -170,10 +170,11 @@ def areal_register_workflows(register: Register) -> None:
 def areal_register_advantage_estimators(register: Register) -> None:
     """Register advantage estimators (``algorithm.advantage``), e.g. ``grpo``.
 
-    Target: ``fn(rewards, group_ids, *, loss_masks, **kwargs)`` returning one
-    advantage per trajectory, one row per trajectory (per token) or an
-    ``areal_kernel.algo.estimators.AdvantageResult``; the shared algorithm
-    knobs and the fields of its ``algorithm.<name>`` settings arrive as
+    Target: ``fn(rewards, group_ids, *, loss_masks, knobs, **kwargs)``
+    returning one advantage per trajectory, one row per trajectory (per
+    token) or an ``areal_kernel.algo.estimators.AdvantageResult``; the
+    shared algorithm knobs arrive as one ``AdvantageKnobs`` object
+    (``knobs``), the fields of its ``algorithm.<name>`` settings as
     keywords; see docs/algorithms.md.
     """
 
@@ -182,10 +183,10 @@ def areal_register_advantage_estimators(register: Register) -> None:
 def areal_register_losses(register: Register) -> None:
     """Register policy losses (``algorithm.loss``), e.g. ``ppo``.
 
-    Target: ``fn(logprobs, data, *, entropy, **kwargs) -> (loss, stats)``
+    Target: ``fn(logprobs, data, *, entropy, knobs, **kwargs) -> (loss, stats)``
     following the train engine's token-sum contract; the algorithm's loss
-    knobs and the fields of its ``algorithm.<name>`` settings arrive as
-    keywords (see docs/algorithms.md).
+    knobs arrive as one ``LossKnobs`` object (``knobs``), the fields of its
+    ``algorithm.<name>`` settings as keywords (see docs/algorithms.md).
     """
 
 
