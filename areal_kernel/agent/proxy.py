@@ -8,7 +8,8 @@ and recorded with its logprobs and weight versions (``sessions``).
 
 Routes (JSON; errors are one ``{"error": {"message", "type", "param", "code"}}``):
 
-- ``GET /health``: open.
+- ``GET /health``: open; in online training also ``free_slots``, the
+  sessions ``POST /sessions`` can open now without waiting.
 - ``POST /sessions`` -> ``{session_id, api_key, base_url}``: needs the admin
   token when one is set (always off loopback). In online training it waits
   for a free rollout slot under the staleness budget (503 when none frees
@@ -299,7 +300,13 @@ class AgentProxy:
     async def _health(self, request: Any) -> Any:
         from aiohttp import web
 
-        return web.json_response({"status": "ok", "sessions": len(self.store)})
+        body: dict[str, Any] = {"status": "ok", "sessions": len(self.store)}
+        if self.require_slots:
+            # Online training: how many sessions POST /sessions can open now
+            # without waiting (none until the run has started its rollouts).
+            # Slots cancelled since they were offered still count until claimed.
+            body["free_slots"] = self.slots.qsize()
+        return web.json_response(body)
 
     async def _models(self, request: Any) -> Any:
         from aiohttp import web

@@ -39,6 +39,31 @@ def supports_restart(launcher: Any) -> bool:
     return isinstance(launcher, SubprocessLauncher)
 
 
+class ServerGaveUp(ServerError):
+    """A server past its restart budget. The checkpoint line names the newest
+    recovery checkpoint when the error is shown, not when the server was
+    given up: the trainer finishes the step it is in first and may write a
+    newer checkpoint, which (``checkpoint.keep_last``) can remove the one
+    that was newest at give-up time."""
+
+    def __init__(self, head: str, recovery_hint: Callable[[], str | None] | None, tail: str) -> None:
+        self._head, self._hint, self._tail = head, recovery_hint, tail
+        super().__init__(self._render())
+
+    def _render(self) -> str:
+        checkpoint = None
+        if self._hint is not None:
+            try:
+                checkpoint = self._hint()
+            except Exception as e:  # the hint must never hide the real error
+                checkpoint = f"(unknown: {type(e).__name__}: {e})"
+        resume = " (areal train with the same config and run_dir resumes from it)" if checkpoint else ""
+        return f"{self._head}\n  last recovery checkpoint: {checkpoint or 'none'}{resume}\n{self._tail}"
+
+    def __str__(self) -> str:
+        return self._render()
+
+
 class ServerSupervisor:
     """``client`` is the ``RemoteInferenceEngine`` of the same servers.
     ``resync(address)`` (default ``client.resync_server``) brings a restarted
@@ -138,17 +163,10 @@ class ServerSupervisor:
     def _give_up(self, i: int, address: str, why: str) -> None:
         servers = self.launcher.servers
         log_path = servers[i].log_path if i < len(servers) else None
-        checkpoint = None
-        if self.recovery_hint is not None:
-            try:
-                checkpoint = self.recovery_hint()
-            except Exception as e:  # the hint must never hide the real error
-                checkpoint = f"(unknown: {type(e).__name__}: {e})"
-        self.error = ServerError(
-            f"inference server {address} {why}\n  log: {log_path or '(none)'}\n"
-            f"  last recovery checkpoint: {checkpoint or 'none'}"
-            + (" (areal train with the same config and run_dir resumes from it)" if checkpoint else "")
-            + f"\n--- last lines of its log ---\n{self.launcher.log_tail(i)}"
+        self.error = ServerGaveUp(
+            f"inference server {address} {why}\n  log: {log_path or '(none)'}",
+            self.recovery_hint,
+            f"--- last lines of its log ---\n{self.launcher.log_tail(i)}",
         )
         self._given_up.add(i)
         log.error("giving up on inference server", server=address, reason=why)

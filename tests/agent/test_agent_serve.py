@@ -37,12 +37,16 @@ def test_online_sessions_from_outside_are_trained_on(areal_tiny_chat_model_dir, 
         deadline = time.monotonic() + 240
         while True:
             assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
+            # Up, and both places of the budget offered: the proxy listens
+            # before the run has started its rollouts, and a session asked
+            # for earlier waits only session_wait_s (1 s) for a slot.
             try:
-                if http("GET", f"{url}/health")[0] == 200:
+                status, health = http("GET", f"{url}/health")
+                if status == 200 and health.get("free_slots") == 2:
                     break
             except OSError:
                 pass
-            assert time.monotonic() < deadline, "the proxy never came up"
+            assert time.monotonic() < deadline, "the proxy never offered both slots"
             time.sleep(0.2)
 
         sessions = [http("POST", f"{url}/sessions", {"metadata": {"client": k}})[1] for k in range(2)]

@@ -60,6 +60,10 @@ def test_multi_turn_grpo_on_smollm2_raises_the_reward(arm, run_areal, smollm2_di
     known = [x for x in second if x is not None and not math.isnan(x)]
     assert known and all(0.0 <= x <= 1.0 for x in known), second
     assert second[0] is not None and not math.isnan(second[0]), "the initial policy got no second turn"
-    assert all(t is not None and 1.0 < t <= 2.0 for t in turns), turns
+    # A step whose samples all answered right at once averages exactly 1 turn
+    # (a fresh-clone run's learning arm did at step 6, sampling reward 1.0), so
+    # only the first step, where second turns were seen, must exceed 1.
+    assert all(t is not None and 1.0 <= t <= 2.0 for t in turns), turns
+    assert turns[0] > 1.0, turns
     print(f"{arm}: {MULTI_TURN.describe(steps)}")
     MULTI_TURN.assert_arm(arm, steps)

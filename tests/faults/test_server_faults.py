@@ -287,3 +287,26 @@ def test_areal_train_survives_a_killed_server(tmp_path):
     assert m, plain[-4000:]
     assert int(m.group(1)) >= 1  # killed after step 1: the restart got the trained weights, not the base model
     assert "restarting server" in open(os.path.join(run_dir, "server-0.log")).read()
+
+
+def test_the_checkpoint_named_is_the_newest_when_the_error_is_shown():
+    """The trainer finishes the step it is in after a server is given up and
+    may write a newer recovery checkpoint, removing the one that was newest
+    then (``checkpoint.keep_last=1``): the message names the newest one when
+    it is shown (test_vllm_restart.py caught the stale name on a real run)."""
+    from areal_kernel.inference.supervisor import ServerGaveUp
+
+    newest = ["/run/recover/step3"]
+    err = ServerGaveUp("inference server 127.0.0.1:1 exited", lambda: newest[0], "--- last lines of its log ---\nx")
+    assert isinstance(err, ServerError)
+    assert "last recovery checkpoint: /run/recover/step3 (areal train" in str(err)
+    newest[0] = "/run/recover/step4"
+    assert "last recovery checkpoint: /run/recover/step4 (areal train" in str(err)
+    assert str(err).startswith("inference server 127.0.0.1:1 exited\n") and str(err).endswith("\nx")
+
+    def broken() -> str:
+        raise OSError("gone")
+
+    # A failing hint does not hide the error; without a checkpoint it says none.
+    assert "last recovery checkpoint: (unknown: OSError: gone)" in str(ServerGaveUp("h", broken, "t"))
+    assert "last recovery checkpoint: none\nt" in str(ServerGaveUp("h", lambda: None, "t"))
