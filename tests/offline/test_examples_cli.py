@@ -100,7 +100,16 @@ def test_offline_config_mistakes_name_the_field(capsys):
     with pytest.raises(ConfigError, match=r"algorithm\.dpo\.label_smoothing"):
         load_config(dpo, ["algorithm.dpo.label_smoothing=0.7"], registry=get_registry())
     with pytest.raises(ConfigError, match=r"algorithm\.sft\.loss_aggregation"):
-        load_config(dpo, ["algorithm.sft.loss_aggregation=sum"], registry=get_registry())
+        sft = os.path.join(EXAMPLES, "sft_chat.yaml")
+        load_config(sft, ["algorithm.sft.loss_aggregation=sum"], registry=get_registry())
+    # ipo reads the dpo section (its registered settings_section); its own name is no section.
+    ipo = load_config(dpo, ["algorithm.type=ipo", "algorithm.dpo.beta=0.25"], registry=get_registry())
+    assert ipo.algorithm.trainer_settings.beta == 0.25
+    with pytest.raises(ConfigError, match=r"algorithm\.ipo: unknown key.*whose settings are algorithm\.dpo"):
+        load_config(dpo, ["algorithm.type=ipo", "algorithm.ipo.beta=0.2"], registry=get_registry())
+    # A section of a trainer that algorithm.type does not select is refused, not ignored.
+    with pytest.raises(ConfigError, match=r"algorithm\.sft: the settings of trainer 'sft', but algorithm\.type selects"):
+        load_config(dpo, ["algorithm.sft.loss_aggregation=seq_mean"], registry=get_registry())
     # `areal check` dry-runs a rollout, which offline algorithms do not have.
     assert main(["check", os.path.join(EXAMPLES, "sft_chat.yaml")]) == 2
     assert "trains offline" in capsys.readouterr().err
