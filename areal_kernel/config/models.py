@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
+from areal_kernel.config.offline import FORMER_ALGORITHM_FIELDS
 from areal_kernel.config.sections import PluginSection, StrictModel, require_resolved, unknown_section_error
 from areal_kernel.errors import ConfigError
 
@@ -198,10 +199,6 @@ class TrainerChoice(StrictModel):
     type: str = Field("grpo", description="Registered trainer (areal plugins lists them).")
 
 
-# The former fields of AlgorithmConfig that are the offline trainers' sections now.
-_OLD_OFFLINE_FIELDS = {"sft": "SFTConfig", "dpo": "DPOConfig", "rm": "RMConfig"}
-
-
 class AlgorithmConfig(RLSettings, TrainerChoice):
     """``type`` selects the trainer (a registered name, see ``areal plugins``;
     built in: ``grpo`` for the asynchronous RL loop, ``sft``, ``dpo``,
@@ -268,7 +265,7 @@ class AlgorithmConfig(RLSettings, TrainerChoice):
             try:
                 return super().__getattr__(name)
             except AttributeError:
-                if name not in _OLD_OFFLINE_FIELDS:
+                if name not in FORMER_ALGORITHM_FIELDS:
                     raise
             # Deprecated: sft/dpo/rm were fields until the offline trainers registered
             # their own config_model; a section not selected now reads as its defaults.
@@ -281,7 +278,7 @@ class AlgorithmConfig(RLSettings, TrainerChoice):
                 DeprecationWarning,
                 stacklevel=2,
             )
-            return getattr(offline, _OLD_OFFLINE_FIELDS[name])()
+            return getattr(offline, offline.FORMER_ALGORITHM_FIELDS[name])()
 
     def selected_factories(self) -> dict[str, str]:
         """Registry kind -> the name this section selects of it."""

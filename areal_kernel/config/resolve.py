@@ -14,6 +14,7 @@ registry is ``PluginLookup``; ``areal_kernel.plugins.Registry`` is one.
 from __future__ import annotations
 
 import re
+import warnings
 from typing import TYPE_CHECKING, Any, Protocol
 
 from pydantic import BaseModel
@@ -24,6 +25,7 @@ from areal_kernel.config.knobs import (
     LEGACY_LOSS_KEYWORDS,
     LOSS_CALL_KEYWORDS,
 )
+from areal_kernel.config.offline import FORMER_ALGORITHM_FIELDS
 from areal_kernel.config.sections import PluginSection, unknown_section_error, validate_settings
 from areal_kernel.errors import ConfigError, PluginLoadError, PluginNotFoundError
 
@@ -153,9 +155,21 @@ def _resolve_algorithm(algorithm: AlgorithmConfig, registry: PluginLookup) -> No
     # The section each selected factory reads: its name, or a trainer's
     # registered settings_section (the kernel's ipo reads algorithm.dpo).
     sections = {kind: getattr(specs[kind], "settings_section", None) or name for kind, name in selected.items()}
-    for key in extras:
-        if key not in sections.values():
+    for key in list(extras):
+        if key in sections.values():
+            continue
+        former = registry.find("trainer", key) if key in FORMER_ALGORITHM_FIELDS else None
+        if former is None:
             raise _foreign_section_error(algorithm, key, sections, specs["trainer"], registry)
+        # Deprecated: validated and ignored, as when it was a field.
+        validate_settings(f"algorithm.{key}", "trainer", key, extras[key], spec=former)
+        warnings.warn(
+            f"algorithm.{key}: the settings of trainer '{key}', which algorithm.type '{algorithm.type}' does not "
+            "read; ignored. Remove the section: from the next minor release it is an error",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        del extras[key]
     settings: dict[str, Any] = {}
     validated: dict[str, Any] = {}  # section name -> its validated settings
     for kind, name in selected.items():
