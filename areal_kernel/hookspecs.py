@@ -24,19 +24,24 @@ Phases
 The ``register`` callback
 -------------------------
 ``register(name, target, *, config_model=None, platforms=None,
-capabilities=(), description="", success_threshold=None, worker_preload=())``
+capabilities=(), description="", success_threshold=None, worker_preload=(),
+settings_section=None)``
 
 - ``name``: what users write in config (``"fsdp"``, ``"math"``).
 - ``target``: ``"pkg.module:Attr"``, imported only when the name is used.
 - ``config_model``: a pydantic model (or its ``"pkg.module:Model"`` path)
   validating the factory's own config section (``actor.fsdp: {...}``,
-  ``algorithm.<estimator or loss>: {...}``, ``logging.<sink>: {...}``).
+  ``algorithm.<estimator, loss or trainer>: {...}``, ``logging.<sink>: {...}``).
 - ``platforms``: platform names it runs on (``None``: all).
 - ``capabilities``: free-form strings (``"pause"``, ``"broadcast_update"``).
 - ``success_threshold``: rewards only; the reward of a solved sample
   (``eval/accuracy`` counts answers that reach it; default 1.0).
 - ``worker_preload``: rewards only; ``"pkg.module"`` (imported) or
   ``"pkg.module:function"`` (called) in each reward worker at start.
+- ``settings_section``: trainers only (with a ``config_model``); the
+  section under ``algorithm:`` holding its settings when it is not the
+  trainer's own name, so that several trainers share one (the kernel's
+  ``ipo`` reads ``algorithm.dpo``).
 """
 
 from __future__ import annotations
@@ -170,10 +175,11 @@ def areal_register_workflows(register: Register) -> None:
 def areal_register_advantage_estimators(register: Register) -> None:
     """Register advantage estimators (``algorithm.advantage``), e.g. ``grpo``.
 
-    Target: ``fn(rewards, group_ids, *, loss_masks, **kwargs)`` returning one
-    advantage per trajectory, one row per trajectory (per token) or an
-    ``areal_kernel.algo.estimators.AdvantageResult``; the shared algorithm
-    knobs and the fields of its ``algorithm.<name>`` settings arrive as
+    Target: ``fn(rewards, group_ids, *, loss_masks, knobs, **kwargs)``
+    returning one advantage per trajectory, one row per trajectory (per
+    token) or an ``areal_kernel.algo.estimators.AdvantageResult``; the
+    shared algorithm knobs arrive as one ``AdvantageKnobs`` object
+    (``knobs``), the fields of its ``algorithm.<name>`` settings as
     keywords; see docs/algorithms.md.
     """
 
@@ -182,10 +188,10 @@ def areal_register_advantage_estimators(register: Register) -> None:
 def areal_register_losses(register: Register) -> None:
     """Register policy losses (``algorithm.loss``), e.g. ``ppo``.
 
-    Target: ``fn(logprobs, data, *, entropy, **kwargs) -> (loss, stats)``
+    Target: ``fn(logprobs, data, *, entropy, knobs, **kwargs) -> (loss, stats)``
     following the train engine's token-sum contract; the algorithm's loss
-    knobs and the fields of its ``algorithm.<name>`` settings arrive as
-    keywords (see docs/algorithms.md).
+    knobs arrive as one ``LossKnobs`` object (``knobs``), the fields of its
+    ``algorithm.<name>`` settings as keywords (see docs/algorithms.md).
     """
 
 
@@ -218,7 +224,8 @@ def areal_register_trainers(register: Register) -> None:
     Target: a factory (usually a subclass of
     ``areal_kernel.api.trainer.Trainer``) called as ``factory(context)``
     with a ``TrainerContext`` (the validated config, the trainer's validated
-    ``algorithm.<name>`` settings, the run directory); it returns a
+    ``algorithm.<name>`` settings -- or ``algorithm.<settings_section>`` --,
+    the run directory); it returns a
     ``Trainer`` on which ``areal train`` calls ``setup()``, ``train()`` and
     ``close(status)``. Capability ``rollout``: the trainer uses inference
     servers (``areal check`` and ``areal plan`` include them). Called in the

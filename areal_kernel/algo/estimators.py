@@ -2,8 +2,7 @@
 
 Contract (what a plugin's estimator must accept; see docs/algorithms.md)::
 
-    fn(rewards, group_ids, *, loss_masks, token_rewards=None, values=None,
-       gamma=1.0, lam=1.0, norm=None, std_normalize=True, eps=1e-6, **kwargs)
+    fn(rewards, group_ids, *, loss_masks, token_rewards, values, knobs, **settings)
         -> list[float] | list[list[float]] | AdvantageResult
 
 * ``rewards``: one (shaped) reward per trajectory; ``group_ids``: its group.
@@ -12,8 +11,9 @@ Contract (what a plugin's estimator must accept; see docs/algorithms.md)::
   ``algorithm.kl_in: reward``), or ``None``.
 * ``values``: per-token critic values (only for estimators registered with
   ``capabilities=["needs_values"]``), else ``None``.
-* ``norm``: the user's ``algorithm.adv_norm`` (``group``/``batch``/``none``),
-  ``None`` meaning the estimator's own default.
+* ``knobs``: the shared knobs (``AdvantageKnobs``: ``gamma``, ``lam``,
+  ``adv_norm`` (``group``/``batch``/``none``, ``None`` meaning the
+  estimator's own default), ``std_normalize``, ``adv_eps``), the config's values.
 * an estimator that registered a ``config_model`` also gets its validated
   ``algorithm.<name>`` settings as keywords: every field, defaults
   included (declare them without defaults: the model holds the only ones).
@@ -26,6 +26,7 @@ critic ``returns``. Everything here is pure Python (no torch).
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -38,8 +39,12 @@ from areal_kernel.algo.advantages import (
     token_reward_rows,
     whiten_tokens,
 )
-from areal_kernel.config.models import ESTIMATOR_KEYWORDS  # noqa: F401  (what the kernel passes every estimator)
+from areal_kernel.config.knobs import LEGACY_ESTIMATOR_KEYWORDS, AdvantageKnobs, knobs_with
 from areal_kernel.errors import DataError
+
+# The built-in estimators take ``knobs`` (None: the config's defaults) and, for
+# a direct caller, the knobs' old keywords (gamma=, lam=, norm=, std_normalize=,
+# eps=), which replace those of ``knobs``; no signature here restates a default.
 
 
 @dataclass
@@ -66,15 +71,14 @@ def grpo(
     *,
     loss_masks: Sequence[Sequence[int]],
     token_rewards: Any = None,
-    norm: RewardNorm | None = None,
-    std_normalize: bool = True,
-    eps: float = 1e-6,
-    **_: Any,
+    knobs: AdvantageKnobs | None = None,
+    **options: Any,
 ) -> list[float]:
     """GRPO: ``(r - mean) / (std + eps)`` over the group (default) or the
     batch (``norm="batch"``); ``norm="none"`` gives raw rewards."""
+    k = knobs_with(AdvantageKnobs, knobs, options)
     seq = _seq_rewards(rewards, loss_masks, token_rewards)
-    return normalize_rewards(seq, group_ids, norm or "group", std_normalize=std_normalize, eps=eps)
+    return normalize_rewards(seq, group_ids, k.adv_norm or "group", std_normalize=k.std_normalize, eps=k.adv_eps)
 
 
 def dr_grpo(
@@ -83,15 +87,15 @@ def dr_grpo(
     *,
     loss_masks: Sequence[Sequence[int]],
     token_rewards: Any = None,
-    norm: RewardNorm | None = None,
-    eps: float = 1e-6,
-    **_: Any,
+    knobs: AdvantageKnobs | None = None,
+    **options: Any,
 ) -> list[float]:
     """Dr.GRPO: ``r - mean`` (group by default), never divided by the std.
     The other half of Dr.GRPO, no length normalisation, is the loss
     aggregation ``seq-mean-token-sum``."""
+    k = knobs_with(AdvantageKnobs, knobs, options)
     seq = _seq_rewards(rewards, loss_masks, token_rewards)
-    return normalize_rewards(seq, group_ids, norm or "group", std_normalize=False, eps=eps)
+    return normalize_rewards(seq, group_ids, k.adv_norm or "group", std_normalize=False, eps=k.adv_eps)
 
 
 def rloo(
@@ -100,17 +104,16 @@ def rloo(
     *,
     loss_masks: Sequence[Sequence[int]],
     token_rewards: Any = None,
-    norm: RewardNorm | None = None,
-    std_normalize: bool = True,
-    eps: float = 1e-6,
-    **_: Any,
+    knobs: AdvantageKnobs | None = None,
+    **options: Any,
 ) -> list[float]:
     """RLOO: reward minus the mean of the *other* group members; optionally
     normalised afterwards at ``norm`` level (default: not normalised)."""
+    k = knobs_with(AdvantageKnobs, knobs, options)
     adv = rloo_advantages(_seq_rewards(rewards, loss_masks, token_rewards), group_ids)
-    if norm in (None, "none"):
+    if k.adv_norm in (None, "none"):
         return adv
-    return normalize_rewards(adv, group_ids, norm, std_normalize=std_normalize, eps=eps)
+    return normalize_rewards(adv, group_ids, k.adv_norm, std_normalize=k.std_normalize, eps=k.adv_eps)
 
 
 def _reinforce_pp(
@@ -118,14 +121,12 @@ def _reinforce_pp(
     group_ids: Sequence[str],
     loss_masks: Sequence[Sequence[int]],
     token_rewards: Any,
-    gamma: float,
-    norm: RewardNorm | None,
-    std_normalize: bool,
-    eps: float,
+    k: AdvantageKnobs,
 ) -> list[list[float]]:
     rows = token_reward_rows(rewards, loss_masks, token_rewards)
-    returns = discounted_returns(rows, loss_masks, gamma)
-    return whiten_tokens(returns, loss_masks, norm or "batch", group_ids, std_normalize=std_normalize, eps=eps)
+    returns = discounted_returns(rows, loss_masks, k.gamma)
+    norm: RewardNorm = k.adv_norm or "batch"
+    return whiten_tokens(returns, loss_masks, norm, group_ids, std_normalize=k.std_normalize, eps=k.adv_eps)
 
 
 def reinforce_pp(
@@ -134,18 +135,15 @@ def reinforce_pp(
     *,
     loss_masks: Sequence[Sequence[int]],
     token_rewards: Any = None,
-    gamma: float = 1.0,
-    norm: RewardNorm | None = None,
-    std_normalize: bool = True,
-    eps: float = 1e-6,
-    **_: Any,
+    knobs: AdvantageKnobs | None = None,
+    **options: Any,
 ) -> list[list[float]]:
     """REINFORCE++: per-token discounted returns of (token rewards + the
     sequence reward at the last loss token), normalised over all loss tokens
     of the batch (``norm`` default ``batch``)."""
     if len(rewards) != len(group_ids):
         raise DataError(f"{len(rewards)} rewards but {len(group_ids)} group_ids: they must align")
-    return _reinforce_pp(rewards, group_ids, loss_masks, token_rewards, gamma, norm, std_normalize, eps)
+    return _reinforce_pp(rewards, group_ids, loss_masks, token_rewards, knobs_with(AdvantageKnobs, knobs, options))
 
 
 def reinforce_pp_baseline(
@@ -154,16 +152,13 @@ def reinforce_pp_baseline(
     *,
     loss_masks: Sequence[Sequence[int]],
     token_rewards: Any = None,
-    gamma: float = 1.0,
-    norm: RewardNorm | None = None,
-    std_normalize: bool = True,
-    eps: float = 1e-6,
-    **_: Any,
+    knobs: AdvantageKnobs | None = None,
+    **options: Any,
 ) -> list[list[float]]:
     """REINFORCE++ with baseline: subtract the group mean reward first, then
     as ``reinforce_pp`` (batch-normalised returns)."""
     centred = normalize_rewards(rewards, group_ids, "group", std_normalize=False)
-    return _reinforce_pp(centred, group_ids, loss_masks, token_rewards, gamma, norm, std_normalize, eps)
+    return _reinforce_pp(centred, group_ids, loss_masks, token_rewards, knobs_with(AdvantageKnobs, knobs, options))
 
 
 def gae(
@@ -173,21 +168,18 @@ def gae(
     loss_masks: Sequence[Sequence[int]],
     values: Any = None,
     token_rewards: Any = None,
-    gamma: float = 1.0,
-    lam: float = 0.95,
-    norm: RewardNorm | None = None,
-    std_normalize: bool = True,
-    eps: float = 1e-6,
-    **_: Any,
+    knobs: AdvantageKnobs | None = None,
+    **options: Any,
 ) -> AdvantageResult:
     """GAE(gamma, lambda) with critic values (PPO). Advantages are whitened
     over the batch's loss tokens (``norm`` default ``batch``); the returns
     (critic targets) are computed before whitening."""
     if values is None:
         raise DataError("advantage estimator 'gae' needs critic values (values=...); the trainer adds a critic for it")
+    k = knobs_with(AdvantageKnobs, knobs, options)
     rows = token_reward_rows(rewards, loss_masks, token_rewards)
-    adv, ret = gae_advantages(rows, values, loss_masks, gamma, lam)
-    adv = whiten_tokens(adv, loss_masks, norm or "batch", group_ids, std_normalize=std_normalize, eps=eps)
+    adv, ret = gae_advantages(rows, values, loss_masks, k.gamma, k.lam)
+    adv = whiten_tokens(adv, loss_masks, k.adv_norm or "batch", group_ids, std_normalize=k.std_normalize, eps=k.adv_eps)
     return AdvantageResult(adv, ret)
 
 
@@ -220,3 +212,16 @@ def to_token_rows(
             raise DataError(f"advantage estimator '{name}' produced a non-finite advantage in row {k}")
         out.append(vals)
     return out, returns
+
+
+def __getattr__(name: str) -> Any:
+    # Deprecated: the knobs travel as one AdvantageKnobs object now.
+    if name == "ESTIMATOR_KEYWORDS":
+        warnings.warn(
+            "areal_kernel.algo.estimators.ESTIMATOR_KEYWORDS is deprecated: an estimator takes knobs= "
+            "(areal_kernel.api.advantage_estimator.AdvantageKnobs); the names are AdvantageKnobs.model_fields",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return ("loss_masks", "token_rewards", "values") + LEGACY_ESTIMATOR_KEYWORDS
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -11,11 +11,10 @@ except keys ending in ``_max``. Called outside an engine (no
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable
 
-# LOSS_KEYWORDS: what the kernel passes every loss besides (logprobs, data)
-# (areal_kernel.algo.rl.loss_options); defined with the algorithm knobs.
-from areal_kernel.config.models import LOSS_KEYWORDS  # noqa: F401
+from areal_kernel.config.knobs import LEGACY_LOSS_KEYWORDS, LossKnobs, knobs_with
 from areal_kernel.errors import ConfigError, DataError
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
@@ -95,18 +94,9 @@ def ppo_actor_loss(
     logprobs: Any,
     data: dict[str, Any],
     *,
-    eps_clip: float = 0.2,
-    eps_clip_high: float | None = None,
-    behav_imp_weight_cap: float | None = None,
-    kl_coef: float = 0.0,
-    kl_estimator: str = "k3",
-    entropy_coef: float = 0.0,
     entropy: Any = None,
-    dual_clip: float | None = None,
-    ratio_level: str = "token",
-    behav_imp_weight_mode: str = "mask",
-    loss_agg: str = "token-mean",
-    **_ignored: Any,
+    knobs: LossKnobs | None = None,
+    **options: Any,
 ) -> tuple[Any, dict[str, Any]]:
     """Decoupled PPO clipped objective.
 
@@ -123,7 +113,11 @@ def ppo_actor_loss(
     * ``+ kl_coef * KL(pi || ref)`` with the chosen estimator over
       ``data["ref_logprobs"]``; ``- entropy_coef * entropy``.
 
-    Further options (defaults reproduce the plain objective above):
+    The options are the fields of ``knobs`` (``LossKnobs``; ``None``: the
+    config's defaults, ``LossKnobs()``). A direct caller may also pass them
+    as keywords (``eps_clip=0.1``), which replace those of ``knobs``; other
+    keywords are ignored, so one set of options can be passed to any loss.
+    Besides the ones above:
 
     * ``dual_clip`` (> 1): for ``A < 0`` the token loss is also capped at
       ``-A * dual_clip`` (Dual-clip PPO), bounding the push on tokens whose
@@ -145,13 +139,15 @@ def ppo_actor_loss(
       of token sums; no length normalisation, as in Dr.GRPO). KL and entropy
       terms use the same aggregation; stats are always token means.
 
-    Unknown keyword options are ignored so one set of algorithm knobs can be
-    passed to any registered loss.
-
     Returns ``(loss, stats)``; see the module docstring for normalisation.
     """
     import torch
 
+    k = knobs_with(LossKnobs, knobs, options)
+    eps_clip, eps_clip_high, dual_clip = k.eps_clip, k.eps_clip_high, k.dual_clip
+    behav_imp_weight_cap, behav_imp_weight_mode = k.behav_imp_weight_cap, k.behav_imp_weight_mode
+    kl_coef, kl_estimator, entropy_coef = k.kl_coef, k.kl_estimator, k.entropy_coef
+    ratio_level, loss_agg = k.ratio_level, k.loss_agg
     if eps_clip < 0 or (eps_clip_high is not None and eps_clip_high < 0):
         raise ConfigError(f"eps_clip ({eps_clip}) and eps_clip_high ({eps_clip_high}) must be >= 0")
     if behav_imp_weight_cap is not None and behav_imp_weight_cap <= 0.0:
@@ -261,16 +257,33 @@ def ppo_actor_loss(
     return loss, stats
 
 
-def make_ppo_loss_fn(**kwargs: Any) -> Callable[[Any, Any, dict[str, Any]], tuple[Any, dict[str, Any]]]:
-    """Bind ``ppo_actor_loss`` options into a ``loss_fn(logprobs, entropy, data)``
-    for ``TrainEngine.train_batch``. Asks the engine for entropy gradients only
+def make_ppo_loss_fn(
+    knobs: LossKnobs | None = None, **options: Any
+) -> Callable[[Any, Any, dict[str, Any]], tuple[Any, dict[str, Any]]]:
+    """Bind ``ppo_actor_loss`` options (``knobs``, keywords replacing its
+    fields) into a ``loss_fn(logprobs, entropy, data)`` for
+    ``TrainEngine.train_batch``. Asks the engine for entropy gradients only
     when ``entropy_coef`` is non-zero."""
+    k = knobs_with(LossKnobs, knobs, options)
 
     def loss_fn(logprobs: Any, entropy: Any, data: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
-        return ppo_actor_loss(logprobs, data, entropy=entropy, **kwargs)
+        return ppo_actor_loss(logprobs, data, entropy=entropy, knobs=k)
 
-    loss_fn.needs_entropy_grad = kwargs.get("entropy_coef", 0.0) != 0.0  # type: ignore[attr-defined]
+    loss_fn.needs_entropy_grad = k.entropy_coef != 0.0  # type: ignore[attr-defined]
     return loss_fn
+
+
+def __getattr__(name: str) -> Any:
+    # Deprecated: the knobs travel as one LossKnobs object now.
+    if name == "LOSS_KEYWORDS":
+        warnings.warn(
+            "areal_kernel.algo.losses.LOSS_KEYWORDS is deprecated: a loss takes knobs= "
+            "(areal_kernel.api.loss.LossKnobs); the names are LossKnobs.model_fields",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return ("entropy",) + LEGACY_LOSS_KEYWORDS
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def value_loss(

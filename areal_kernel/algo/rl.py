@@ -8,7 +8,10 @@ update). The defaults reproduce plain GRPO with the decoupled PPO loss.
 
 from __future__ import annotations
 
+import inspect
 import math
+import warnings
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Callable
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -17,6 +20,7 @@ from areal_kernel.algo.advantages import overlong_penalty, shape_rewards
 from areal_kernel.algo.estimators import to_token_rows
 from areal_kernel.api.engine import TrainEngine
 from areal_kernel.api.io import TrajectoryBatch
+from areal_kernel.config.knobs import AdvantageKnobs, LossKnobs, legacy_keywords
 from areal_kernel.config.models import GenerationSettings, RLSettings, rl_settings_of
 from areal_kernel.errors import ConfigError, DataError
 from areal_kernel.monitor.mismatch import finish as finish_mismatch
@@ -151,32 +155,84 @@ def _settings_kwargs(settings: Any) -> dict[str, Any]:
     return dict(settings)
 
 
-def loss_options(cfg: RLConfig) -> dict[str, Any]:
-    """Keyword options passed to the registered loss: the shared knobs
-    (``losses.LOSS_KEYWORDS``) plus every field of ``cfg.loss_settings``."""
-    opts = dict(
-        eps_clip=cfg.eps_clip,
-        eps_clip_high=cfg.eps_clip_high,
-        dual_clip=cfg.dual_clip,
-        ratio_level=cfg.ratio_level,
-        behav_imp_weight_cap=cfg.behav_imp_weight_cap,
-        behav_imp_weight_mode=cfg.behav_imp_weight_mode,
-        kl_coef=cfg.kl_coef if cfg.kl_in == "loss" else 0.0,
-        kl_estimator=cfg.kl_estimator,
-        entropy_coef=cfg.entropy_coef,
-        loss_agg=cfg.loss_agg,
+def takes_knobs(fn: Callable[..., Any]) -> bool:
+    """Whether ``fn`` declares a ``knobs`` parameter (the current calling
+    convention of losses and estimators); one that does not is called the
+    old way, with the knobs as keywords (deprecated)."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # no introspectable signature: assume the old convention
+        return False
+    p = params.get("knobs")
+    return p is not None and p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)
+
+
+def _who(kind: str, name: str, fn: Callable[..., Any]) -> str:
+    from areal_kernel.api.kinds import origin
+    from areal_kernel.plugins import get_registry
+
+    spec = get_registry().find(kind, name)
+    if spec is not None and spec.target.rsplit(":", 1)[-1] == getattr(fn, "__name__", None):
+        return f"{origin(spec)}, {spec.target}"
+    return f"{kind} {getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
+
+
+def knob_arguments(fn: Callable[..., Any], knobs: LossKnobs | AdvantageKnobs, kind: str, name: str) -> dict[str, Any]:
+    """How ``knobs`` reach ``fn``: ``{"knobs": knobs}``, or, for a callable
+    written before the knobs objects (no ``knobs`` parameter), every knob as
+    a keyword, with a ``DeprecationWarning`` naming it (that convention
+    stops working in the next minor release)."""
+    if takes_knobs(fn):
+        return {"knobs": knobs}
+    cls = type(knobs).__name__
+    warnings.warn(
+        f"{_who(kind, name, fn)} takes the shared knobs as keywords; that is deprecated and stops working in "
+        f"the next minor release: declare a `knobs` parameter and read them from it "
+        f"(areal_kernel.api.{'loss' if kind == 'loss' else 'advantage_estimator'}.{cls})",
+        DeprecationWarning,
+        stacklevel=3,
     )
-    opts.update(_settings_kwargs(cfg.loss_settings))
-    return opts
+    return legacy_keywords(knobs)
 
 
-def bind_loss(loss: Callable[..., Any], opts: dict[str, Any]) -> Callable[[Any, Any, dict[str, Any]], Any]:
-    """``loss(logprobs, data, entropy=..., **opts)`` as a ``train_batch`` loss_fn."""
+def loss_options(cfg: RLConfig) -> dict[str, Any]:
+    """Deprecated: the shared knobs as keywords plus every field of
+    ``cfg.loss_settings``. The RL step passes ``LossKnobs.of(cfg)`` whole now."""
+    warnings.warn(
+        "areal_kernel.algo.rl.loss_options is deprecated: use LossKnobs.of(cfg) (areal_kernel.api.loss) and "
+        "bind_loss(loss, knobs, cfg.loss_settings)",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return {**legacy_keywords(LossKnobs.of(cfg)), **_settings_kwargs(cfg.loss_settings)}
+
+
+def bind_loss(
+    loss: Callable[..., Any], knobs: LossKnobs | Mapping[str, Any], settings: Any = None, *, name: str = "loss"
+) -> Callable[[Any, Any, dict[str, Any]], Any]:
+    """``loss(logprobs, data, entropy=..., knobs=knobs, **settings)`` as a
+    ``train_batch`` loss_fn (``settings``: the loss's validated settings,
+    passed as keywords; ``name``: the registered name, for warnings). A loss
+    without a ``knobs`` parameter gets the knobs as keywords (deprecated).
+    The old form ``bind_loss(loss, options)`` with a mapping of keywords is
+    deprecated too."""
+    if isinstance(knobs, Mapping):
+        warnings.warn(
+            "bind_loss(loss, options) with a mapping of keywords is deprecated: pass "
+            "bind_loss(loss, LossKnobs.of(cfg), settings)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        opts = dict(knobs)
+        needs_grad = opts.get("entropy_coef", 0.0) != 0.0
+    else:
+        opts = {**knob_arguments(loss, knobs, "loss", name), **_settings_kwargs(settings)}
+        needs_grad = knobs.entropy_coef != 0.0
 
     def loss_fn(logprobs: Any, entropy: Any, data: dict[str, Any]) -> Any:
         return loss(logprobs, data, entropy=entropy, **opts)
 
-    loss_fn.needs_entropy_grad = opts.get("entropy_coef", 0.0) != 0.0  # type: ignore[attr-defined]
+    loss_fn.needs_entropy_grad = needs_grad  # type: ignore[attr-defined]
     return loss_fn
 
 
@@ -223,11 +279,7 @@ def compute_advantages(
         loss_masks=masks,
         token_rewards=token_rewards,
         values=values,
-        gamma=cfg.gamma,
-        lam=cfg.lam,
-        norm=cfg.adv_norm,
-        std_normalize=cfg.std_normalize,
-        eps=cfg.adv_eps,
+        **knob_arguments(est, AdvantageKnobs.of(cfg), "advantage_estimator", cfg.advantage),
         **_settings_kwargs(cfg.advantage_settings),
     )
     return to_token_rows(result, masks, cfg.advantage)
@@ -293,7 +345,7 @@ def rl_train_step(
     trajs = batch.trajectories
     prox_all = engine.compute_logprobs(batch, only_loss_tokens=True) if cfg.recompute_proximal else None
     v_prox = float(engine.get_version()) if hasattr(engine, "get_version") else 0.0
-    loss_fn = bind_loss(loss_impl, loss_options(cfg))
+    loss_fn = bind_loss(loss_impl, LossKnobs.of(cfg), cfg.loss_settings, name=cfg.loss)
     # The first minibatch is scored before this step's first optimizer
     # update: its log-probabilities are compared with the servers' (mismatch).
     first_fn = measured_loss(loss_fn, int(v_prox), mismatch_threshold)

@@ -3,13 +3,17 @@ loss contract every train engine keeps.
 
 The registered target is a function (``PolicyLoss``)::
 
-    loss(logprobs, data, *, entropy, **kwargs) -> (loss, stats)
+    loss(logprobs, data, *, entropy, knobs, **settings) -> (loss, stats)
 
-The RL step binds the shared knobs (``LOSS_KEYWORDS`` of
-``areal_kernel.algo.losses``) and the fields of the loss's validated
-``algorithm.<name>`` section to it as keywords and hands the result to
-``TrainEngine.train_batch`` as ``loss_fn``; it ignores keywords it does not
-know (``**kwargs``).
+The RL step binds the shared knobs, one frozen ``LossKnobs`` object built
+from the validated ``algorithm`` section (``LossKnobs.of(config)``), and the
+fields of the loss's validated ``algorithm.<name>`` section (as keywords) to
+it and hands the result to ``TrainEngine.train_batch`` as ``loss_fn``; it
+ignores keywords it does not know (``**kwargs``). Every knob's default is
+the config's (``RLSettings``); ``LossKnobs`` reads it from there. A loss
+without a ``knobs`` parameter (the convention before ``LossKnobs``) gets the
+knobs as keywords instead, with a ``DeprecationWarning`` naming it, until
+the next minor release.
 
 Loss contract (what ``train_batch`` promises ``loss_fn`` and expects back)
 --------------------------------------------------------------------------
@@ -51,11 +55,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from areal_kernel.api.kinds import KindContract
+from areal_kernel.config.knobs import LossKnobs
 
 if TYPE_CHECKING:
     from areal_kernel.plugins.registry import FactorySpec
 
-__all__ = ["PolicyLoss", "LossFn", "LossContext", "KIND"]
+__all__ = ["PolicyLoss", "LossFn", "LossContext", "LossKnobs", "KIND"]
 
 
 @runtime_checkable
@@ -63,7 +68,7 @@ class PolicyLoss(Protocol):
     """The type of a registered loss."""
 
     def __call__(
-        self, logprobs: Any, data: dict[str, Any], *, entropy: Any, **kwargs: Any
+        self, logprobs: Any, data: dict[str, Any], *, entropy: Any, knobs: LossKnobs, **kwargs: Any
     ) -> tuple[Any, dict[str, Any]]: ...
 
 
@@ -79,7 +84,7 @@ class LossFn(Protocol):
 class LossContext:
     """What a loss is built with: the selected ``name`` and its validated
     ``algorithm.<name>`` section (``None`` without a ``config_model``), which
-    the RL step binds as keywords."""
+    the RL step binds as keywords (the shared knobs arrive as ``knobs``)."""
 
     name: str
     settings: Any = None

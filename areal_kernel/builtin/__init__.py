@@ -226,10 +226,34 @@ def areal_register_trainers(register: Any) -> None:
         description="asynchronous RL on inference servers; the estimator and loss (GRPO, PPO, DAPO, ...) "
         "are algorithm.advantage / algorithm.loss",
     )
-    register("sft", f"{t}.sft:SFTTrainer", description="supervised fine-tuning on answers (algorithm.sft)")
-    register("dpo", f"{t}.preference:PreferenceTrainer", description="DPO on preference pairs (algorithm.dpo)")
-    register("ipo", f"{t}.preference:PreferenceTrainer", description="IPO on preference pairs (algorithm.dpo)")
-    register("rm", f"{t}.reward_model:RewardModelTrainer", description="Bradley-Terry reward model (algorithm.rm)")
+    # The offline trainers take their settings as a plugin trainer does: from
+    # algorithm.<name>, validated against the config_model registered here.
+    offline = "areal_kernel.config.offline"
+    register(
+        "sft",
+        f"{t}.sft:SFTTrainer",
+        config_model=f"{offline}:SFTConfig",
+        description="supervised fine-tuning on answers (algorithm.sft)",
+    )
+    register(
+        "dpo",
+        f"{t}.preference:PreferenceTrainer",
+        config_model=f"{offline}:DPOConfig",
+        description="DPO on preference pairs (algorithm.dpo)",
+    )
+    register(
+        "ipo",
+        f"{t}.preference:PreferenceTrainer",
+        config_model=f"{offline}:DPOConfig",
+        settings_section="dpo",  # one section for both preference losses, as before
+        description="IPO on preference pairs (algorithm.dpo)",
+    )
+    register(
+        "rm",
+        f"{t}.reward_model:RewardModelTrainer",
+        config_model=f"{offline}:RMConfig",
+        description="Bradley-Terry reward model (algorithm.rm)",
+    )
 
 
 @hookimpl(trylast=True)

@@ -81,8 +81,15 @@ def json_schema(registry: PluginLookup) -> dict[str, Any]:
         props = defs[section_name].setdefault("properties", {})
         for spec in (s for kind in kinds for s in registry.specs(kind)):
             sub = _settings_schema(spec, defs, registry)
-            if sub is not None and spec.name not in props:
-                props[spec.name] = sub
+            # A trainer may read a shared section (settings_section: ipo reads algorithm.dpo).
+            key = getattr(spec, "settings_section", None) or spec.name
+            if sub is None:
+                continue
+            if key not in props:
+                props[key] = sub
+            elif key != spec.name:
+                shared = props[key]
+                shared["description"] = f"{shared.get('description', '')} Also read by {spec.kind} '{spec.name}'."
         defs[section_name]["additionalProperties"] = False
     return schema
 

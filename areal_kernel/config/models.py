@@ -13,12 +13,13 @@ looks a plugin up.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import warnings
+from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import ConfigDict, Field, PrivateAttr, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from areal_kernel.config.monitor import MonitorConfig
-from areal_kernel.config.offline import DPOConfig, RMConfig, SFTConfig
+from areal_kernel.config.offline import FORMER_ALGORITHM_FIELDS
 from areal_kernel.config.sections import PluginSection, StrictModel, require_resolved, unknown_section_error
 from areal_kernel.errors import ConfigError
 
@@ -135,8 +136,10 @@ class RLSettings(StrictModel):
     """The knobs of the RL actor (and critic) update: the one definition of
     each setting and its default. ``AlgorithmConfig`` (what users write under
     ``algorithm:``) and ``areal_kernel.algo.rl.RLConfig`` (what the RL step
-    reads) both inherit these fields; neither restates them
-    (tests/algo/test_algorithm_defaults.py keeps it that way)."""
+    reads) both inherit these fields, and ``LossKnobs`` / ``AdvantageKnobs``
+    (what losses and estimators get) copy theirs from here; none restates a
+    default (tests/algo/test_algorithm_defaults.py and test_knobs.py keep it
+    that way)."""
 
     advantage: str = Field("grpo", description="Registered advantage estimator.")
     loss: str = Field("ppo", description="Registered policy loss.")
@@ -185,18 +188,6 @@ class RLSettings(StrictModel):
         return self
 
 
-# What the kernel passes every advantage estimator besides (rewards,
-# group_ids), and every policy loss besides (logprobs, data), as keywords
-# (areal_kernel.algo.rl). A plugin's config_model field of one of these names
-# could never arrive: resolve() refuses it. Also importable from
-# areal_kernel.algo.estimators and areal_kernel.algo.losses.
-ESTIMATOR_KEYWORDS = ("loss_masks", "token_rewards", "values", "gamma", "lam", "norm", "std_normalize", "eps")
-LOSS_KEYWORDS = (
-    "entropy", "eps_clip", "eps_clip_high", "dual_clip", "ratio_level", "behav_imp_weight_cap",
-    "behav_imp_weight_mode", "kl_coef", "kl_estimator", "entropy_coef", "loss_agg",
-)  # fmt: skip
-
-
 def rl_settings_of(algorithm: RLSettings) -> dict[str, Any]:
     """Every ``RLSettings`` field of ``algorithm`` by name (what the RL step is built from)."""
     return {name: getattr(algorithm, name) for name in RLSettings.model_fields}
@@ -212,11 +203,17 @@ class TrainerChoice(StrictModel):
 class AlgorithmConfig(RLSettings, TrainerChoice):
     """``type`` selects the trainer (a registered name, see ``areal plugins``;
     built in: ``grpo`` for the asynchronous RL loop, ``sft``, ``dpo``,
-    ``ipo``, ``rm``). The RL knobs (``RLSettings``) are what every estimator
-    and loss receives. An estimator, loss or trainer that registered a
-    ``config_model`` takes its own settings from ``algorithm.<its name>:
-    {...}`` (validated against that model; see ``advantage_settings`` /
-    ``loss_settings`` / ``trainer_settings``)."""
+    ``ipo``, ``rm``). The RL knobs (``RLSettings``) are what the RL step
+    reads; every estimator and loss receives its share of them as one frozen
+    object (``LossKnobs`` / ``AdvantageKnobs``, areal_kernel.config.knobs).
+    An estimator, loss or trainer that registered a ``config_model`` takes
+    its own settings from ``algorithm.<its name>: {...}`` (a trainer's
+    registered ``settings_section`` instead, when it gave one), validated
+    against that model by ``resolve()``; see ``advantage_settings`` /
+    ``loss_settings`` / ``trainer_settings``. The kernel's offline trainers
+    are registered that way too: ``algorithm.sft``, ``algorithm.dpo`` (for
+    ``dpo`` and ``ipo``) and ``algorithm.rm`` are their sections, not fields
+    of this model."""
 
     # Extra keys are the settings sections; _settings_sections checks each.
     model_config = ConfigDict(extra="allow", validate_assignment=True)
@@ -224,10 +221,6 @@ class AlgorithmConfig(RLSettings, TrainerChoice):
     critic_lr: float | None = Field(None, gt=0, description="Critic learning rate; None = the actor's.")
     dynamic_filter: bool = Field(True, description="Drop groups whose rewards are all equal.")
     filter_retry_budget: int = Field(4, ge=0, description="Extra groups per batch slot before accepting unfiltered.")
-    # The built-in offline trainers' settings (no inference server); see areal_kernel/config/offline.py.
-    sft: SFTConfig = Field(default_factory=SFTConfig)
-    dpo: DPOConfig = Field(default_factory=DPOConfig, description="Used by type dpo and ipo.")
-    rm: RMConfig = Field(default_factory=RMConfig)
 
     # Set by resolve(): kind -> (the selected name, its validated settings;
     # None: it declares no config_model). Keyed by kind, not by name, because
@@ -251,11 +244,13 @@ class AlgorithmConfig(RLSettings, TrainerChoice):
 
     @model_validator(mode="after")
     def _settings_sections(self) -> "AlgorithmConfig":
-        # The shape only: a settings section is named after a selected factory.
-        # What it holds is validated by resolve(), against the registry.
+        # The shape only: a settings section is a mapping, named after a
+        # selected factory or (a trainer's settings_section, which only the
+        # registry knows) checked by resolve(). What a section holds is
+        # validated by resolve() too, against the registry.
         selected = self.selected_factories()
-        for key in self.__pydantic_extra__ or {}:
-            if key not in selected.values():
+        for key, value in (self.__pydantic_extra__ or {}).items():
+            if key not in selected.values() and not isinstance(value, (dict, BaseModel)):
                 raise unknown_section_error(
                     "algorithm",
                     key,
@@ -264,6 +259,27 @@ class AlgorithmConfig(RLSettings, TrainerChoice):
                     f"'{self.loss}', or the trainer '{self.type}' (algorithm.type)",
                 )
         return self
+
+    if not TYPE_CHECKING:
+
+        def __getattr__(self, name: str) -> Any:
+            try:
+                return super().__getattr__(name)
+            except AttributeError:
+                if name not in FORMER_ALGORITHM_FIELDS:
+                    raise
+            # Deprecated: sft/dpo/rm were fields until the offline trainers registered
+            # their own config_model; a section not selected now reads as its defaults.
+            from areal_kernel.config import offline
+
+            warnings.warn(
+                f"AlgorithmConfig.{name} is deprecated and goes away in the next minor release: the settings of "
+                f"the selected trainer are config.algorithm.trainer_settings (TrainerContext.settings); "
+                f"algorithm.type {self.type!r} does not read algorithm.{name}, these are its defaults",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            return getattr(offline, offline.FORMER_ALGORITHM_FIELDS[name])()
 
     def selected_factories(self) -> dict[str, str]:
         """Registry kind -> the name this section selects of it."""

@@ -13,6 +13,13 @@ from pydantic import Field
 
 from areal_kernel.config.sections import StrictModel
 
+# Keys that were fields of AlgorithmConfig (always present, validated, ignored
+# unless selected) before these trainers registered their own config_model.
+# A config written then (a run's config.yaml) holds all three; until the next
+# minor release a section of these not read by the selected trainer is still
+# validated, then dropped with a DeprecationWarning instead of refused.
+FORMER_ALGORITHM_FIELDS = {"sft": "SFTConfig", "dpo": "DPOConfig", "rm": "RMConfig"}
+
 
 class ChatFormatConfig(StrictModel):
     """How records become token sequences (shared by the three trainers)."""

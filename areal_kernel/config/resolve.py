@@ -14,11 +14,18 @@ registry is ``PluginLookup``; ``areal_kernel.plugins.Registry`` is one.
 from __future__ import annotations
 
 import re
+import warnings
 from typing import TYPE_CHECKING, Any, Protocol
 
 from pydantic import BaseModel
 
-from areal_kernel.config.models import ESTIMATOR_KEYWORDS, LOSS_KEYWORDS
+from areal_kernel.config.knobs import (
+    ESTIMATOR_CALL_KEYWORDS,
+    LEGACY_ESTIMATOR_KEYWORDS,
+    LEGACY_LOSS_KEYWORDS,
+    LOSS_CALL_KEYWORDS,
+)
+from areal_kernel.config.offline import FORMER_ALGORITHM_FIELDS
 from areal_kernel.config.sections import PluginSection, unknown_section_error, validate_settings
 from areal_kernel.errors import ConfigError, PluginLoadError, PluginNotFoundError
 
@@ -145,34 +152,58 @@ def _resolve_algorithm(algorithm: AlgorithmConfig, registry: PluginLookup) -> No
     selected = algorithm.selected_factories()
     specs = {kind: registry.get(kind, name, platform="") for kind, name in selected.items()}
     has_model = {kind: spec.config_model_cls() is not None for kind, spec in specs.items()}
+    # The section each selected factory reads: its name, or a trainer's
+    # registered settings_section (the kernel's ipo reads algorithm.dpo).
+    sections = {kind: getattr(specs[kind], "settings_section", None) or name for kind, name in selected.items()}
+    for key in list(extras):
+        if key in sections.values():
+            continue
+        former = registry.find("trainer", key) if key in FORMER_ALGORITHM_FIELDS else None
+        if former is None:
+            raise _foreign_section_error(algorithm, key, sections, specs["trainer"], registry)
+        # Deprecated: validated and ignored, as when it was a field.
+        validate_settings(f"algorithm.{key}", "trainer", key, extras[key], spec=former)
+        warnings.warn(
+            f"algorithm.{key}: the settings of trainer '{key}', which algorithm.type '{algorithm.type}' does not "
+            "read; ignored. Remove the section: from the next minor release it is an error",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        del extras[key]
     settings: dict[str, Any] = {}
     validated: dict[str, Any] = {}  # section name -> its validated settings
     for kind, name in selected.items():
-        where = f"algorithm.{name}"
-        if not has_model[kind] and any(has_model[k] for k, n in selected.items() if n == name):
+        section = sections[kind]
+        where = f"algorithm.{section}"
+        if not has_model[kind] and any(has_model[k] for k, n in sections.items() if n == section):
             settings[kind] = None
             continue  # the section belongs to the same-named factory that declares settings
-        value = validate_settings(where, kind, name, extras.get(name), spec=specs[kind])
+        value = validate_settings(where, kind, name, extras.get(section), spec=specs[kind])
         settings[kind] = value
         if value is None:
             continue
-        if name in type(algorithm).model_fields:
-            raise ConfigError(f"{where}: {kind} '{name}' declares settings, but '{name}' is an algorithm key")
-        if name in validated:
+        if section in type(algorithm).model_fields:
+            raise ConfigError(f"{where}: {kind} '{name}' declares settings, but '{section}' is an algorithm key")
+        if section in validated:
             raise ConfigError(
                 f"{where}: more than one of the selected advantage estimator, loss and trainer is named "
-                f"'{name}' and declares settings; one section cannot hold both"
+                f"'{section}' and declares settings; one section cannot hold both"
             )
         if kind != "trainer":
-            reserved = ESTIMATOR_KEYWORDS if kind == "advantage_estimator" else LOSS_KEYWORDS
+            # The kernel passes these itself (the knobs as keywords too, to a callable
+            # without a knobs parameter, while that convention lasts): a settings
+            # field of the same name could never arrive.
+            if kind == "advantage_estimator":
+                reserved = ESTIMATOR_CALL_KEYWORDS + LEGACY_ESTIMATOR_KEYWORDS
+            else:
+                reserved = LOSS_CALL_KEYWORDS + LEGACY_LOSS_KEYWORDS
             clash = sorted(set(type(value).model_fields) & set(reserved))
             if clash:
-                # The kernel passes these itself; a settings field of the same name could never arrive.
                 raise ConfigError(
                     f"{where}: the config_model of {kind} '{name}' has field(s) {', '.join(clash)}, which the "
                     f"kernel already passes (algorithm.{clash[0]}); rename them in the plugin"
                 )
-        validated[name] = value
+        validated[section] = value
     for key in list(extras):
         if key not in validated and not extras[key]:
             del extras[key]  # an empty section of a factory without settings
@@ -180,6 +211,35 @@ def _resolve_algorithm(algorithm: AlgorithmConfig, registry: PluginLookup) -> No
     # defaults included when the user wrote no section (as the plugin sections do).
     extras.update(validated)
     algorithm._settings = {kind: (selected[kind], value) for kind, value in settings.items()}
+
+
+def _foreign_section_error(
+    algorithm: AlgorithmConfig, key: str, sections: dict[str, str], trainer: Any, registry: PluginLookup
+) -> ConfigError:
+    """The error for ``algorithm.<key>``, a mapping that no selected factory reads."""
+    owners = sorted(
+        s.name for s in registry.specs("trainer") if (getattr(s, "settings_section", None) or s.name) == key
+    )
+    if owners:
+        # Another trainer's section (e.g. algorithm.sft left in a config switched to dpo).
+        own = (
+            f"its settings are algorithm.{sections['trainer']}"
+            if trainer.config_model_cls() is not None
+            else "it takes no settings"
+        )
+        return ConfigError(
+            f"algorithm.{key}: the settings of trainer {' / '.join(repr(o) for o in owners)}, but algorithm.type "
+            f"selects '{algorithm.type}' ({own}); remove the section or change algorithm.type"
+        )
+    shared = sections["trainer"] != algorithm.type
+    return unknown_section_error(
+        "algorithm",
+        key,
+        [*type(algorithm).model_fields, *sorted(set(sections.values()))],
+        f"a settings section is named after the selected advantage '{algorithm.advantage}' or loss "
+        f"'{algorithm.loss}', or the trainer '{algorithm.type}' (algorithm.type)"
+        + (f", whose settings are algorithm.{sections['trainer']}" if shared else ""),
+    )
 
 
 def _resolve_logging(logging: LoggingConfig, registry: PluginLookup) -> None:

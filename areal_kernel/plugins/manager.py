@@ -242,6 +242,7 @@ class PluginManager:
             description: str = "",
             success_threshold: float | None = None,
             worker_preload: list[str] | tuple[str, ...] = (),
+            settings_section: str | None = None,
         ) -> None:
             if not isinstance(name, str) or not name:
                 raise ValueError(f"plugin '{rec.name}' registered a {kind} with an empty name")
@@ -278,6 +279,21 @@ class PluginManager:
                         f"plugin '{rec.name}' registered reward '{name}' with worker_preload entries {bad!r}; "
                         "expected 'package.module' (imported) or 'package.module:function' (called)"
                     )
+            if settings_section is not None:
+                if kind != "trainer":
+                    raise ValueError(
+                        f"plugin '{rec.name}' gave {kind} '{name}' a settings_section; only trainers share one"
+                    )
+                if not isinstance(settings_section, str) or not settings_section.isidentifier():
+                    raise ValueError(
+                        f"plugin '{rec.name}' registered trainer '{name}' with settings_section "
+                        f"{settings_section!r}; expected a name (the key under algorithm:)"
+                    )
+                if config_model is None:
+                    raise ValueError(
+                        f"plugin '{rec.name}' registered trainer '{name}' with settings_section "
+                        f"{settings_section!r} but no config_model; the section holds that model's settings"
+                    )
             spec = FactorySpec(
                 kind=kind,
                 name=name,
@@ -289,6 +305,7 @@ class PluginManager:
                 description=description,
                 success_threshold=success_threshold,
                 worker_preload=worker_preload,
+                settings_section=settings_section,
             )
             self.registry.add(spec, builtin=rec.name == BUILTIN)
             rec.registered.append((kind, name))

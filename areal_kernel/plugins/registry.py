@@ -79,6 +79,16 @@ class FactorySpec:
     # Rewards only: "pkg.module" (imported) or "pkg.module:function" (called)
     # in every reward worker process before its first sample.
     worker_preload: tuple[str, ...] = ()
+    # Trainers only: the ``algorithm.<section>`` its settings are read from,
+    # when not ``algorithm.<name>`` (several trainer names sharing one section,
+    # as the kernel's ``dpo`` and ``ipo`` share ``algorithm.dpo``).
+    settings_section: str | None = None
+
+    @property
+    def section(self) -> str:
+        """The name of the settings section this factory reads (its own name
+        unless it registered a ``settings_section``)."""
+        return self.settings_section or self.name
 
     def load(self) -> Any:
         """Import the factory; a failure names the plugin and keeps the real cause."""
@@ -117,6 +127,7 @@ class FactorySpec:
             "description": self.description,
             "success_threshold": self.success_threshold,
             "worker_preload": list(self.worker_preload),
+            "settings_section": self.settings_section,
             "config_model": self.config_model
             if isinstance(self.config_model, str) or self.config_model is None
             else f"{self.config_model.__module__}:{self.config_model.__qualname__}",

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any
+from typing import Any, TypeVar
+
+from pydantic import BaseModel
 
 from areal_kernel.api.engine import TrainEngine
 from areal_kernel.api.io import FinetuneSpec
@@ -28,6 +30,8 @@ from areal_kernel.trainer.common import SETUP_FIRST, RecordStream, make_sinks, s
 from areal_kernel.trainer.components import build_train_engine, load_data, load_tokenizer, resolve_model_dir
 
 log = get_logger(__name__)
+
+M = TypeVar("M", bound=BaseModel)
 
 
 class OfflineTrainer(Trainer):
@@ -60,6 +64,17 @@ class OfflineTrainer(Trainer):
 
     def extra_setup(self) -> None:
         """After the engine is ready (e.g. the DPO reference model)."""
+
+    def settings_of(self, model: type[M]) -> M:
+        """The trainer's validated ``algorithm.<section>`` settings (the
+        context's ``settings``, an instance of its registered ``config_model``)."""
+        if not isinstance(self.settings, model):
+            raise TypeError(
+                f"{type(self).__name__} ('{self.context.name}') expects {model.__name__} settings, got "
+                f"{type(self.settings).__name__}: register it with config_model={model.__module__}:{model.__name__} "
+                "and build it from a resolved config (TrainerContext.for_config)"
+            )
+        return self.settings
 
     def trained_engine(self) -> TrainEngine:
         """The engine being trained (``self.engine``); built by ``setup()``."""

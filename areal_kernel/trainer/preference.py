@@ -13,6 +13,7 @@ from typing import Any
 
 from areal_kernel.api.engine import TrainEngine
 from areal_kernel.api.io import TrajectoryBatch
+from areal_kernel.config.offline import DPOConfig
 from areal_kernel.errors import ConfigError
 from areal_kernel.logging import get_logger
 from areal_kernel.plugins import get_plugin_manager
@@ -118,23 +119,33 @@ class PairTrainer(OfflineTrainer):
 
 
 class PreferenceTrainer(PairTrainer):
-    """``algorithm.type: dpo`` or ``ipo``; settings in ``algorithm.dpo``."""
+    """``algorithm.type: dpo`` or ``ipo``; settings (``DPOConfig``) in
+    ``algorithm.dpo`` for both (``ipo`` registers ``settings_section="dpo"``)."""
 
     def __init__(self, cfg: Any) -> None:
         super().__init__(cfg)
         self.ref_engine: TrainEngine | None = None
         self._ref: dict[int, tuple[float, float]] = {}
 
+    @property
+    def dpo(self) -> DPOConfig:
+        return self.settings_of(DPOConfig)
+
+    @property
+    def loss_type(self) -> str:
+        """``dpo`` or ``ipo``: the registered name this trainer was built for."""
+        return self.context.name
+
     def format_config(self) -> Any:
-        return self.cfg.algorithm.dpo
+        return self.dpo
 
     @property
     def average(self) -> bool:
-        a = self.cfg.algorithm.dpo.average_log_prob
-        return (self.cfg.algorithm.type == "ipo") if a is None else a
+        a = self.dpo.average_log_prob
+        return (self.loss_type == "ipo") if a is None else a
 
     def extra_setup(self) -> None:
-        c = self.cfg.algorithm.dpo
+        c = self.dpo
         ref_dir = self.model_dir
         if c.ref_model_path:
             ref_dir = get_plugin_manager().hook.areal_resolve_model_path(name_or_path=c.ref_model_path)
@@ -166,7 +177,7 @@ class PreferenceTrainer(PairTrainer):
 
         from areal_kernel.algo.dpo_losses import dpo_pair_losses
 
-        c = self.cfg.algorithm.dpo
+        c = self.dpo
         rc = torch.tensor(ref_c, dtype=torch.float64)
         rr = torch.tensor(ref_r, dtype=torch.float64)
 
@@ -177,7 +188,7 @@ class PreferenceTrainer(PairTrainer):
                 rc,
                 rr,
                 beta=c.beta,
-                loss_type=self.cfg.algorithm.type,
+                loss_type=self.loss_type,
                 label_smoothing=c.label_smoothing,
             )[0]
 
@@ -190,10 +201,10 @@ class PreferenceTrainer(PairTrainer):
 
         from areal_kernel.algo.dpo_losses import dpo_pair_losses, pair_stats
 
-        c = self.cfg.algorithm.dpo
+        c = self.dpo
         t = lambda x: torch.tensor(x, dtype=torch.float64)  # noqa: E731
         losses, cr, rr = dpo_pair_losses(
-            t(chosen), t(rejected), t(ref_c), t(ref_r), beta=c.beta, loss_type=self.cfg.algorithm.type,
+            t(chosen), t(rejected), t(ref_c), t(ref_r), beta=c.beta, loss_type=self.loss_type,
             label_smoothing=c.label_smoothing,
         )  # fmt: skip
         return pair_stats(losses, cr, rr)

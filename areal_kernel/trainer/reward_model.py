@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from areal_kernel.api.engine import TrainEngine
+from areal_kernel.config.offline import RMConfig
 from areal_kernel.errors import ConfigError
 from areal_kernel.trainer.offline_data import Encoded, PairExample
 from areal_kernel.trainer.preference import PairTrainer, pair_batch
@@ -25,10 +26,14 @@ def _last_token_only(e: Encoded) -> Encoded:
 
 
 class RewardModelTrainer(PairTrainer):
-    """``algorithm.type: rm``; settings in ``algorithm.rm``."""
+    """``algorithm.type: rm``; settings (``RMConfig``) in ``algorithm.rm``."""
+
+    @property
+    def rm(self) -> RMConfig:
+        return self.settings_of(RMConfig)
 
     def format_config(self) -> Any:
-        return self.cfg.algorithm.rm
+        return self.rm
 
     def adapt(self, pair: PairExample) -> PairExample:
         return PairExample(_last_token_only(pair.chosen), _last_token_only(pair.rejected), pair.record_id)
@@ -64,7 +69,7 @@ class RewardModelTrainer(PairTrainer):
     def _loss_of(self) -> Any:
         from areal_kernel.algo.rm_losses import bradley_terry_losses
 
-        coef = self.cfg.algorithm.rm.center_coef
+        coef = self.rm.center_coef
         return lambda c, r: bradley_terry_losses(c, r, center_coef=coef)
 
     def train_step(self, items: list[PairExample]) -> dict[str, float]:

@@ -6,6 +6,7 @@ import math
 from typing import Any
 
 from areal_kernel.api.io import TrajectoryBatch
+from areal_kernel.config.offline import SFTConfig
 from areal_kernel.logging import get_logger
 from areal_kernel.trainer.offline import OfflineTrainer
 from areal_kernel.trainer.offline_data import ChatEncoder, Encoded, encode_sft_image_record, encode_sft_record
@@ -14,10 +15,16 @@ log = get_logger(__name__)
 
 
 class SFTTrainer(OfflineTrainer):
+    """``algorithm.type: sft``; settings (``SFTConfig``) in ``algorithm.sft``."""
+
     headline = ("eval/loss", "held-out answer NLL (per token)")
 
+    @property
+    def sft(self) -> SFTConfig:
+        return self.settings_of(SFTConfig)
+
     def encode(self, records: list[dict[str, Any]], split: str) -> list[Encoded]:
-        c = self.cfg.algorithm.sft
+        c = self.sft
         enc = ChatEncoder(self.tokenizer, c, self.source)
         venc = None
         if any("images" in rec for rec in records):
@@ -45,7 +52,7 @@ class SFTTrainer(OfflineTrainer):
         from areal_kernel.algo.sft_losses import make_sft_loss_fn
 
         batch = TrajectoryBatch([e.trajectory() for e in items])
-        stats = self.trained_engine().train_batch(batch, make_sft_loss_fn(self.cfg.algorithm.sft.loss_aggregation))
+        stats = self.trained_engine().train_batch(batch, make_sft_loss_fn(self.sft.loss_aggregation))
         stats["nll"] = stats.get("nll_sum", 0.0) / max(stats.get("nll_tokens", 1.0), 1.0)
         return stats
 

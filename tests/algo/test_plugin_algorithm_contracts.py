@@ -30,3 +30,17 @@ class TestVanillaPGLoss(LossContract):
     @pytest.fixture
     def loss_settings_alt(self):
         return {"pg_coef": 0.5}
+
+
+@pytest.mark.filterwarnings("ignore:.*old_pg.*:DeprecationWarning")
+class TestOldStyleLoss(LossContract):
+    """A loss written for the keyword convention before ``knobs`` still
+    passes the suite (the kernel passes it the knobs as keywords)."""
+
+    @pytest.fixture
+    def loss_name(self, with_algo_plugin):
+        return "old_pg"
+
+    @pytest.fixture
+    def loss_settings_alt(self):
+        return {"pg_coef": 0.5}

@@ -178,9 +178,16 @@ def test_schema_holds_every_registered_settings_model():
 
     schema = json_schema(get_registry())
     found = _settings_nodes(schema, {})
-    want = {f"{k} '{s.name}'" for k in KINDS for s in get_registry().specs(k) if s.config_model is not None}
+    specs = [s for k in KINDS for s in get_registry().specs(k) if s.config_model is not None]
+    want = {f"{s.kind} '{s.name}'" for s in specs if s.settings_section is None}
     assert "tool 'calculator'" in want
     assert want - set(found) == set(), "registered settings models missing from the schema"
+    # A trainer reading a shared section (ipo: algorithm.dpo) is named on that section's node.
+    algorithm = schema["$defs"]["AlgorithmConfig"]["properties"]
+    for s in specs:
+        if s.settings_section is not None:
+            assert f"'{s.name}'" in algorithm[s.settings_section]["description"], s.name
+    assert "beta" in algorithm["dpo"]["properties"] and "ipo" not in algorithm
     multi = schema["$defs"]["WorkflowConfig"]["properties"]["multi_turn"]
     tools = multi["properties"]["tool_settings"]
     assert tools["additionalProperties"] is False
@@ -242,8 +249,9 @@ def test_parsing_still_refuses_a_bad_shape():
 
     with pytest.raises(ConfigError, match=r"actor\.fsdp: unknown key.*go under actor\.torch"):
         validate_config({"actor": {"backend": "torch", "fsdp": {}}})
-    with pytest.raises(ConfigError, match=r"algorithm\.gpro: unknown key; did you mean 'grpo'"):
-        validate_config({"algorithm": {"gpro": {}}})
+    # A scalar is never a settings section: a mistyped algorithm key is refused while parsing.
+    with pytest.raises(ConfigError, match=r"algorithm\.eps_clp: unknown key; did you mean 'eps_clip'"):
+        validate_config({"algorithm": {"eps_clp": 0.3}})
     with pytest.raises(ConfigError, match=r"logging\.wandb: unknown key"):
         validate_config({"logging": {"sinks": ["console"], "wandb": {}}})
 
@@ -265,6 +273,44 @@ def test_resolve_checks_names_and_settings_against_the_registry_it_is_given():
         resolve(validate_config({"algorithm": {"loss": "vanilla"}}), reg, "src")
     with pytest.raises(ConfigError, match=r"algorithm\.clashing: .* field\(s\) gamma, which the kernel already passes"):
         resolve(validate_config({"algorithm": {"advantage": "clashing"}}), reg)
+    # A mapping under algorithm: may be a trainer's shared section (settings_section),
+    # which only the registry knows: parsing lets it through, resolving refuses a stray one.
+    stray = validate_config({"algorithm": {"gpro": {}}})
+    with pytest.raises(ConfigError, match=r"algorithm\.gpro: unknown key; did you mean 'grpo'"):
+        resolve(stray, reg)
+
+
+def test_trainers_may_share_one_settings_section():
+    """A trainer's settings come from algorithm.<its name>, or from the
+    section it registered as settings_section (the kernel's ipo reads
+    algorithm.dpo); another trainer's section is refused, naming it."""
+    from pydantic import BaseModel, ConfigDict
+
+    from areal_kernel.config import resolve, validate_config
+    from areal_kernel.plugins.registry import FactorySpec
+
+    class PairSettings(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+        beta: float = 0.1
+
+    reg = _small_registry()
+    reg.add(FactorySpec("trainer", "pair_a", "probe:target", "probe", config_model=PairSettings))
+    reg.add(
+        FactorySpec("trainer", "pair_b", "probe:target", "probe", config_model=PairSettings, settings_section="pair_a")
+    )
+    for name in ("pair_a", "pair_b"):
+        cfg = resolve(validate_config({"algorithm": {"type": name, "pair_a": {"beta": 0.5}}}), reg)
+        assert cfg.algorithm.trainer_settings == PairSettings(beta=0.5), name
+        assert resolve(validate_config({"algorithm": {"type": name}}), reg).algorithm.trainer_settings.beta == 0.1
+    with pytest.raises(ConfigError, match=r"algorithm\.pair_a\.bta: unknown key; did you mean 'beta'"):
+        resolve(validate_config({"algorithm": {"type": "pair_b", "pair_a": {"bta": 1}}}), reg)
+    with pytest.raises(ConfigError, match=r"algorithm\.pair_b: unknown key.*the trainer 'pair_b' .*algorithm\.pair_a"):
+        resolve(validate_config({"algorithm": {"type": "pair_b", "pair_b": {"beta": 1}}}), reg)
+    with pytest.raises(
+        ConfigError,
+        match=r"algorithm\.pair_a: the settings of trainer 'pair_a' / 'pair_b', but algorithm\.type selects 'grpo'",
+    ):
+        resolve(validate_config({"algorithm": {"type": "grpo", "pair_a": {"beta": 1}}}), reg)
 
 
 def test_plugin_settings_of_a_parsed_config_are_refused_until_resolved():
@@ -292,3 +338,16 @@ def test_plugin_settings_of_a_parsed_config_are_refused_until_resolved():
     # Resolving again is harmless and picks the new selection up.
     cfg.algorithm.advantage = "grpo"
     assert resolve(cfg, get_registry()).actor.plugin_config.lr > 0  # the built-in torch engine's settings
+
+
+def test_old_offline_fields_read_as_defaults_with_a_deprecation_warning():
+    """sft/dpo/rm were AlgorithmConfig fields; a caller reading one that is not
+    the selected trainer's section gets its defaults and is told where to look."""
+    from areal_kernel.config import validate_config
+    from areal_kernel.config.offline import DPOConfig
+
+    algo = validate_config({"algorithm": {"type": "grpo"}}).algorithm
+    with pytest.warns(DeprecationWarning, match=r"AlgorithmConfig\.dpo is deprecated.*trainer_settings"):
+        assert algo.dpo == DPOConfig()
+    with pytest.raises(AttributeError, match="nosuch"):
+        algo.nosuch

@@ -104,6 +104,37 @@ def test_worker_preload_is_for_rewards_and_must_name_a_module():
     assert pm.records["bad"].status == "failed" and "worker_preload" in pm.records["bad"].error
 
 
+def test_settings_section_is_for_trainers_with_settings():
+    """A trainer may read a shared algorithm section (the kernel's ipo reads
+    algorithm.dpo); the option is refused elsewhere, naming the plugin."""
+    import types
+
+    def plugin(kind, *args, **kwargs):
+        @hookimpl(specname=f"areal_register_{kind}")
+        def hook(register):
+            register(*args, **kwargs)
+
+        return types.SimpleNamespace(hook=hook)
+
+    pm = PluginManager()
+    pm.ensure_loaded()
+    model = "areal_kernel.config.offline:DPOConfig"
+    good = plugin("trainers", "pair2", "p.m:T", config_model=model, settings_section="dpo")
+    pm._register_module(PluginRecord("good", "m"), good)
+    assert pm.records["good"].status == "loaded", pm.records["good"].error
+    assert pm.registry.get("trainer", "pair2", platform="").section == "dpo"
+    assert get_registry().get("trainer", "ipo", platform="").section == "dpo"
+    assert get_registry().get("trainer", "dpo", platform="").section == "dpo"
+    for name, kind, kwargs, says in (
+        ("loss_sec", "losses", {"config_model": model, "settings_section": "dpo"}, "only trainers"),
+        ("no_model", "trainers", {"settings_section": "dpo"}, "no config_model"),
+        ("bad_name", "trainers", {"config_model": model, "settings_section": "a.b"}, "expected a name"),
+    ):
+        pm._register_module(PluginRecord(name, "m"), plugin(kind, name, "p.m:T", **kwargs))
+        assert pm.records[name].status == "failed" and says in pm.records[name].error, pm.records[name].error
+        assert f"plugin '{name}'" in pm.records[name].error
+
+
 def test_capabilities_the_kernel_reads_are_declared_by_the_builtins():
     reg = get_registry()
     assert "needs_values" in reg.get("advantage_estimator", "gae", platform="").capabilities

@@ -151,6 +151,8 @@ class AdvantageEstimatorContract:
 
     def test_takes_every_keyword_the_kernel_passes(self, estimator_name: str, estimator_settings: dict) -> None:
         from areal_kernel.algo.estimators import to_token_rows
+        from areal_kernel.algo.rl import knob_arguments
+        from areal_kernel.api.advantage_estimator import AdvantageKnobs
         from areal_kernel.config.sections import settings_kwargs, validate_settings
 
         batch = _trajectories(_GROUPS)
@@ -171,8 +173,9 @@ class AdvantageEstimatorContract:
         values = self._values(batch) if "needs_values" in spec.capabilities else None
         before = json.dumps([rewards, gids, masks, values])
         for norm in (None, "group", "batch", "none"):  # algorithm.adv_norm, None = the estimator's default
-            out = fn(rewards, gids, loss_masks=masks, token_rewards=None, values=values, gamma=1.0, lam=1.0,
-                     norm=norm, std_normalize=True, eps=1e-6, **settings, **{_EXTRA_KEYWORD: True})  # fmt: skip
+            knobs = knob_arguments(fn, AdvantageKnobs(adv_norm=norm), "advantage_estimator", estimator_name)
+            out = fn(rewards, gids, loss_masks=masks, token_rewards=None, values=values, **knobs,
+                     **settings, **{_EXTRA_KEYWORD: True})  # fmt: skip
             to_token_rows(out, masks, estimator_name)  # the kernel's shape and finiteness check
         assert json.dumps([rewards, gids, masks, values]) == before, "the estimator changed its inputs"
 

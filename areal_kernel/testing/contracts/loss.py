@@ -84,6 +84,7 @@ class LossContract:
         loss: off-policy behaviour logprobs, recomputed proximal ones, mixed-sign advantages."""
         from areal_kernel.algo.losses import ppo_actor_loss
         from areal_kernel.algo.rl import bind_loss
+        from areal_kernel.api.loss import LossKnobs
 
         batch = _loss_batch()
         rng = random.Random(1)
@@ -96,7 +97,7 @@ class LossContract:
             "prox_logprobs": loss_engine.compute_logprobs(batch, only_loss_tokens=True),
         }  # fmt: skip
         seen: list[tuple[Any, Any, dict[str, Any]]] = []
-        ppo = bind_loss(ppo_actor_loss, {})
+        ppo = bind_loss(ppo_actor_loss, LossKnobs())
 
         def capture(logprobs: Any, entropy: Any, data: dict[str, Any]) -> Any:
             seen.append((logprobs.detach().clone(), entropy.detach().clone(), {k: v.clone() for k, v in data.items()}))
@@ -111,11 +112,18 @@ class LossContract:
     @staticmethod
     def _loss_fn(name: str, settings: dict | None, knobs: dict, extra_options: dict | None = None) -> Any:
         """The ``loss_fn`` the trainer hands ``train_batch``: registry target,
-        shared knobs and validated settings as keywords."""
-        from areal_kernel.algo.rl import RLConfig, bind_loss, loss_options
+        shared knobs (``LossKnobs``) and validated settings as keywords;
+        ``extra_options``: further keywords, which the loss must ignore."""
+        import functools
+
+        from areal_kernel.algo.rl import RLConfig, bind_loss
+        from areal_kernel.api.loss import LossKnobs
 
         cfg = RLConfig(loss=name, loss_settings=settings or None, **knobs)
-        return bind_loss(_spec("loss", name).load(), {**loss_options(cfg), **(extra_options or {})})
+        target = _spec("loss", name).load()
+        if extra_options:
+            target = functools.partial(target, **extra_options)
+        return bind_loss(target, LossKnobs.of(cfg), cfg.loss_settings, name=name)
 
     @staticmethod
     def _run(loss_fn: Any, logprobs: Any, entropy: Any, data: dict[str, Any]) -> tuple[float, Any, dict[str, float]]:

@@ -1,4 +1,4 @@
-"""Registers one estimator and one loss; imports only areal_kernel."""
+"""Registers one estimator and two losses; imports only areal_kernel."""
 from areal_kernel import hookimpl
 
 
@@ -19,4 +19,10 @@ def areal_register_losses(register):
         "areal_test_algo.impl:vanilla_pg",
         config_model="areal_test_algo.impl:VanillaPGSettings",  # algorithm.vanilla_pg: {pg_coef: ...}
         description="-A * logprob, token mean",
+    )
+    register(
+        "old_pg",
+        "areal_test_algo.impl:old_pg",
+        config_model="areal_test_algo.impl:VanillaPGSettings",  # algorithm.old_pg: {pg_coef: ...}
+        description="vanilla_pg written for the keyword convention before knobs (deprecated)",
     )

@@ -76,7 +76,7 @@ def hang_first_reward(completion: str, answer: str, **kwargs) -> float:
 _step = {"n": 0, "marker": None}
 
 
-def nan_ppo_loss(logprobs, data, *, nan_steps, **kwargs):
+def nan_ppo_loss(logprobs, data, *, nan_steps, knobs, **kwargs):
     """The built-in ppo loss, times NaN on the (1-based) training steps in
     ``nan_steps``. A step is one ``train_batch`` call: every micro-batch of a
     call shares the same ``batch_loss_tokens`` tensor object (held here, so
@@ -87,7 +87,7 @@ def nan_ppo_loss(logprobs, data, *, nan_steps, **kwargs):
     if marker is not _step["marker"]:
         _step["marker"] = marker
         _step["n"] += 1
-    loss, stats = ppo_actor_loss(logprobs, data, **kwargs)
+    loss, stats = ppo_actor_loss(logprobs, data, knobs=knobs, **kwargs)
     if _step["n"] in set(nan_steps):
         loss = loss * float("nan")
     return loss, stats
