@@ -190,6 +190,19 @@ class ModelResponse:
         return max(self.output_versions) if self.output_versions else -1
 
 
+#: ``Trajectory.metadata`` key of the address of the server that generated
+#: the sample (several turns on several servers: their addresses joined by
+#: ","); ``samples.jsonl`` records it per trained sample.
+SERVER_KEY = "server"
+
+
+def _with_server(metadata: dict[str, Any] | None, server: str | None) -> dict[str, Any]:
+    out = dict(metadata or {})
+    if server and SERVER_KEY not in out:
+        out[SERVER_KEY] = server
+    return out
+
+
 @dataclass
 class Trajectory:
     """One sequence ready for training: prompt + completion in one row.
@@ -237,7 +250,7 @@ class Trajectory:
             reward=float(reward),
             group_id=group_id,
             sample_id=sample_id,
-            metadata=dict(metadata or {}),
+            metadata=_with_server(metadata, resp.server),
             images=resp.images,
         )
 

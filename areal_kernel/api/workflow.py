@@ -39,7 +39,9 @@ both optional): ``metadata[COMPLETION_KEY]`` (``"completion"``), the text
 ``areal check`` prints for the sample (e.g. the last turn; default: its
 generated tokens decoded with special tokens skipped), and
 ``metadata[SAMPLE_METRICS_KEY]`` (``"metrics"``), per-sample numbers logged
-as ``workflow/<name>`` means.
+as ``workflow/<name>`` means, and ``metadata[SERVER_KEY]`` (``"server"``),
+the generating server's address, recorded per trained sample in
+``samples.jsonl`` (``Trajectory.from_response`` fills it in).
 
 Rewards: a trajectory's reward comes from the reward calls the workflow made
 on its own generated text, combined as the workflow likes (the built-in
@@ -55,7 +57,7 @@ import abc
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from areal_kernel.api.io import GenerationConfig, TrajectoryGroup
+from areal_kernel.api.io import SERVER_KEY, GenerationConfig, TrajectoryGroup
 from areal_kernel.api.kinds import KindContract, from_context
 
 if TYPE_CHECKING:
@@ -70,6 +72,7 @@ __all__ = [
     "WorkflowContext",
     "COMPLETION_KEY",
     "SAMPLE_METRICS_KEY",
+    "SERVER_KEY",
     "DEFAULT_REQUIRED_FIELDS",
     "KIND",
 ]

@@ -1,11 +1,12 @@
 """``areal inspect RUN_DIR --step N``: one step's trained samples with their
 provenance, as far as the run's ``samples.jsonl`` records it.
 
-Runs record, per step, the weight version the step produced and the ids of
-the samples it trained on. A run that also records per-sample entries (a
-``samples`` list of objects: prompt, completion, reward, the weight versions
-of the tokens, the server) gets them printed field by field, so a newer
-trainer's records show without a change here.
+Runs record, per step, the weight version the step produced, the ids of the
+prompt groups it trained on and, per trained sample, its provenance (the
+``samples`` list: id, reward, the weight versions of its tokens, the server
+that generated it; ``trainer.recovery.provenance``), printed field by field
+(fields a later version adds show without a change here). A run from before
+the per-sample records gets the ids and a line saying what it lacks.
 """
 
 from __future__ import annotations

@@ -118,11 +118,14 @@ PANELS: tuple[Panel, ...] = (
             Series("rollout/staleness_max", "max staleness"),
         ),
         needs="rollout/staleness_mean or rollout/staleness_max",
+    ),
+    Panel(
+        "staleness_hist",
+        "Trained sequences by staleness",
+        "sequences",
+        (),
+        needs="rollout/staleness_hist/<k> (the number of trained sequences k versions old)",
         prefixes=("rollout/staleness_hist/",),
-        notes=(
-            "Per-sample staleness histograms (rollout/staleness_hist/<k>) are not logged by this version: the panel "
-            "shows each step's mean and maximum.",
-        ),
     ),
     Panel(
         "mismatch",

@@ -25,6 +25,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+from areal_kernel.api.io import SERVER_KEY, TrajectoryGroup
 from areal_kernel.checkpoint import Checkpoint, CheckpointManager
 from areal_kernel.errors import ConfigError
 from areal_kernel.logging import get_logger
@@ -195,18 +196,48 @@ def truncate_jsonl(path: str, max_step: int) -> int:
 
 class SamplesLog:
     """``<run_dir>/samples.jsonl``: the sample ids trained at each step (one
-    line per step, flushed): the record of what the run trained on."""
+    line per step, flushed): the record of what the run trained on. Each
+    line: ``step``, ``version`` (the weights the step produced), ``uids``
+    (one per prompt group) and ``samples``, one entry per trained sequence
+    with its provenance (``provenance``)."""
 
     def __init__(self, run_dir: str) -> None:
         self.path = os.path.join(run_dir, SAMPLES_FILE)
         self._f = open(self.path, "a", encoding="utf-8")
 
-    def log(self, step: int, version: int, uids: list[str]) -> None:
-        self._f.write(json.dumps({"step": step, "version": version, "uids": uids}) + "\n")
+    def log(self, step: int, version: int, uids: list[str], samples: list[dict[str, Any]] | None = None) -> None:
+        line: dict[str, Any] = {"step": step, "version": version, "uids": uids}
+        if samples is not None:
+            line["samples"] = samples
+        self._f.write(json.dumps(line) + "\n")
         self._f.flush()
 
     def close(self) -> None:
         self._f.close()
+
+
+def provenance(groups: list[TrajectoryGroup]) -> list[dict[str, Any]]:
+    """Per trained sequence: its group's ``uid``, ``sample`` id, ``reward``,
+    the weight ``versions`` of its generated tokens (distinct, ascending;
+    several when a generation was interrupted by an update), the ``server``
+    that generated it (``Trajectory.metadata[SERVER_KEY]``; null when the
+    workflow did not record it), ``adapter`` when the workflow recorded one,
+    and ``tokens`` (generated)."""
+    out: list[dict[str, Any]] = []
+    for g in groups:
+        for t in g.trajectories:
+            entry: dict[str, Any] = {
+                "uid": g.sample_uid,
+                "sample": t.sample_id,
+                "reward": t.reward,
+                "versions": sorted({v for v, m in zip(t.versions, t.loss_mask) if m}),
+                "server": t.metadata.get(SERVER_KEY),
+                "tokens": sum(1 for m in t.loss_mask if m),
+            }
+            if "adapter" in t.metadata:
+                entry["adapter"] = t.metadata["adapter"]
+            out.append(entry)
+    return out
 
 
 def read_samples(run_dir: str) -> list[dict[str, Any]]:

@@ -54,6 +54,7 @@ from areal_kernel.trainer.recovery import (
     hold_after_step,
     hold_step_from_env,
     plan_start,
+    provenance,
     recovery_manager,
     set_aside_logs,
     truncate_jsonl,
@@ -431,12 +432,14 @@ class RLTrainer(Trainer):
             self.step = step
             self.trained_samples += len(batch)
             samples_here += len(batch)
-            self.samples_log.log(step, new_version, [g.sample_uid for g in groups])
+            self.samples_log.log(step, new_version, [g.sample_uid for g in groups], provenance(groups))
             step_s = time.monotonic() - t0
             metrics.update({f"train/{k}": v for k, v in train_stats.items() if isinstance(v, (int, float))})
             mismatch = train_stats.get("mismatch") or {}
             metrics.update({f"mismatch/{k}": v for k, v in mismatch.items()})
             metrics.update({f"monitor/{k}": v for k, v in self.mismatch.observe(step, mismatch).items()})
+            # The whole distribution, not only its mean and max (the report plots it).
+            metrics.update({f"rollout/staleness_hist/{k}": float(n) for k, n in hist.items()})
             metrics.update(upd)
             metrics.update(self.executor.stats.snapshot_and_reset())
             metrics.update(self.rollout.server_stats())

@@ -26,7 +26,15 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from areal_kernel.api.io import GenerationConfig, ModelRequest, ModelResponse, StopReason, Trajectory, TrajectoryGroup
+from areal_kernel.api.io import (
+    SERVER_KEY,
+    GenerationConfig,
+    ModelRequest,
+    ModelResponse,
+    StopReason,
+    Trajectory,
+    TrajectoryGroup,
+)
 from areal_kernel.api.workflow import Workflow
 from areal_kernel.errors import ArealError, DataError
 from areal_kernel.logging import get_logger
@@ -53,6 +61,7 @@ class Turn:
     reward: float | None = None  # None: a tool-call turn (not scored)
     tool_calls: int = 0
     tool_errors: list[str] = field(default_factory=list)
+    server: str | None = None  # the server that generated this turn
 
 
 def reward_success_threshold(reward_target: str) -> float:
@@ -216,7 +225,12 @@ class MultiTurnWorkflow(RewardScoring, Workflow):
             lps += list(resp.output_logprobs)
             vers += list(resp.output_versions)
             text = self.decode(resp.output_ids)
-            turn = Turn(text=text, n_tokens=resp.output_len, stop_reason=turn_stop_reason(resp, self.parser).value)
+            turn = Turn(
+                text=text,
+                n_tokens=resp.output_len,
+                stop_reason=turn_stop_reason(resp, self.parser).value,
+                server=resp.server,
+            )
             turns.append(turn)
             parsed = self._parse(text)
             last = k == cfg.max_turns - 1
@@ -267,6 +281,9 @@ class MultiTurnWorkflow(RewardScoring, Workflow):
                 "turns": [dataclasses.asdict(t) for t in turns],
                 "metrics": self._metrics(turns),
             }
+            servers = list(dict.fromkeys(t.server for t in turns if t.server))
+            if servers:
+                meta[SERVER_KEY] = ",".join(servers)
             trajs.append(Trajectory(ids, mask, lps, vers, reward, group_id=gid, sample_id=f"{gid}#{i}", metadata=meta))
         return TrajectoryGroup(trajs, group_id=gid)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import re
 import os
 import shutil
 import subprocess
@@ -249,12 +250,50 @@ def test_missing_directory_is_one_error_line(tmp_path):
     ]
 
 
+def test_every_trained_sample_records_its_provenance(run_dir):
+    import yaml
+
+    staleness = yaml.safe_load(open(os.path.join(run_dir, "config.yaml")))["rollout"]["max_staleness"]
+    log = open(os.path.join(run_dir, "server-0.log")).read()
+    server = re.search(r"listening on http://([0-9.]+:[0-9]+)", log).group(1)
+    records = [json.loads(line) for line in open(os.path.join(run_dir, "samples.jsonl"))]
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    for r in records:
+        samples = r["samples"]
+        assert len(samples) == 4, r  # 2 prompts x 2 samples
+        assert sorted({s["uid"] for s in samples}) == sorted(r["uids"]), r
+        assert len({s["sample"] for s in samples}) == 4, r
+        trained = r["version"] - 1  # the weights the step trained from
+        for s in samples:
+            # The versions of its tokens: within the staleness bound of the weights it trained.
+            assert s["versions"] and all(trained - staleness <= v <= trained for v in s["versions"]), (r, s)
+            assert s["server"] == server and s["tokens"] >= 1 and 0.0 <= s["reward"] <= 1.0, s
+    assert any(v < r["version"] - 1 for r in records for s in r["samples"] for v in s["versions"]), (
+        "no sample was one version old: the run did not overlap generation and training"
+    )
+
+
 def test_inspect_prints_a_steps_samples(run_dir, capsys):
     record = [json.loads(line) for line in open(os.path.join(run_dir, "samples.jsonl"))][1]
     assert main(["inspect", run_dir, "--step", "2"]) == 0
     out = capsys.readouterr().out
     assert f"step 2: weight version after the step {record['version']}" in out
-    assert [line.strip() for line in out.splitlines() if line.startswith("  ")] == record["uids"]
+    assert f"{len(record['samples'])} trained sample(s):" in out
+    for s in record["samples"]:
+        assert f"    sample: {s['sample']}" in out and f"    server: {s['server']}" in out
+    assert "not in this run's samples.jsonl" not in out
+
+
+def test_inspect_of_an_older_run_says_what_it_lacks(run_dir, capsys, tmp_path):
+    old = copy_run(run_dir, str(tmp_path / "old"))
+    path = os.path.join(old, "samples.jsonl")
+    records = [json.loads(line) for line in open(path)]
+    with open(path, "w") as f:  # before per-sample provenance: ids only
+        for r in records:
+            f.write(json.dumps({k: r[k] for k in ("step", "version", "uids")}) + "\n")
+    assert main(["inspect", old, "--step", "2"]) == 0
+    out = capsys.readouterr().out
+    assert [line.strip() for line in out.splitlines() if line.startswith("  ")] == records[1]["uids"]
     assert "not in this run's samples.jsonl" in out
 
 

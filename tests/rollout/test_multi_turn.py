@@ -155,6 +155,8 @@ def test_feedback_gives_a_second_turn_with_discounted_reward_and_exact_tokens(to
     assert t.loss_mask == [0] * n1 + [1] * r1.output_len + [0] * (n2 - n1 - r1.output_len) + [1] * r2.output_len
     assert t.logprobs == [0.0] * n1 + r1.output_logprobs + [0.0] * (n2 - n1 - r1.output_len) + r2.output_logprobs
     assert t.versions == [-1] * n1 + r1.output_versions + [-1] * (n2 - n1 - r1.output_len) + r2.output_versions
+    # Provenance: the server that answered (both turns, one server here), per turn and for the sample.
+    assert r1.server and [x["server"] for x in turns] == [r1.server, r2.server] and t.metadata["server"] == r1.server
     assert tok.decode(q2.input_ids[n1 + r1.output_len :]) == f"\n<|im_start|>user\n{FEEDBACK}<|im_end|>\n<|im_start|>assistant\n"
     # The drift case: re-tokenising the decoded turn-1 text would change the ids the model produced.
     prefix = q1.input_ids + r1.output_ids
