@@ -14,10 +14,11 @@ import argparse
 import json
 import os
 import sys
+import warnings
 from typing import Any, Callable
 
 from areal_kernel import __version__
-from areal_kernel.errors import ArealError
+from areal_kernel.errors import ArealDeprecationWarning, ArealError
 
 EXIT_USER_ERROR = 2
 
@@ -403,6 +404,10 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USER_ERROR
     if args.log_json:
         os.environ["AREAL_LOG_JSON"] = "1"
+    # The kernel's own deprecations (an old-style plugin, a 0.1 config) are
+    # shown once per place; Python hides DeprecationWarning by default, and
+    # other packages' stay hidden.
+    warnings.simplefilter("default", ArealDeprecationWarning)
     # Logging is configured on first use (structlog's console renderer costs
     # ~0.2 s of imports, which `areal plugins` should not pay).
     func: Callable[[argparse.Namespace], int] = args.func

@@ -14,6 +14,15 @@ class ArealError(Exception):
     """Base of every error the kernel reports to users."""
 
 
+class ArealDeprecationWarning(DeprecationWarning):
+    """A name or convention of the kernel's API that goes away in the next
+    minor release (docs/api.md, "Versioning policy"). A subclass so that the
+    ``areal`` CLI can show these while Python keeps hiding other packages'
+    deprecations (``DeprecationWarning`` is hidden by default outside
+    ``__main__``): an author running ``areal train`` with an old-style plugin
+    is told."""
+
+
 class ConfigError(ArealError):
     """The configuration (YAML or overrides) is invalid."""
 

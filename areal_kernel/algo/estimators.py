@@ -40,7 +40,7 @@ from areal_kernel.algo.advantages import (
     whiten_tokens,
 )
 from areal_kernel.config.knobs import LEGACY_ESTIMATOR_KEYWORDS, AdvantageKnobs, knobs_with
-from areal_kernel.errors import DataError
+from areal_kernel.errors import ArealDeprecationWarning, DataError
 
 # The built-in estimators take ``knobs`` (None: the config's defaults) and, for
 # a direct caller, the knobs' old keywords (gamma=, lam=, norm=, std_normalize=,
@@ -220,7 +220,7 @@ def __getattr__(name: str) -> Any:
         warnings.warn(
             "areal_kernel.algo.estimators.ESTIMATOR_KEYWORDS is deprecated: an estimator takes knobs= "
             "(areal_kernel.api.advantage_estimator.AdvantageKnobs); the names are AdvantageKnobs.model_fields",
-            DeprecationWarning,
+            ArealDeprecationWarning,
             stacklevel=2,
         )
         return ("loss_masks", "token_rewards", "values") + LEGACY_ESTIMATOR_KEYWORDS

@@ -15,7 +15,7 @@ import warnings
 from typing import Any, Callable
 
 from areal_kernel.config.knobs import LEGACY_LOSS_KEYWORDS, LossKnobs, knobs_with
-from areal_kernel.errors import ConfigError, DataError
+from areal_kernel.errors import ArealDeprecationWarning, ConfigError, DataError
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
 RATIO_LEVELS = ("token", "sequence")
@@ -279,7 +279,7 @@ def __getattr__(name: str) -> Any:
         warnings.warn(
             "areal_kernel.algo.losses.LOSS_KEYWORDS is deprecated: a loss takes knobs= "
             "(areal_kernel.api.loss.LossKnobs); the names are LossKnobs.model_fields",
-            DeprecationWarning,
+            ArealDeprecationWarning,
             stacklevel=2,
         )
         return ("entropy",) + LEGACY_LOSS_KEYWORDS

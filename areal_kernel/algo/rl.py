@@ -22,7 +22,7 @@ from areal_kernel.api.engine import TrainEngine
 from areal_kernel.api.io import TrajectoryBatch
 from areal_kernel.config.knobs import AdvantageKnobs, LossKnobs, legacy_keywords
 from areal_kernel.config.models import GenerationSettings, RLSettings, rl_settings_of
-from areal_kernel.errors import ConfigError, DataError
+from areal_kernel.errors import ArealDeprecationWarning, ConfigError, DataError
 from areal_kernel.monitor.mismatch import finish as finish_mismatch
 from areal_kernel.monitor.mismatch import measured_loss
 
@@ -189,7 +189,7 @@ def knob_arguments(fn: Callable[..., Any], knobs: LossKnobs | AdvantageKnobs, ki
         f"{_who(kind, name, fn)} takes the shared knobs as keywords; that is deprecated and stops working in "
         f"the next minor release: declare a `knobs` parameter and read them from it "
         f"(areal_kernel.api.{'loss' if kind == 'loss' else 'advantage_estimator'}.{cls})",
-        DeprecationWarning,
+        ArealDeprecationWarning,
         stacklevel=3,
     )
     return legacy_keywords(knobs)
@@ -201,7 +201,7 @@ def loss_options(cfg: RLConfig) -> dict[str, Any]:
     warnings.warn(
         "areal_kernel.algo.rl.loss_options is deprecated: use LossKnobs.of(cfg) (areal_kernel.api.loss) and "
         "bind_loss(loss, knobs, cfg.loss_settings)",
-        DeprecationWarning,
+        ArealDeprecationWarning,
         stacklevel=2,
     )
     return {**legacy_keywords(LossKnobs.of(cfg)), **_settings_kwargs(cfg.loss_settings)}
@@ -220,7 +220,7 @@ def bind_loss(
         warnings.warn(
             "bind_loss(loss, options) with a mapping of keywords is deprecated: pass "
             "bind_loss(loss, LossKnobs.of(cfg), settings)",
-            DeprecationWarning,
+            ArealDeprecationWarning,
             stacklevel=2,
         )
         opts = dict(knobs)

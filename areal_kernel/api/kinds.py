@@ -22,7 +22,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
-from areal_kernel.errors import ConfigError, PluginError
+from areal_kernel.errors import ArealDeprecationWarning, ConfigError, PluginError
 from areal_kernel.hookspecs import REGISTRATION_HOOKS
 
 if TYPE_CHECKING:
@@ -309,7 +309,7 @@ def from_context(target: Any, ctx: Any, spec: "FactorySpec", old_shape: Callable
         f"{origin(spec)}: {spec.target} has no from_context(context); building it the old way is "
         f"deprecated and stops working in the next minor release: subclass {base} (whose from_context "
         "calls the old constructor) or define from_context",
-        DeprecationWarning,
+        ArealDeprecationWarning,
         # from_context <- the kind's construct <- Registry.build <- whoever built it.
         stacklevel=4,
     )

@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator,
 from areal_kernel.config.monitor import MonitorConfig
 from areal_kernel.config.offline import FORMER_ALGORITHM_FIELDS
 from areal_kernel.config.sections import PluginSection, StrictModel, require_resolved, unknown_section_error
-from areal_kernel.errors import ConfigError
+from areal_kernel.errors import ArealDeprecationWarning, ConfigError
 
 
 class ModelConfig(StrictModel):
@@ -276,7 +276,7 @@ class AlgorithmConfig(RLSettings, TrainerChoice):
                 f"AlgorithmConfig.{name} is deprecated and goes away in the next minor release: the settings of "
                 f"the selected trainer are config.algorithm.trainer_settings (TrainerContext.settings); "
                 f"algorithm.type {self.type!r} does not read algorithm.{name}, these are its defaults",
-                DeprecationWarning,
+                ArealDeprecationWarning,
                 stacklevel=2,
             )
             return getattr(offline, offline.FORMER_ALGORITHM_FIELDS[name])()

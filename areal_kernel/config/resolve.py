@@ -27,7 +27,7 @@ from areal_kernel.config.knobs import (
 )
 from areal_kernel.config.offline import FORMER_ALGORITHM_FIELDS
 from areal_kernel.config.sections import PluginSection, unknown_section_error, validate_settings
-from areal_kernel.errors import ConfigError, PluginLoadError, PluginNotFoundError
+from areal_kernel.errors import ArealDeprecationWarning, ConfigError, PluginLoadError, PluginNotFoundError
 
 if TYPE_CHECKING:
     from areal_kernel.config.models import AlgorithmConfig, ExperimentConfig, LoggingConfig, SchedulerConfig
@@ -166,7 +166,7 @@ def _resolve_algorithm(algorithm: AlgorithmConfig, registry: PluginLookup) -> No
         warnings.warn(
             f"algorithm.{key}: the settings of trainer '{key}', which algorithm.type '{algorithm.type}' does not "
             "read; ignored. Remove the section: from the next minor release it is an error",
-            DeprecationWarning,
+            ArealDeprecationWarning,
             stacklevel=2,
         )
         del extras[key]

@@ -1,6 +1,7 @@
 """The `areal` CLI in real subprocesses."""
 import json
 import os
+import sys
 
 import yaml
 
@@ -116,3 +117,27 @@ def test_json_logging(tmp_path):
     text = buf2.getvalue()
     assert "hidden" not in text and "shown" in text and "k=1" in text
     setup_logging()
+
+
+def test_the_kernels_deprecations_reach_the_terminal(tmp_path):
+    """A 0.1-style config (an algorithm.sft section under algorithm.type grpo)
+    gets its deprecation warning through `areal validate`; the same resolve
+    in a plain Python process shows nothing (Python hides DeprecationWarning
+    outside __main__), which is why the CLI turns the kernel's own on."""
+    import subprocess
+
+    cfg = tmp_path / "old.yaml"
+    cfg.write_text("algorithm:\n  type: grpo\n  sft: {}\n")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("PYTHONWARNINGS", None)
+    cli = subprocess.run([sys.executable, "-m", "areal_kernel.cli", "validate", str(cfg)],
+                         capture_output=True, text=True, env=env, timeout=300)  # fmt: skip
+    assert cli.returncode == 0, cli.stderr[-3000:]
+    assert "ArealDeprecationWarning: algorithm.sft: the settings of trainer 'sft'" in cli.stderr, cli.stderr[-3000:]
+    plain = subprocess.run(
+        [sys.executable, "-c", "from areal_kernel.config import load_config; from areal_kernel.plugins import "
+         f"get_registry; load_config({str(cfg)!r}, [], registry=get_registry())"],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    assert "DeprecationWarning" not in plain.stderr, plain.stderr[-3000:]
