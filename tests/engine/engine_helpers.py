@@ -1,7 +1,6 @@
 """Helpers of the engine tests: a tiny random Llama with a real tokenizer, random batches."""
 from __future__ import annotations
 
-import random
 
 VOCAB = 256
 
@@ -49,21 +48,8 @@ def _save_word_tokenizer(path: str, vocab: int) -> None:
 
 
 def make_batch(lengths: list[int], prompt_len: int = 3, seed: int = 0, vocab: int = VOCAB):
-    """Trajectories with random tokens: the first ``prompt_len`` tokens are prompt."""
-    from areal_kernel.api.io import Trajectory, TrajectoryBatch
+    """Trajectories with random tokens: the first ``prompt_len`` tokens are
+    prompt (the rank-engine suites' batch maker, with this module's vocabulary)."""
+    from areal_kernel.testing.rank_engines import random_batch
 
-    rng = random.Random(seed)
-    trajs = []
-    for k, n in enumerate(lengths):
-        p = min(prompt_len, n - 1)
-        trajs.append(
-            Trajectory(
-                input_ids=[rng.randrange(4, vocab) for _ in range(n)],
-                loss_mask=[0] * p + [1] * (n - p),
-                logprobs=[0.0] * p + [-rng.uniform(3.0, 8.0) for _ in range(n - p)],
-                versions=[-1] * p + [0] * (n - p),
-                reward=float(k % 2),
-                group_id=f"g{k // 2}",
-            )
-        )
-    return TrajectoryBatch(trajs)
+    return random_batch(lengths, seed=seed, prompt_len=prompt_len, vocab=vocab)
