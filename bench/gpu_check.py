@@ -185,7 +185,9 @@ def sec_env(args: argparse.Namespace) -> dict[str, Any]:
     for _ in range(reps):
         a @ b
     plat.synchronize()
-    numbers["bf16_matmul_tflops"] = round(2 * n**3 * reps / (time.perf_counter() - t0) / 1e12, 1)
+    # Three significant digits, not one decimal: a CPU without bf16 units (AVX2
+    # only) does well under 0.05 TFLOP/s on the --tiny matrix, which rounded to 0.
+    numbers["bf16_matmul_tflops"] = float(f"{2 * n**3 * reps / (time.perf_counter() - t0) / 1e12:.3g}")
     _log(f"device: {name}; {numbers}")
 
     # The kernel's own selection, as a user gets it: no AREAL_PLATFORM.
