@@ -1,5 +1,6 @@
-"""``TrainerContract`` on the kernel's offline trainers (``sft``, ``dpo``,
-``rm``, two steps each on a tiny random Llama with SmolLM2's tokenizer), and
+"""``TrainerContract`` on the kernel's trainers: the offline ones (``sft``,
+``dpo``, ``ipo``, ``rm``) and the built-in ``grpo`` (one embedded server),
+two steps each on a tiny random Llama with SmolLM2's tokenizer; and
 its negative control: trainers broken in the ways the contract names,
 registered the way a plugin registers them, are each rejected by the suite
 with a message naming the trainer and its plugin."""
@@ -49,6 +50,36 @@ class TestDPOTrainer(TrainerContract):
     @pytest.fixture
     def trainer_config(self, tiny_chat_model: str) -> dict[str, Any]:
         return _example("dpo_arithmetic.yaml", tiny_chat_model)
+
+
+class TestIPOTrainer(TrainerContract):
+    """IPO reads DPO's section (``settings_section='dpo'``): the suite's
+    misspelt ``algorithm.ipo`` key must still be refused, naming it."""
+
+    @pytest.fixture
+    def trainer_name(self) -> str:
+        return "ipo"
+
+    @pytest.fixture
+    def trainer_config(self, tiny_chat_model: str) -> dict[str, Any]:
+        return _example("dpo_arithmetic.yaml", tiny_chat_model)
+
+
+class TestGRPOTrainer(TrainerContract):
+    """The kernel's own RL trainer, held to the contract a plugin's is: servers
+    started in setup(), stopped by close() whatever setup got to."""
+
+    @pytest.fixture
+    def trainer_name(self) -> str:
+        return "grpo"
+
+    @pytest.fixture
+    def trainer_config(self, tiny_chat_model: str) -> dict[str, Any]:
+        cfg = _example("grpo_arithmetic.yaml", tiny_chat_model)
+        cfg["trainer"] = {**cfg["trainer"], "eval_size": 0}
+        cfg["rollout"] = {**cfg["rollout"], "gconfig": {**cfg["rollout"]["gconfig"], "n_samples": 2,
+                                                        "max_new_tokens": 4}}  # fmt: skip
+        return cfg
 
 
 class TestRewardModelTrainer(TrainerContract):
