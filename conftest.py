@@ -73,7 +73,7 @@ LONG_FILES: tuple[str, ...] = (
     "tests/e2e/test_rft_example.py",  # ~56 (a 2-worker run here, not a fresh-clone one): RFT, its lr=0 twin, its contract run
     "tests/e2e/test_grpo_lora.py",  # 66: a learning run (the control is test_grpo_learns.py's)
     "plugins/areal-fsdp/tests/test_fsdp_recovery.py",  # 65: kill -9 and resume on two ranks
-    "plugins/areal-megatron/tests/test_megatron_recovery.py",  # 63: kill -9 and resume, t2 and p2
+    "plugins/areal-megatron/tests/test_megatron_recovery.py",  # 63: kill -9 and resume on t2
 )  # fmt: skip
 
 
