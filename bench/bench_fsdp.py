@@ -41,6 +41,20 @@ def make_batch(n_groups: int, group: int, prompt_len: int, max_answer: int, voca
     return TrajectoryBatch(trajs)
 
 
+def add_batch_args(ap: argparse.ArgumentParser) -> None:
+    """The step and batch-shape options of the engine benches (``timed_batches``)."""
+    ap.add_argument("--steps", type=int, default=3, help="timed steps per engine (after one warm-up)")
+    ap.add_argument("--groups", type=int, default=4)
+    ap.add_argument("--group", type=int, default=8)
+    ap.add_argument("--prompt-len", type=int, default=44)
+    ap.add_argument("--max-answer", type=int, default=24)
+
+
+def timed_batches(args: argparse.Namespace, vocab: int) -> list:
+    """One warm-up batch and ``args.steps`` timed ones, shaped by ``add_batch_args``' options."""
+    return [make_batch(args.groups, args.group, args.prompt_len, args.max_answer, vocab, s) for s in range(args.steps + 1)]
+
+
 def time_training(engine, batches, loss_fn) -> tuple[float, float]:
     """(median seconds per step, tokens per second) over ``batches[1:]`` (``batches[0]`` warms up)."""
     times = []
@@ -67,18 +81,14 @@ def main() -> None:
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--steps", type=int, default=3, help="timed steps per engine (after one warm-up)")
-    ap.add_argument("--groups", type=int, default=4)
-    ap.add_argument("--group", type=int, default=8)
-    ap.add_argument("--prompt-len", type=int, default=44)
-    ap.add_argument("--max-answer", type=int, default=24)
+    add_batch_args(ap)
     ap.add_argument("--bucket-mb", type=int, default=64)
     args = ap.parse_args()
     model_dir = resolve_model_path(args.model)
     import json
 
     vocab = json.load(open(os.path.join(model_dir, "config.json")))["vocab_size"]
-    batches = [make_batch(args.groups, args.group, args.prompt_len, args.max_answer, vocab, s) for s in range(args.steps + 1)]
+    batches = timed_batches(args, vocab)
     loss_fn = make_ppo_loss_fn(eps_clip=0.2)
     cfg = {"lr": 1e-6, "max_tokens_per_mb": 2048}
     rows = []

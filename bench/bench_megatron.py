@@ -17,26 +17,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import tempfile
-import time
 
-from bench_fsdp import make_batch
+from bench_fsdp import add_batch_args, time_training, timed_batches
 from summary import report
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-
-
-def time_training(engine, batches, loss_fn) -> tuple[float, float]:
-    times = []
-    for i, b in enumerate(batches):
-        adv = {"advantages": [[(1.0 if t.reward > 0 else -1.0) * m for m in t.loss_mask] for t in b.trajectories]}
-        t0 = time.perf_counter()
-        engine.train_batch(b, loss_fn, adv)
-        if i:
-            times.append(time.perf_counter() - t0)
-    med = statistics.median(times)
-    return med, batches[1].n_tokens / med
 
 
 def main() -> None:
@@ -48,21 +34,15 @@ def main() -> None:
     from areal_kernel.testing.models import make_tiny_llama
 
     ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=3, help="timed steps per engine (after one warm-up)")
+    add_batch_args(ap)
     ap.add_argument("--layers", type=int, default=30)
-    ap.add_argument("--groups", type=int, default=4)
-    ap.add_argument("--group", type=int, default=8)
-    ap.add_argument("--prompt-len", type=int, default=44)
-    ap.add_argument("--max-answer", type=int, default=24)
     ap.add_argument("--only", default="", help="comma-separated subset of engine names")
     args = ap.parse_args()
     tmp = tempfile.mkdtemp(prefix="bench-megatron-")
     vocab = 49152
     model_dir = make_tiny_llama(os.path.join(tmp, "model"), vocab_size=vocab, hidden=576, layers=args.layers,
                                 heads=8, kv_heads=4, seed=0)  # fmt: skip
-    batches = [
-        make_batch(args.groups, args.group, args.prompt_len, args.max_answer, vocab, s) for s in range(args.steps + 1)
-    ]
+    batches = timed_batches(args, vocab)
     loss_fn = make_ppo_loss_fn(eps_clip=0.2)
     cfg = {"lr": 1e-6, "max_tokens_per_mb": 2048, "share_prompts": False}
     engines = {

@@ -21,7 +21,7 @@ import urllib.request
 import pytest
 
 from areal_kernel.platforms import current_platform
-from areal_kernel.testing.contracts import InferenceEngineContract, PlatformContract, TrainEngineContract
+from areal_kernel.testing.contracts import InferenceEngineContract, PlatformContract, TrainEngineContract, engine_maker
 
 PLATFORM = os.environ.get("AREAL_GPU_CHECK_PLATFORM", "cuda")
 os.environ["AREAL_PLATFORM"] = PLATFORM  # this process and every server it starts
@@ -65,12 +65,7 @@ def contract_model_dir(areal_tiny_model_dir):
 def make_train_engine(contract_model_dir):
     from areal_kernel.engine.torch_engine import TorchTrainEngine
 
-    def make(model_dir=None):
-        e = TorchTrainEngine(ENGINE_SETTINGS)
-        e.initialize(model_dir or contract_model_dir, 10)
-        return e
-
-    return make
+    return engine_maker(lambda: TorchTrainEngine(ENGINE_SETTINGS), contract_model_dir, 10)
 
 
 @pytest.fixture

@@ -26,9 +26,8 @@ critic ``returns``. Everything here is pure Python (no torch).
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence, TypeVar
 
 from areal_kernel.algo.advantages import (
     RewardNorm,
@@ -39,12 +38,13 @@ from areal_kernel.algo.advantages import (
     token_reward_rows,
     whiten_tokens,
 )
-from areal_kernel.config.knobs import LEGACY_ESTIMATOR_KEYWORDS, AdvantageKnobs, knobs_with
-from areal_kernel.errors import ArealDeprecationWarning, DataError
+from areal_kernel.config.knobs import LEGACY_ESTIMATOR_KEYWORDS, AdvantageKnobs, knobs_with, old_keywords_attribute
+from areal_kernel.errors import DataError
 
 # The built-in estimators take ``knobs`` (None: the config's defaults) and, for
 # a direct caller, the knobs' old keywords (gamma=, lam=, norm=, std_normalize=,
 # eps=), which replace those of ``knobs``; no signature here restates a default.
+# They share the contract's signature through ``_estimator``.
 
 
 @dataclass
@@ -55,131 +55,124 @@ class AdvantageResult:
     returns: list[list[float]] | None = None
 
 
-def _seq_rewards(rewards: Sequence[float], loss_masks: Sequence[Sequence[int]], token_rewards: Any) -> list[float]:
-    """Sequence-level estimators see per-token rewards as their sum over loss tokens."""
-    if token_rewards is None:
-        return [float(r) for r in rewards]
-    return [
-        float(r) + sum(float(x) for x, m in zip(row, mask) if m)
-        for r, row, mask in zip(rewards, token_rewards, loss_masks)
-    ]
+@dataclass(frozen=True)
+class _Inputs:
+    """What the contract hands an estimator, with the knobs resolved."""
+
+    rewards: Sequence[float]
+    group_ids: Sequence[str]
+    loss_masks: Sequence[Sequence[int]]
+    token_rewards: Any
+    values: Any
+    knobs: AdvantageKnobs
+
+    def seq_rewards(self) -> list[float]:
+        """Sequence-level estimators see per-token rewards as their sum over loss tokens."""
+        if self.token_rewards is None:
+            return [float(r) for r in self.rewards]
+        return [
+            float(r) + sum(float(x) for x, m in zip(row, mask) if m)
+            for r, row, mask in zip(self.rewards, self.token_rewards, self.loss_masks)
+        ]
 
 
-def grpo(
-    rewards: Sequence[float],
-    group_ids: Sequence[str],
-    *,
-    loss_masks: Sequence[Sequence[int]],
-    token_rewards: Any = None,
-    knobs: AdvantageKnobs | None = None,
-    **options: Any,
-) -> list[float]:
+_R = TypeVar("_R")
+
+
+def _estimator(core: Callable[[_Inputs], _R]) -> Callable[..., _R]:
+    """The built-in estimator ``core`` behind the contract's signature (the
+    module docstring): the knobs are ``knobs`` with a direct caller's old
+    keywords put in, the other keywords are ignored."""
+
+    def estimator(
+        rewards: Sequence[float],
+        group_ids: Sequence[str],
+        *,
+        loss_masks: Sequence[Sequence[int]],
+        token_rewards: Any = None,
+        values: Any = None,
+        knobs: AdvantageKnobs | None = None,
+        **options: Any,
+    ) -> _R:
+        k = knobs_with(AdvantageKnobs, knobs, options)
+        return core(_Inputs(rewards, group_ids, loss_masks, token_rewards, values, k))
+
+    # The estimator's name and text (registrations and messages show them),
+    # but no __wrapped__: inspect.signature must see this signature, whose
+    # `knobs` parameter selects the current calling convention (rl.takes_knobs).
+    estimator.__name__ = estimator.__qualname__ = core.__name__
+    estimator.__doc__ = core.__doc__
+    return estimator
+
+
+@_estimator
+def grpo(x: _Inputs) -> list[float]:
     """GRPO: ``(r - mean) / (std + eps)`` over the group (default) or the
     batch (``norm="batch"``); ``norm="none"`` gives raw rewards."""
-    k = knobs_with(AdvantageKnobs, knobs, options)
-    seq = _seq_rewards(rewards, loss_masks, token_rewards)
-    return normalize_rewards(seq, group_ids, k.adv_norm or "group", std_normalize=k.std_normalize, eps=k.adv_eps)
+    k = x.knobs
+    return normalize_rewards(
+        x.seq_rewards(), x.group_ids, k.adv_norm or "group", std_normalize=k.std_normalize, eps=k.adv_eps
+    )
 
 
-def dr_grpo(
-    rewards: Sequence[float],
-    group_ids: Sequence[str],
-    *,
-    loss_masks: Sequence[Sequence[int]],
-    token_rewards: Any = None,
-    knobs: AdvantageKnobs | None = None,
-    **options: Any,
-) -> list[float]:
+@_estimator
+def dr_grpo(x: _Inputs) -> list[float]:
     """Dr.GRPO: ``r - mean`` (group by default), never divided by the std.
     The other half of Dr.GRPO, no length normalisation, is the loss
     aggregation ``seq-mean-token-sum``."""
-    k = knobs_with(AdvantageKnobs, knobs, options)
-    seq = _seq_rewards(rewards, loss_masks, token_rewards)
-    return normalize_rewards(seq, group_ids, k.adv_norm or "group", std_normalize=False, eps=k.adv_eps)
+    k = x.knobs
+    return normalize_rewards(x.seq_rewards(), x.group_ids, k.adv_norm or "group", std_normalize=False, eps=k.adv_eps)
 
 
-def rloo(
-    rewards: Sequence[float],
-    group_ids: Sequence[str],
-    *,
-    loss_masks: Sequence[Sequence[int]],
-    token_rewards: Any = None,
-    knobs: AdvantageKnobs | None = None,
-    **options: Any,
-) -> list[float]:
+@_estimator
+def rloo(x: _Inputs) -> list[float]:
     """RLOO: reward minus the mean of the *other* group members; optionally
     normalised afterwards at ``norm`` level (default: not normalised)."""
-    k = knobs_with(AdvantageKnobs, knobs, options)
-    adv = rloo_advantages(_seq_rewards(rewards, loss_masks, token_rewards), group_ids)
+    k = x.knobs
+    adv = rloo_advantages(x.seq_rewards(), x.group_ids)
     if k.adv_norm in (None, "none"):
         return adv
-    return normalize_rewards(adv, group_ids, k.adv_norm, std_normalize=k.std_normalize, eps=k.adv_eps)
+    return normalize_rewards(adv, x.group_ids, k.adv_norm, std_normalize=k.std_normalize, eps=k.adv_eps)
 
 
-def _reinforce_pp(
-    rewards: Sequence[float],
-    group_ids: Sequence[str],
-    loss_masks: Sequence[Sequence[int]],
-    token_rewards: Any,
-    k: AdvantageKnobs,
-) -> list[list[float]]:
-    rows = token_reward_rows(rewards, loss_masks, token_rewards)
-    returns = discounted_returns(rows, loss_masks, k.gamma)
+def _reinforce_pp(x: _Inputs, rewards: Sequence[float]) -> list[list[float]]:
+    k = x.knobs
+    rows = token_reward_rows(rewards, x.loss_masks, x.token_rewards)
+    returns = discounted_returns(rows, x.loss_masks, k.gamma)
     norm: RewardNorm = k.adv_norm or "batch"
-    return whiten_tokens(returns, loss_masks, norm, group_ids, std_normalize=k.std_normalize, eps=k.adv_eps)
+    return whiten_tokens(returns, x.loss_masks, norm, x.group_ids, std_normalize=k.std_normalize, eps=k.adv_eps)
 
 
-def reinforce_pp(
-    rewards: Sequence[float],
-    group_ids: Sequence[str],
-    *,
-    loss_masks: Sequence[Sequence[int]],
-    token_rewards: Any = None,
-    knobs: AdvantageKnobs | None = None,
-    **options: Any,
-) -> list[list[float]]:
+@_estimator
+def reinforce_pp(x: _Inputs) -> list[list[float]]:
     """REINFORCE++: per-token discounted returns of (token rewards + the
     sequence reward at the last loss token), normalised over all loss tokens
     of the batch (``norm`` default ``batch``)."""
-    if len(rewards) != len(group_ids):
-        raise DataError(f"{len(rewards)} rewards but {len(group_ids)} group_ids: they must align")
-    return _reinforce_pp(rewards, group_ids, loss_masks, token_rewards, knobs_with(AdvantageKnobs, knobs, options))
+    if len(x.rewards) != len(x.group_ids):
+        raise DataError(f"{len(x.rewards)} rewards but {len(x.group_ids)} group_ids: they must align")
+    return _reinforce_pp(x, x.rewards)
 
 
-def reinforce_pp_baseline(
-    rewards: Sequence[float],
-    group_ids: Sequence[str],
-    *,
-    loss_masks: Sequence[Sequence[int]],
-    token_rewards: Any = None,
-    knobs: AdvantageKnobs | None = None,
-    **options: Any,
-) -> list[list[float]]:
+@_estimator
+def reinforce_pp_baseline(x: _Inputs) -> list[list[float]]:
     """REINFORCE++ with baseline: subtract the group mean reward first, then
     as ``reinforce_pp`` (batch-normalised returns)."""
-    centred = normalize_rewards(rewards, group_ids, "group", std_normalize=False)
-    return _reinforce_pp(centred, group_ids, loss_masks, token_rewards, knobs_with(AdvantageKnobs, knobs, options))
+    return _reinforce_pp(x, normalize_rewards(x.rewards, x.group_ids, "group", std_normalize=False))
 
 
-def gae(
-    rewards: Sequence[float],
-    group_ids: Sequence[str],
-    *,
-    loss_masks: Sequence[Sequence[int]],
-    values: Any = None,
-    token_rewards: Any = None,
-    knobs: AdvantageKnobs | None = None,
-    **options: Any,
-) -> AdvantageResult:
+@_estimator
+def gae(x: _Inputs) -> AdvantageResult:
     """GAE(gamma, lambda) with critic values (PPO). Advantages are whitened
     over the batch's loss tokens (``norm`` default ``batch``); the returns
     (critic targets) are computed before whitening."""
-    if values is None:
+    if x.values is None:
         raise DataError("advantage estimator 'gae' needs critic values (values=...); the trainer adds a critic for it")
-    k = knobs_with(AdvantageKnobs, knobs, options)
-    rows = token_reward_rows(rewards, loss_masks, token_rewards)
-    adv, ret = gae_advantages(rows, values, loss_masks, k.gamma, k.lam)
-    adv = whiten_tokens(adv, loss_masks, k.adv_norm or "batch", group_ids, std_normalize=k.std_normalize, eps=k.adv_eps)
+    k = x.knobs
+    rows = token_reward_rows(x.rewards, x.loss_masks, x.token_rewards)
+    adv, ret = gae_advantages(rows, x.values, x.loss_masks, k.gamma, k.lam)
+    adv = whiten_tokens(
+        adv, x.loss_masks, k.adv_norm or "batch", x.group_ids, std_normalize=k.std_normalize, eps=k.adv_eps
+    )
     return AdvantageResult(adv, ret)
 
 
@@ -214,14 +207,8 @@ def to_token_rows(
     return out, returns
 
 
-def __getattr__(name: str) -> Any:
-    # Deprecated: the knobs travel as one AdvantageKnobs object now.
-    if name == "ESTIMATOR_KEYWORDS":
-        warnings.warn(
-            "areal_kernel.algo.estimators.ESTIMATOR_KEYWORDS is deprecated: an estimator takes knobs= "
-            "(areal_kernel.api.advantage_estimator.AdvantageKnobs); the names are AdvantageKnobs.model_fields",
-            ArealDeprecationWarning,
-            stacklevel=2,
-        )
-        return ("loss_masks", "token_rewards", "values") + LEGACY_ESTIMATOR_KEYWORDS
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# Deprecated: the knobs travel as one AdvantageKnobs object now.
+__getattr__ = old_keywords_attribute(
+    __name__, "ESTIMATOR_KEYWORDS", "an estimator", AdvantageKnobs, "areal_kernel.api.advantage_estimator",
+    ("loss_masks", "token_rewards", "values") + LEGACY_ESTIMATOR_KEYWORDS,
+)  # fmt: skip

@@ -11,11 +11,10 @@ except keys ending in ``_max``. Called outside an engine (no
 
 from __future__ import annotations
 
-import warnings
 from typing import Any, Callable
 
-from areal_kernel.config.knobs import LEGACY_LOSS_KEYWORDS, LossKnobs, knobs_with
-from areal_kernel.errors import ArealDeprecationWarning, ConfigError, DataError
+from areal_kernel.config.knobs import LEGACY_LOSS_KEYWORDS, LossKnobs, knobs_with, old_keywords_attribute
+from areal_kernel.errors import ConfigError, DataError
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
 RATIO_LEVELS = ("token", "sequence")
@@ -273,17 +272,10 @@ def make_ppo_loss_fn(
     return loss_fn
 
 
-def __getattr__(name: str) -> Any:
-    # Deprecated: the knobs travel as one LossKnobs object now.
-    if name == "LOSS_KEYWORDS":
-        warnings.warn(
-            "areal_kernel.algo.losses.LOSS_KEYWORDS is deprecated: a loss takes knobs= "
-            "(areal_kernel.api.loss.LossKnobs); the names are LossKnobs.model_fields",
-            ArealDeprecationWarning,
-            stacklevel=2,
-        )
-        return ("entropy",) + LEGACY_LOSS_KEYWORDS
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# Deprecated: the knobs travel as one LossKnobs object now.
+__getattr__ = old_keywords_attribute(
+    __name__, "LOSS_KEYWORDS", "a loss", LossKnobs, "areal_kernel.api.loss", ("entropy",) + LEGACY_LOSS_KEYWORDS
+)
 
 
 def value_loss(

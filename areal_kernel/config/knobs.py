@@ -18,11 +18,13 @@ settings may not take while the old calling convention lives.
 from __future__ import annotations
 
 import copy
-from typing import Any, Literal, TypeVar
+import warnings
+from typing import Any, Callable, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict
 
 from areal_kernel.config.models import RLSettings
+from areal_kernel.errors import ArealDeprecationWarning
 
 __all__ = [
     "LossKnobs",
@@ -33,6 +35,7 @@ __all__ = [
     "LEGACY_ESTIMATOR_KEYWORDS",
     "legacy_keywords",
     "knobs_with",
+    "old_keywords_attribute",
 ]
 
 
@@ -117,3 +120,24 @@ def knobs_with(cls: type[K], knobs: K | None, keywords: dict[str, Any]) -> K:
 
 LEGACY_LOSS_KEYWORDS = tuple(legacy_keywords(LossKnobs()))
 LEGACY_ESTIMATOR_KEYWORDS = tuple(legacy_keywords(AdvantageKnobs()))
+
+
+def old_keywords_attribute(
+    module: str, name: str, who: str, knobs: type[BaseModel], api: str, value: tuple[str, ...]
+) -> Callable[[str], Any]:
+    """A module ``__getattr__`` that still serves ``<module>.<name>``: the
+    keywords ``who`` took before the knobs objects, now ``knobs`` (documented
+    in ``api``), with an ``ArealDeprecationWarning`` at the caller."""
+
+    def __getattr__(attr: str) -> Any:
+        if attr != name:
+            raise AttributeError(f"module {module!r} has no attribute {attr!r}")
+        cls = knobs.__name__
+        warnings.warn(
+            f"{module}.{name} is deprecated: {who} takes knobs= ({api}.{cls}); the names are {cls}.model_fields",
+            ArealDeprecationWarning,
+            stacklevel=2,
+        )
+        return value
+
+    return __getattr__

@@ -1,5 +1,6 @@
 """Install a plugin package for a test only (into a private directory that a
-test puts on the PYTHONPATH of the processes it starts)."""
+test puts on the PYTHONPATH of the processes it starts), and the pair of
+fixtures a test module declares for one (``private_plugin_fixtures``)."""
 
 from __future__ import annotations
 
@@ -37,3 +38,23 @@ def use_private_site(site: str | Path, monkeypatch: Any, areal_env: Callable[...
     importlib.invalidate_caches()
     areal_env()
     return Path(site)
+
+
+def private_plugin_fixtures(src: str | Path, site_fixture: str) -> tuple[Any, Any]:
+    """Two pytest fixtures for the plugin package at ``src``, to assign in a
+    test module as ``<site_fixture>, <enable> = private_plugin_fixtures(src,
+    "<site_fixture>")`` (pytest names a fixture after the module attribute):
+    the first installs it once per module (``pip_install_private``) and gives
+    the site, for the environment of the processes a test starts; the second
+    makes it visible to the test's own process (``use_private_site``)."""
+    import pytest
+
+    @pytest.fixture(scope="module")
+    def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+        return pip_install_private(src, tmp_path_factory.mktemp(Path(src).name))
+
+    @pytest.fixture
+    def enable(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, areal_env: Any) -> Path:
+        return use_private_site(request.getfixturevalue(site_fixture), monkeypatch, areal_env)
+
+    return site, enable

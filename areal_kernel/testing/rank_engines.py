@@ -19,8 +19,11 @@ A plugin subclasses each suite in a test file of its own and sets the class
 attributes the suite names (its engine name, its example config, ...); the
 weight-update suites also ask for a fixture giving the engine under test.
 The helpers below (``random_batch``, ``ppo_step_inputs``, ``forward_floor``,
-``make_spread_tiny_llama``) are what these suites and an engine's parity
-tests build batches, floors and models from.
+``make_spread_tiny_llama``, ``torch_references``) are what these suites and
+an engine's parity tests build batches, floors, models and reference engines
+from; ``state_round_trip`` is the parity tests' check that a checkpoint of
+the engine continues training identically, and ``plugin_example`` names a
+plugin's example config for a suite's ``EXAMPLE``.
 """
 
 from __future__ import annotations
@@ -28,12 +31,13 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import pytest
 
 from areal_kernel.testing.learning import ARITHMETIC, LearningCheck, step_rows
-from areal_kernel.testing.noise import NoiseFloor, assert_within_noise
+from areal_kernel.testing.noise import NoiseFloor, assert_within_noise, max_difference
 
 if TYPE_CHECKING:
     from areal_kernel.api.io import ModelResponse, TrajectoryBatch
@@ -47,6 +51,10 @@ __all__ = [
     "ppo_step_inputs",
     "forward_floor",
     "make_spread_tiny_llama",
+    "state_round_trip",
+    "torch_references",
+    "plugin_example",
+    "StateRoundTrip",
 ]
 
 
@@ -88,6 +96,21 @@ def ppo_step_inputs(batch: TrajectoryBatch, engine: Any) -> dict[str, Any]:
     return {"advantages": adv, "prox_logprobs": engine.compute_logprobs(batch, only_loss_tokens=True)}
 
 
+def torch_references(
+    cfg: dict[str, Any], noise_cfg: dict[str, Any], model_dir: str, total_steps: int
+) -> tuple[Any, Any]:
+    """A parity test's two single-process engines, initialized on
+    ``model_dir``: the kernel's torch engine with ``cfg`` (the reference a
+    rank engine must match) and with ``noise_cfg`` (another micro-batch
+    split: the same numbers summed in another order, the noise floor)."""
+    from areal_kernel.engine.torch_engine import TorchTrainEngine
+
+    engines = (TorchTrainEngine(cfg), TorchTrainEngine(noise_cfg))
+    for e in engines:
+        e.initialize(model_dir, total_steps)
+    return engines
+
+
 def forward_floor(model_dir: str, weights: dict[str, Any], ids: list[int], start: int) -> NoiseFloor:
     """The noise floor of a comparison with these weights' logprobs of
     ``ids[start:]``: transformers' forward with sdpa against eager attention
@@ -125,14 +148,86 @@ def make_spread_tiny_llama(path: str, layers: int = 2) -> str:
     return d
 
 
+@dataclass
+class Continuation:
+    """What two training steps gave: their stats, then a probe's logprobs and the engine's step count."""
+
+    stats: list[dict[str, float]]
+    logprobs: list[list[float]]
+    step: int
+
+
+@dataclass
+class StateRoundTrip:
+    """``state_round_trip``'s record: the two steps after ``save_state``
+    (``first``), the same two after ``load_state`` (``second``), and the
+    version and step count that ``load_state`` restored."""
+
+    SAVED_VERSION: ClassVar[int] = 7
+
+    ckpt: str
+    first: Continuation
+    second: Continuation
+    loaded_version: int
+    loaded_step: int
+
+    # The same steps from the same state on the same ranks: only the
+    # checkpoint's own rounding may differ (none expected; bounds far below
+    # what a lost optimizer state or schedule step changes).
+    def assert_continues_identically(self) -> None:
+        assert self.loaded_version == StateRoundTrip.SAVED_VERSION, self.loaded_version
+        assert self.first.step == self.second.step == self.loaded_step + len(self.first.stats)
+        for a, b in zip(self.first.stats, self.second.stats):
+            for k in ("loss", "grad_norm", "lr", "pg_loss"):
+                assert a[k] == pytest.approx(b[k], rel=1e-7, abs=1e-9), k
+        assert max_difference(self.first.logprobs, self.second.logprobs).value < 1e-6
+
+
+def state_round_trip(engine: Any, ckpt: str, loss: Any) -> StateRoundTrip:
+    """Save ``engine``'s state (at version 7) into ``ckpt``, train two steps,
+    move the version on, load the state back and train the same two steps
+    again; ``StateRoundTrip.assert_continues_identically`` then checks that
+    the checkpoint restored everything training depends on."""
+    engine.set_version(StateRoundTrip.SAVED_VERSION)
+    engine.save_state(ckpt)
+    probe = random_batch([10, 7, 12], seed=42)
+
+    def two_steps() -> Continuation:
+        stats = []
+        for seed in (20, 21):
+            batch = random_batch([8, 11, 6, 9], seed=seed)
+            stats.append(engine.train_batch(batch, loss, ppo_step_inputs(batch, engine)))
+        return Continuation(stats, engine.compute_logprobs(probe), engine.step)
+
+    first = two_steps()
+    engine.set_version(99)
+    engine.load_state(ckpt)
+    version, step = engine.get_version(), engine.step
+    return StateRoundTrip(ckpt, first, two_steps(), version, step)
+
+
+def plugin_example(test_file: str, name: str) -> str:
+    """The example config ``name`` of the plugin whose ``tests/`` holds
+    ``test_file`` (``<plugin>/examples/<name>``): a suite's ``EXAMPLE``."""
+    return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(test_file))), "examples", name)
+
+
 def _failed(proc: Any) -> str:
     return str(proc.stdout[-3000:] + proc.stderr[-3000:])
+
+
+class _RankEngineSuite:
+    """What every suite here has: the engine's ``actor.backend`` name and the
+    ``slow`` mark (each starts rank processes), inherited by the plugin's class."""
+
+    pytestmark: ClassVar[Any] = pytest.mark.slow
+    ENGINE_NAME: ClassVar[str]
 
 
 # ---------------------------------------------------------------- end to end
 
 
-class RankEngineGRPOSuite:
+class RankEngineGRPOSuite(_RankEngineSuite):
     """A real asynchronous GRPO run through ``areal train`` with the plugin's
     example (``EXAMPLE``: SmolLM2-135M-Instruct on ``N_RANKS`` rank processes,
     one embedded inference server, weights in memory every step).
@@ -156,7 +251,6 @@ class RankEngineGRPOSuite:
     ``EXAMPLE`` (path of the plugin's example config), ``N_RANKS``, ``STEPS``,
     ``CHECK``. Fixtures: ``run_areal`` (the kernel's pytest plugin), ``tmp_path``."""
 
-    ENGINE_NAME: ClassVar[str]
     EXAMPLE: ClassVar[str]
     N_RANKS: ClassVar[int] = 2
     # The fewest that give the check its four-step window after the initial policy's steps.
@@ -198,7 +292,7 @@ class RankEngineGRPOSuite:
 # ---------------------------------------------------------------- recovery
 
 
-class RankEngineRecoverySuite:
+class RankEngineRecoverySuite(_RankEngineSuite):
     """Exact recovery: ``kill -9`` a real ``areal train`` with the plugin's
     example after recovery checkpoint 1 (``kill_after_checkpoint``), run it
     again (``recover: auto``) and compare with an uninterrupted run: same
@@ -212,7 +306,6 @@ class RankEngineRecoverySuite:
     ``lr``), ``EXAMPLE``, ``STEPS``, ``EXTRA_ARGS`` (overrides such as
     ``actor.backend=<name>:t2`` for the layout under test)."""
 
-    ENGINE_NAME: ClassVar[str]
     EXAMPLE: ClassVar[str]
     STEPS: ClassVar[int]
     EXTRA_ARGS: ClassVar[tuple[str, ...]] = ()
@@ -263,13 +356,12 @@ class RankEngineRecoverySuite:
 # ---------------------------------------------------------------- weight updates
 
 
-class _WeightUpdateBase:
+class _WeightUpdateBase(_RankEngineSuite):
     """What both weight-update suites share: a real embedded server on
     ``tiny_model_dir`` (a fixture of the plugin's conftest, the model the
     engine under test holds), greedy generation from it, and the comparison
     of its logprobs with the ranks' recompute."""
 
-    ENGINE_NAME: ClassVar[str]
     PROMPT: ClassVar[list[int]] = [5, 6, 7, 8, 9]
     # The server (KV-cache decoding) against the ranks' recompute: within
     # SERVER_MULTIPLE x the sdpa-vs-eager floor of a forward with the same
@@ -280,16 +372,10 @@ class _WeightUpdateBase:
 
     @pytest.fixture(scope="class")
     def server_client(self, tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Any:
-        from areal_kernel.inference.client import RemoteInferenceEngine
-        from areal_kernel.inference.embedded.backend import EmbeddedProtocol
-        from areal_kernel.inference.embedded.launcher import EmbeddedLauncher, EmbeddedServerConfig
+        from areal_kernel.testing.servers import embedded_server
 
-        launcher = EmbeddedLauncher(EmbeddedServerConfig(dtype="float32"), run_dir=str(tmp_path_factory.mktemp("srv")))
-        try:
-            infos = launcher.launch(tiny_model_dir, n_servers=1, devices_per_server=0)
-            yield RemoteInferenceEngine([i.address for i in infos], EmbeddedProtocol())
-        finally:
-            launcher.stop()
+        with embedded_server(tiny_model_dir, str(tmp_path_factory.mktemp("srv"))) as client:
+            yield client
 
     def greedy(self, client: Any) -> ModelResponse:
         from areal_kernel.api.io import GenerationConfig, ModelRequest

@@ -4,7 +4,6 @@ that a killed run resumes exactly)."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -12,6 +11,18 @@ import sys
 import threading
 import time
 from typing import Any
+
+# The trainer's own reader of samples.jsonl, for the tests' comparisons.
+from areal_kernel.trainer.recovery import read_samples
+
+__all__ = [
+    "interrupt_after_step",
+    "kill_after_checkpoint",
+    "load_weights",
+    "read_samples",
+    "run_train",
+    "trained_steps",
+]
 
 
 def _env() -> dict[str, str]:
@@ -119,12 +130,6 @@ def _wait_for_file(path: str, proc: subprocess.Popen, timeout: float) -> bool:
             return os.path.exists(path)
         time.sleep(0.05)
     return False
-
-
-def read_samples(run_dir: str) -> list[dict[str, Any]]:
-    """``samples.jsonl``: one ``{"step", "version", "uids"}`` per trained step."""
-    with open(os.path.join(run_dir, "samples.jsonl")) as f:
-        return [json.loads(line) for line in f if line.strip()]
 
 
 def load_weights(directory: str) -> dict[str, Any]:

@@ -79,22 +79,32 @@ def format_number(value: int | float) -> str:
     return str(value) if isinstance(value, int) else f"{value:.12g}"
 
 
+def _one_string_parameter(name: str, description: str) -> dict[str, Any]:
+    """The parameters schema of a tool that takes one string argument, ``name``."""
+    return {
+        "type": "object",
+        "properties": {name: {"type": "string", "description": description}},
+        "required": [name],
+    }
+
+
+def _string_argument(arguments: dict[str, Any], name: str) -> str:
+    value = arguments.get(name)
+    if not isinstance(value, str):
+        raise ValueError(f"argument '{name}' must be a string, got {value!r}")
+    return value
+
+
 class CalculatorTool:
     description = "Evaluate an arithmetic expression (numbers, + - * / // % ** and parentheses)."
-    parameters: dict[str, Any] = {
-        "type": "object",
-        "properties": {"expression": {"type": "string", "description": "for example (12 + 7) * 3"}},
-        "required": ["expression"],
-    }
+    parameters: dict[str, Any] = _one_string_parameter("expression", "for example (12 + 7) * 3")
 
     def __init__(self, max_length: int = 200, max_exponent: int = 64) -> None:
         self.max_length = max_length
         self.max_exponent = max_exponent
 
     async def call(self, arguments: dict[str, Any]) -> str:
-        expr = arguments.get("expression")
-        if not isinstance(expr, str):
-            raise ValueError(f"argument 'expression' must be a string, got {expr!r}")
+        expr = _string_argument(arguments, "expression")
         return format_number(evaluate_arithmetic(expr, max_length=self.max_length, max_exponent=self.max_exponent))
 
 
@@ -109,11 +119,7 @@ class PythonToolSettings(BaseModel):
 
 class PythonTool:
     description = "Run a Python program in a sandbox and return what it prints (use print for results)."
-    parameters: dict[str, Any] = {
-        "type": "object",
-        "properties": {"code": {"type": "string", "description": "a complete Python program"}},
-        "required": ["code"],
-    }
+    parameters: dict[str, Any] = _one_string_parameter("code", "a complete Python program")
 
     def __init__(
         self, timeout_s: float = 5.0, memory_mb: int = 512, max_processes: int = 8, max_output_chars: int = 2000
@@ -126,9 +132,7 @@ class PythonTool:
     async def call(self, arguments: dict[str, Any]) -> str:
         from areal_kernel.reward.code_exec import run_untrusted
 
-        code = arguments.get("code")
-        if not isinstance(code, str):
-            raise ValueError(f"argument 'code' must be a string, got {code!r}")
+        code = _string_argument(arguments, "code")
         # The sandbox blocks until the program ends (it enforces timeout_s
         # itself): off the event loop, so other episodes keep generating.
         res = await asyncio.to_thread(

@@ -241,6 +241,7 @@ def provenance(groups: list[TrajectoryGroup]) -> list[dict[str, Any]]:
 
 
 def read_samples(run_dir: str) -> list[dict[str, Any]]:
+    """``<run_dir>/samples.jsonl``: one ``{"step", "version", "uids", ...}`` per trained step."""
     with open(os.path.join(run_dir, SAMPLES_FILE), encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
 

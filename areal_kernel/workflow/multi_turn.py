@@ -35,14 +35,12 @@ from areal_kernel.api.io import (
     Trajectory,
     TrajectoryGroup,
 )
-from areal_kernel.api.workflow import Workflow
-from areal_kernel.errors import ArealError, DataError
+from areal_kernel.errors import ArealError
 from areal_kernel.logging import get_logger
 from areal_kernel.tools.runtime import ToolBox, build_tool_parser, turn_stop_reason
 from areal_kernel.tools.types import ParsedOutput, ToolCallParser
 from areal_kernel.workflow.multi_turn_config import WHERE, MultiTurnConfig
-from areal_kernel.workflow.rlvr import sample_gconfig, stop_at_eos
-from areal_kernel.workflow.scoring import RewardScoring
+from areal_kernel.workflow.rlvr import ChatWorkflow, sample_gconfig
 
 log = get_logger(__name__)
 
@@ -76,23 +74,13 @@ def reward_success_threshold(reward_target: str) -> float:
     return DEFAULT_SUCCESS_THRESHOLD
 
 
-class MultiTurnWorkflow(RewardScoring, Workflow):
+class MultiTurnWorkflow(ChatWorkflow[MultiTurnConfig]):
     required_fields = ("prompt", "answer")
+    CONFIG = MultiTurnConfig
+    WHERE = WHERE  # the section these settings come from (multi_turn_config.WHERE)
 
-    def __init__(
-        self,
-        *,
-        tokenizer: Any,
-        gconfig: GenerationConfig,
-        reward_target: str,
-        reward_pool: Any,
-        config: MultiTurnConfig | None = None,
-    ) -> None:
-        self.tok = tokenizer
-        self.gconfig = stop_at_eos(gconfig, tokenizer)
-        self.reward_target = reward_target
-        self.pool = reward_pool
-        self.config = cfg = config or MultiTurnConfig()
+    def setup(self) -> None:
+        cfg = self.config
         self.parser: ToolCallParser | None = None
         self.toolbox: ToolBox | None = None
         if cfg.tools:
@@ -101,7 +89,7 @@ class MultiTurnWorkflow(RewardScoring, Workflow):
         self.stop_strings = list(self.parser.stop_strings) if self.parser is not None else []
         self.tool_schemas = self.toolbox.schemas() if self.toolbox is not None else None
         self.threshold = (
-            cfg.success_threshold if cfg.success_threshold is not None else reward_success_threshold(reward_target)
+            cfg.success_threshold if cfg.success_threshold is not None else reward_success_threshold(self.reward_target)
         )
         self.assistant_closing = self._assistant_closing()
 
@@ -156,21 +144,10 @@ class MultiTurnWorkflow(RewardScoring, Workflow):
         return list(self.tok(text, add_special_tokens=False)["input_ids"])
 
     def encode_prompt(self, record: dict[str, Any]) -> list[int]:
-        try:
-            text = self.config.prompt_template.format(**record)
-        except KeyError as e:
-            raise DataError(
-                f"{WHERE}.prompt_template uses field {e} that record {record.get('id')!r} lacks; "
-                f"fields: {sorted(record)}"
-            ) from None
-        messages: list[dict[str, Any]] = [{"role": "user", "content": text}]
-        if self.config.system_prompt:
-            system = self.config.system_prompt.replace("{tools}", json.dumps(self.tool_schemas or []))
-            messages.insert(0, {"role": "system", "content": system})
-        ids = self.tok.apply_chat_template(messages, tools=self.tool_schemas, add_generation_prompt=True, tokenize=True)
-        if isinstance(ids, dict) or hasattr(ids, "keys"):
-            ids = ids["input_ids"]
-        return list(ids)
+        system = self.config.system_prompt
+        if system:
+            system = system.replace("{tools}", json.dumps(self.tool_schemas or []))
+        return self.chat_ids(self.prompt_text(record), system, tools=self.tool_schemas)
 
     def decode(self, ids: list[int]) -> str:
         return str(self.tok.decode(ids, skip_special_tokens=True))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 from areal_kernel.api.io import GenerationConfig, ImageInputs, ModelRequest, Trajectory, TrajectoryGroup
 from areal_kernel.api.workflow import Workflow
@@ -21,8 +21,38 @@ from areal_kernel.workflow.scoring import RewardScoring
 log = get_logger(__name__)
 
 
-class RLVRWorkflow(RewardScoring, Workflow):
-    required_fields: tuple[str, ...] = ("prompt", "answer")
+def fill_prompt_template(template: str, record: dict[str, Any], where: str) -> str:
+    """``template`` (a ``prompt_template`` setting of section ``where``)
+    formatted with ``record``'s fields; a field it names that the record
+    lacks is a ``DataError`` naming both."""
+    from areal_kernel.data.images import record_label
+
+    try:
+        return template.format(**record)
+    except KeyError as e:
+        raise DataError(
+            f"{where}.prompt_template uses field {e} that {record_label(record)} lacks; fields: {sorted(record)}"
+        ) from None
+
+
+class _PromptSettings(Protocol):
+    prompt_template: str
+    system_prompt: str | None
+
+
+_C = TypeVar("_C", bound=_PromptSettings)
+
+
+class ChatWorkflow(RewardScoring, Workflow, Generic[_C]):
+    """What the built-in workflows that render chats with the run's tokenizer
+    (``rlvr``, ``multi_turn``) are built with: the keywords of
+    ``Workflow.from_context``; the tokenizer's end-of-sequence id joins the
+    stop tokens; no ``config`` means ``CONFIG()``, the section's defaults
+    (``WHERE``, named in errors). A subclass builds the rest from its config
+    in ``setup``; ``prompt_text`` and ``chat_ids`` turn a record into a prompt."""
+
+    CONFIG: ClassVar[type[Any]]
+    WHERE: ClassVar[str]
 
     def __init__(
         self,
@@ -31,31 +61,44 @@ class RLVRWorkflow(RewardScoring, Workflow):
         gconfig: GenerationConfig,
         reward_target: str,
         reward_pool: Any,
-        config: RLVRConfig | None = None,
+        config: _C | None = None,
     ) -> None:
         self.tok = tokenizer
         self.gconfig = stop_at_eos(gconfig, tokenizer)
         self.reward_target = reward_target
         self.pool = reward_pool
-        self.config = config or RLVRConfig()
+        self.config: _C = config if config is not None else self.CONFIG()
+        self.setup()
 
-    def encode_prompt(self, record: dict[str, Any]) -> list[int]:
-        try:
-            text = self.config.prompt_template.format(**record)
-        except KeyError as e:
-            raise DataError(
-                f"workflow.rlvr.prompt_template uses field {e} that record {record.get('id')!r} lacks; "
-                f"fields: {sorted(record)}"
-            ) from None
-        if not self.config.use_chat_template:
-            return list(self.tok(text, add_special_tokens=True)["input_ids"])
+    def setup(self) -> None:
+        """Called at the end of ``__init__``; the default builds nothing."""
+
+    def prompt_text(self, record: dict[str, Any]) -> str:
+        """``record`` through the config's ``prompt_template``."""
+        return fill_prompt_template(self.config.prompt_template, record, self.WHERE)
+
+    def chat_ids(self, text: str, system: str | None, **template_options: Any) -> list[int]:
+        """The token ids of the chat template on (``system``,) the user's
+        ``text`` and the assistant's generation prompt."""
         messages = [{"role": "user", "content": text}]
-        if self.config.system_prompt:
-            messages.insert(0, {"role": "system", "content": self.config.system_prompt})
-        ids = self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if system:
+            messages.insert(0, {"role": "system", "content": system})
+        ids = self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **template_options)
         if isinstance(ids, dict) or hasattr(ids, "keys"):
             ids = ids["input_ids"]
         return list(ids)
+
+
+class RLVRWorkflow(ChatWorkflow[RLVRConfig]):
+    required_fields: tuple[str, ...] = ("prompt", "answer")
+    CONFIG = RLVRConfig
+    WHERE = "workflow.rlvr"
+
+    def encode_prompt(self, record: dict[str, Any]) -> list[int]:
+        text = self.prompt_text(record)
+        if not self.config.use_chat_template:
+            return list(self.tok(text, add_special_tokens=True)["input_ids"])
+        return self.chat_ids(text, self.config.system_prompt)
 
     def prompt(self, record: dict[str, Any]) -> tuple[list[int], ImageInputs | None]:
         """The record's prompt as token ids, and its images (None here; the

@@ -20,7 +20,7 @@ from typing import Any
 from areal_kernel.api.io import ImageInputs
 from areal_kernel.data.images import IMAGE_MARKER, record_images, record_label
 from areal_kernel.errors import ConfigError, DataError
-from areal_kernel.workflow.rlvr import RLVRWorkflow
+from areal_kernel.workflow.rlvr import RLVRWorkflow, fill_prompt_template
 from areal_kernel.workflow.rlvr_config import RLVRConfig
 
 
@@ -45,12 +45,7 @@ class VisionPromptEncoder:
         self.config = config
 
     def text(self, record: dict[str, Any]) -> str:
-        try:
-            return self.config.prompt_template.format(**record)
-        except KeyError as e:
-            raise DataError(
-                f"workflow prompt_template uses field {e} that {record_label(record)} lacks; fields: {sorted(record)}"
-            ) from None
+        return fill_prompt_template(self.config.prompt_template, record, "workflow")
 
     def encode(self, record: dict[str, Any]) -> tuple[list[int], ImageInputs]:
         images = record_images(record)

@@ -9,21 +9,11 @@ import urllib.error
 import urllib.request
 from typing import Any
 
+from areal_kernel.testing.recording import RecordingEngine
 
-class Recorder:
-    """The real inference client, with every (request, response) kept."""
 
-    def __init__(self, engine: Any) -> None:
-        self.engine = engine
-        self.calls: list[tuple[Any, Any]] = []
-
-    async def agenerate(self, req: Any) -> Any:
-        resp = await self.engine.agenerate(req)
-        self.calls.append((req, resp))
-        return resp
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.engine, name)
+# The kernel's recording engine, under the name these tests use.
+Recorder = RecordingEngine
 
 
 def http(method: str, url: str, body: Any = None, key: str | None = None, raw: bytes | None = None) -> tuple[int, Any]:

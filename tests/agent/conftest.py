@@ -14,18 +14,10 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 @pytest.fixture(scope="session")
 def tiny_server(areal_tiny_chat_model_dir, tmp_path_factory):
-    from areal_kernel.inference.client import RemoteInferenceEngine
-    from areal_kernel.inference.embedded.backend import EmbeddedProtocol
-    from areal_kernel.inference.embedded.launcher import EmbeddedLauncher, EmbeddedServerConfig
+    from areal_kernel.testing.servers import embedded_server
 
-    launcher = EmbeddedLauncher(
-        EmbeddedServerConfig(dtype="float32"), run_dir=str(tmp_path_factory.mktemp("agent-srv"))
-    )
-    infos = launcher.launch(areal_tiny_chat_model_dir, n_servers=1, devices_per_server=0)
-    engine = RemoteInferenceEngine([i.address for i in infos], EmbeddedProtocol())
-    yield engine
-    engine.destroy()
-    launcher.stop()
+    with embedded_server(areal_tiny_chat_model_dir, str(tmp_path_factory.mktemp("agent-srv"))) as engine:
+        yield engine
 
 
 @pytest.fixture(scope="session")

@@ -10,6 +10,7 @@ import pytest
 from agent_helpers import Recorder
 
 from areal_kernel.testing import WorkflowContract
+from areal_kernel.testing.recording import loss_spans
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -62,17 +63,9 @@ def episode(wf, engine, record):
 
 def check_rows_are_engine_outputs(group, rec: Recorder):
     for t in group.trajectories:
-        i = 0
-        while i < len(t.loss_mask):
-            if not t.loss_mask[i]:
-                i += 1
-                continue
-            j = i
-            while j < len(t.loss_mask) and t.loss_mask[j]:
-                j += 1
+        for i, j in loss_spans(t.loss_mask):
             assert any(list(q.input_ids) == t.input_ids[:i] and r.output_ids == t.input_ids[i:j]
                        and r.output_logprobs == t.logprobs[i:j] for q, r in rec.calls)  # fmt: skip
-            i = j
 
 
 RECORD = {"id": "q1", "prompt": "What is 2 + 3?", "answer": "5", "_sample_seed": 11}

@@ -113,24 +113,21 @@ def test_missing_file(tmp_path):
         load_records(str(missing))
 
 
-def test_unsupported_extension(tmp_path):
-    f = tmp_path / "data.txt"
-    f.write_text("hello\n")
-    with pytest.raises(DataError, match=r"data\.txt.*unsupported extension '\.txt'.*\.jsonl"):
-        load_records(str(f))
-
-
-def test_malformed_jsonl_names_the_line(tmp_path):
-    f = tmp_path / "bad.jsonl"
-    f.write_text('{"prompt": "a"}\n{"prompt": "b"}\n{"prompt": oops}\n{"prompt": "d"}\n')
-    with pytest.raises(DataError, match=r"bad\.jsonl.*line 3 is not valid JSON"):
-        load_records(str(f))
-
-
-def test_jsonl_line_that_is_not_an_object(tmp_path):
-    f = tmp_path / "list.jsonl"
-    f.write_text('{"prompt": "a"}\n[1, 2]\n')
-    with pytest.raises(DataError, match=r"list\.jsonl.*line 2 is a JSON list, expected an object"):
+# A file whose content the loader refuses: the error names the file and what is wrong.
+@pytest.mark.parametrize(
+    "name, content, message",
+    [
+        ("data.txt", "hello\n", r"data\.txt.*unsupported extension '\.txt'.*\.jsonl"),
+        ("bad.jsonl", '{"prompt": "a"}\n{"prompt": "b"}\n{"prompt": oops}\n{"prompt": "d"}\n',
+         r"bad\.jsonl.*line 3 is not valid JSON"),
+        ("list.jsonl", '{"prompt": "a"}\n[1, 2]\n', r"list\.jsonl.*line 2 is a JSON list, expected an object"),
+    ],
+    ids=["unsupported-extension", "malformed-jsonl-line", "jsonl-line-not-an-object"],
+)  # fmt: skip
+def test_unreadable_file_is_named(tmp_path, name, content, message):
+    f = tmp_path / name
+    f.write_text(content)
+    with pytest.raises(DataError, match=message):
         load_records(str(f))
 
 

@@ -2,7 +2,7 @@
 import pytest
 
 from areal_kernel.engine.torch_engine import TorchTrainEngine
-from areal_kernel.testing.contracts import TrainEngineContract
+from areal_kernel.testing.contracts import TrainEngineContract, engine_maker
 
 SETTINGS = {"lr": 1e-3, "max_tokens_per_mb": 8}
 
@@ -14,12 +14,7 @@ def contract_model_dir(tiny_model_dir):
 
 @pytest.fixture
 def make_train_engine(contract_model_dir):
-    def make(model_dir=None):
-        e = TorchTrainEngine(SETTINGS)
-        e.initialize(model_dir or contract_model_dir, 10)
-        return e
-
-    return make
+    return engine_maker(lambda: TorchTrainEngine(SETTINGS), contract_model_dir, 10)
 
 
 @pytest.fixture

@@ -222,16 +222,10 @@ def shared_train_engine(areal_tiny_model_dir):
 @pytest.fixture(scope="module")
 def shared_server(areal_tiny_model_dir, tmp_path_factory):
     """One embedded server (fp32) for both transports: a server start costs seconds."""
-    from areal_kernel.inference.client import RemoteInferenceEngine
-    from areal_kernel.inference.embedded.backend import EmbeddedProtocol
-    from areal_kernel.inference.embedded.launcher import EmbeddedLauncher, EmbeddedServerConfig
+    from areal_kernel.testing.servers import embedded_server
 
-    launcher = EmbeddedLauncher(EmbeddedServerConfig(dtype="float32"), run_dir=str(tmp_path_factory.mktemp("server")))
-    infos = launcher.launch(areal_tiny_model_dir, n_servers=1, devices_per_server=0)
-    engine = RemoteInferenceEngine([i.address for i in infos], EmbeddedProtocol())
-    yield engine
-    engine.destroy()
-    launcher.stop()
+    with embedded_server(areal_tiny_model_dir, str(tmp_path_factory.mktemp("server"))) as engine:
+        yield engine
 
 
 class _SharedEngines:

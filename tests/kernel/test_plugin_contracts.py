@@ -22,20 +22,13 @@ from pathlib import Path
 import pytest
 
 from areal_kernel.errors import ConfigError, DataError
-from areal_kernel.testing.packages import pip_install_private, use_private_site
+from areal_kernel.testing.packages import private_plugin_fixtures
 
 HERE = Path(__file__).resolve().parent
 ORIGIN = "of plugin 'contract' (areal-test-contract 0.3.0)"
 
 
-@pytest.fixture(scope="module")
-def contract_site(tmp_path_factory) -> Path:
-    return pip_install_private(HERE / "plugin_packages" / "areal-test-contract", tmp_path_factory.mktemp("contract"))
-
-
-@pytest.fixture
-def with_contract_plugin(contract_site, monkeypatch, areal_env):
-    return use_private_site(contract_site, monkeypatch, areal_env)
+contract_site, with_contract_plugin = private_plugin_fixtures(HERE / "plugin_packages" / "areal-test-contract", "contract_site")
 
 
 @pytest.fixture(scope="module")

@@ -97,16 +97,10 @@ def tok(taught_dir):
 
 @pytest.fixture(scope="module")
 def engine(taught_dir, tmp_path_factory):
-    from areal_kernel.inference.client import RemoteInferenceEngine
-    from areal_kernel.inference.embedded.backend import EmbeddedProtocol
-    from areal_kernel.inference.embedded.launcher import EmbeddedLauncher, EmbeddedServerConfig
+    from areal_kernel.testing.servers import embedded_server
 
-    launcher = EmbeddedLauncher(EmbeddedServerConfig(dtype="float32"), run_dir=str(tmp_path_factory.mktemp("srv")))
-    infos = launcher.launch(taught_dir, n_servers=1, devices_per_server=0)
-    eng = RemoteInferenceEngine([i.address for i in infos], EmbeddedProtocol())
-    yield eng
-    eng.destroy()
-    launcher.stop()
+    with embedded_server(taught_dir, str(tmp_path_factory.mktemp("srv"))) as eng:
+        yield eng
 
 
 @pytest.fixture(scope="module")

@@ -69,17 +69,11 @@ class InfCLI:
     @staticmethod
     def process_groups() -> dict[int, list[int]]:
         """Process group id -> live (non-zombie) pids, from /proc."""
+        from areal_kernel.testing.procs import live_processes
+
         out: dict[int, list[int]] = {}
-        for d in os.listdir("/proc"):
-            if not d.isdigit():
-                continue
-            try:
-                stat = Path(f"/proc/{d}/stat").read_text()
-            except OSError:
-                continue
-            rest = stat[stat.rfind(")") + 2 :].split()
-            if rest[0] != "Z":
-                out.setdefault(int(rest[2]), []).append(int(d))
+        for p in live_processes():
+            out.setdefault(p.pgid, []).append(p.pid)
         return out
 
 

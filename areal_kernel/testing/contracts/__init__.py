@@ -37,7 +37,7 @@ from areal_kernel.testing.contracts.reward import RewardContract
 from areal_kernel.testing.contracts.scheduler import SchedulerContract
 from areal_kernel.testing.contracts.tool import ToolContract
 from areal_kernel.testing.contracts.tool_parser import ToolParserContract
-from areal_kernel.testing.contracts.train_engine import TrainEngineContract
+from areal_kernel.testing.contracts.train_engine import TrainEngineContract, engine_maker
 from areal_kernel.testing.contracts.trainer import TrainerContract
 from areal_kernel.testing.contracts.weight_transport import WeightTransportContract
 from areal_kernel.testing.contracts.workflow import WorkflowContract
@@ -57,4 +57,5 @@ __all__ = [
     "TrainerContract",
     "WeightTransportContract",
     "WorkflowContract",
+    "engine_maker",
 ]

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import pytest
 
@@ -13,13 +13,29 @@ if TYPE_CHECKING:
     from areal_kernel.api.engine import TrainEngine
 
 
+def engine_maker(
+    new_engine: Callable[[], TrainEngine], default_model_dir: str, total_steps: int
+) -> Callable[..., TrainEngine]:
+    """A ``make_train_engine`` for ``TrainEngineContract``: ``make(model_dir=None)``
+    initializes ``new_engine()`` on ``model_dir`` (default ``default_model_dir``,
+    the ``contract_model_dir``) for ``total_steps`` optimizer steps."""
+
+    def make(model_dir: str | None = None) -> TrainEngine:
+        engine = new_engine()
+        engine.initialize(model_dir or default_model_dir, total_steps)
+        return engine
+
+    return make
+
+
 class TrainEngineContract:
     """Fixtures: ``train_engine`` (an initialized ``TrainEngine`` on
     ``contract_model_dir``, lr about 1e-3), ``contract_model_dir`` (a small HF
     causal LM with token ids below 256) and ``make_train_engine``: a callable
     ``make_train_engine(model_dir=None)`` returning a *new* initialized engine
     with ``train_engine``'s settings, on ``model_dir`` (default
-    ``contract_model_dir``); the contract destroys the engines it makes.
+    ``contract_model_dir``; ``engine_maker`` builds one); the contract
+    destroys the engines it makes.
 
     Checks what the trainer relies on: aligned logprobs, a step in the
     advantage direction, the HF export, the weight list of the broadcast

@@ -19,35 +19,14 @@ from areal_kernel.testing.contracts._shared import (
     _section,
     _spec,
 )
-
-
-class _RecordingEngine:
-    """The real inference engine, with every request and response kept."""
-
-    def __init__(self, engine: Any) -> None:
-        self._engine = engine
-        self.calls: list[tuple[Any, Any]] = []
-
-    async def agenerate(self, req: Any) -> Any:
-        resp = await self._engine.agenerate(req)
-        self.calls.append((req, resp))
-        return resp
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._engine, name)
+from areal_kernel.testing.recording import RecordingEngine, loss_spans
 
 
 def _responses_text(tokenizer: Any, trajectory: Any) -> list[str]:
     """Each run of loss tokens of ``trajectory`` (one engine response) decoded
     with special tokens skipped."""
-    out, run = [], []
-    for tok, m in zip([*trajectory.input_ids, None], [*trajectory.loss_mask, 0]):
-        if m:
-            run.append(tok)
-        elif run:
-            out.append(tokenizer.decode(run, skip_special_tokens=True))
-            run = []
-    return out
+    ids = trajectory.input_ids
+    return [tokenizer.decode(ids[i:j], skip_special_tokens=True) for i, j in loss_spans(trajectory.loss_mask)]
 
 
 class WorkflowContract:
@@ -129,10 +108,10 @@ class WorkflowContract:
         ))  # fmt: skip
         return workflow, pool, tokenizer
 
-    def _episode(self, workflow: Any, engine: Any, record: dict) -> tuple[Any, _RecordingEngine]:
+    def _episode(self, workflow: Any, engine: Any, record: dict) -> tuple[Any, RecordingEngine]:
         from areal_kernel.api.io import TrajectoryGroup
 
-        rec = _RecordingEngine(engine)
+        rec = RecordingEngine(engine)
         group = asyncio.run(_closing(engine, workflow.arun_episode(rec, dict(record))))
         assert group is not None, "the workflow rejected the contract record; give a workflow_record it accepts"
         assert isinstance(group, TrajectoryGroup), f"arun_episode returned {type(group).__name__}"
@@ -158,14 +137,7 @@ class WorkflowContract:
                 if not m:
                     assert t.logprobs[i] == 0.0 and t.versions[i] == -1, f"trajectory {k} token {i} off the mask"
             # Each run of loss tokens is one response, generated from exactly the tokens before it.
-            i = 0
-            while i < len(t.loss_mask):
-                if not t.loss_mask[i]:
-                    i += 1
-                    continue
-                j = i
-                while j < len(t.loss_mask) and t.loss_mask[j]:
-                    j += 1
+            for i, j in loss_spans(t.loss_mask):
                 match = [
                     r
                     for q, r in rec.calls
@@ -184,7 +156,6 @@ class WorkflowContract:
                 assert any(t.versions[i:j] == list(r.output_versions) for r in match), (
                     f"trajectory {k}: versions differ from the engine's"
                 )
-                i = j
 
     def test_rewards_are_called_as_documented(
         self, workflow_name: str, workflow_settings: dict, workflow_record: dict, workflow_model_dir: str,

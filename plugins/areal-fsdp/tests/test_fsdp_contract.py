@@ -5,7 +5,7 @@ more 2-rank engine to load the checkpoint into."""
 
 import pytest
 
-from areal_kernel.testing.contracts import TrainEngineContract
+from areal_kernel.testing.contracts import TrainEngineContract, engine_maker
 
 pytestmark = pytest.mark.slow
 
@@ -24,13 +24,10 @@ def train_engine(shared_engine):
 def make_train_engine(contract_model_dir):
     from areal_fsdp.engine import FSDPTrainEngine
 
-    def make(model_dir=None):
-        # The shared engine's settings (conftest.shared_engine).
-        e = FSDPTrainEngine({"lr": 1e-3, "max_tokens_per_mb": 8}, world_size=2)
-        e.initialize(model_dir or contract_model_dir, 20)
-        return e
-
-    return make
+    # The shared engine's settings (conftest.shared_engine).
+    return engine_maker(
+        lambda: FSDPTrainEngine({"lr": 1e-3, "max_tokens_per_mb": 8}, world_size=2), contract_model_dir, 20
+    )
 
 
 class TestFSDPEngineContract(TrainEngineContract):

@@ -13,16 +13,9 @@ the control: 0.763. About 65 s (60 s seen with other work on the cores)."""
 
 from __future__ import annotations
 
-import os
-
-import pytest
-
-from areal_kernel.testing.rank_engines import RankEngineGRPOSuite
-
-pytestmark = pytest.mark.slow
-HERE = os.path.dirname(os.path.abspath(__file__))
+from areal_kernel.testing.rank_engines import RankEngineGRPOSuite, plugin_example
 
 
 class TestFSDPGRPO(RankEngineGRPOSuite):
     ENGINE_NAME = "fsdp"
-    EXAMPLE = os.path.join(os.path.dirname(HERE), "examples", "grpo_arithmetic_fsdp.yaml")
+    EXAMPLE = plugin_example(__file__, "grpo_arithmetic_fsdp.yaml")

@@ -13,9 +13,8 @@ from transformers import AutoModelForCausalLM
 
 from areal_kernel.algo.losses import make_ppo_loss_fn
 from areal_kernel.api.engine import WeightUpdateMeta
-from areal_kernel.engine.torch_engine import TorchTrainEngine
 from areal_kernel.testing.noise import assert_within_noise, measure_noise_floor
-from areal_kernel.testing.rank_engines import ppo_step_inputs, random_batch
+from areal_kernel.testing.rank_engines import ppo_step_inputs, random_batch, torch_references
 
 pytestmark = pytest.mark.slow
 
@@ -47,10 +46,7 @@ def lora_pair(tiny_model_dir):
 
     fsdp = FSDPTrainEngine(CFG, world_size=2)
     fsdp.initialize(tiny_model_dir, 10)
-    ref = TorchTrainEngine(CFG)
-    ref.initialize(tiny_model_dir, 10)
-    noise = TorchTrainEngine(NOISE_CFG)
-    noise.initialize(tiny_model_dir, 10)
+    ref, noise = torch_references(CFG, NOISE_CFG, tiny_model_dir, 10)
     init = (dict(fsdp.full_weights()), {n: t.clone() for n, t in ref.named_weights_for_transfer()})
     try:
         for seed, lengths in enumerate([[7, 9, 5, 12], [11, 6, 8, 10]]):

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from areal_kernel.algo.losses import make_ppo_loss_fn
 from areal_kernel.engine.torch_engine import TorchTrainEngine
 from areal_kernel.testing.noise import NoiseFloor, assert_within_noise, measure_noise_floor
-from areal_kernel.testing.rank_engines import ppo_step_inputs, random_batch
+from areal_kernel.testing.rank_engines import ppo_step_inputs, random_batch, state_round_trip, torch_references
 
 pytestmark = pytest.mark.slow
 
@@ -48,10 +48,6 @@ NOISE_CFG = {**CFG, "max_tokens_per_mb": 13}
 MULTIPLE = 4.0
 
 
-def _max_diff(a: list[list[float]], b: list[list[float]]) -> float:
-    return max(abs(x - y) for ra, rb in zip(a, b) for x, y in zip(ra, rb))
-
-
 def _forward_floor(model_dir: str, probe) -> NoiseFloor:
     """Logprobs of the same weights through the engine's two attention
     kernels (sdpa, eager): the floor of a forward-only comparison."""
@@ -69,10 +65,7 @@ def trained_pair(tiny_model_dir):
 
     fsdp = FSDPTrainEngine(CFG, world_size=2)
     fsdp.initialize(tiny_model_dir, 10)
-    ref = TorchTrainEngine(CFG)
-    ref.initialize(tiny_model_dir, 10)
-    noise = TorchTrainEngine(NOISE_CFG)
-    noise.initialize(tiny_model_dir, 10)
+    ref, noise = torch_references(CFG, NOISE_CFG, tiny_model_dir, 10)
     history, noise_history = [], []
     try:
         for seed, lengths in enumerate(STEP_BATCHES):
@@ -169,29 +162,12 @@ def test_hf_export_equals_single_process_weights(trained_pair, tmp_path):
 
 def test_dcp_round_trip_continues_identically(trained_pair, tmp_path):
     fsdp = trained_pair[0]
-    ckpt = str(tmp_path / "state")
-    fsdp.set_version(7)
-    fsdp.save_state(ckpt)
-    assert os.path.isdir(os.path.join(ckpt, "dcp")) and os.path.isfile(os.path.join(ckpt, "engine_state.json"))
-    probe = random_batch([10, 7, 12], seed=42)
-
-    def run_two_steps():
-        stats = []
-        for seed in (20, 21):
-            batch = random_batch([8, 11, 6, 9], seed=seed)
-            stats.append(fsdp.train_batch(batch, LOSS, ppo_step_inputs(batch, fsdp)))
-        return stats, fsdp.compute_logprobs(probe), fsdp.step
-
-    first, lp_first, step_first = run_two_steps()
-    fsdp.set_version(99)
-    fsdp.load_state(ckpt)
-    assert fsdp.get_version() == 7 and fsdp.step == len(STEP_BATCHES)
-    second, lp_second, step_second = run_two_steps()
-    assert step_first == step_second
-    for a, b in zip(first, second):
-        for k in ("loss", "grad_norm", "lr", "pg_loss"):
-            assert a[k] == pytest.approx(b[k], rel=1e-7, abs=1e-9), k
-    assert _max_diff(lp_first, lp_second) < 1e-6
+    trip = state_round_trip(fsdp, str(tmp_path / "state"), LOSS)
+    assert os.path.isdir(os.path.join(trip.ckpt, "dcp")) and os.path.isfile(
+        os.path.join(trip.ckpt, "engine_state.json")
+    )
+    assert trip.loaded_step == len(STEP_BATCHES)
+    trip.assert_continues_identically()
 
 
 def test_bad_checkpoint_dir_is_named(trained_pair, tmp_path):
@@ -210,10 +186,7 @@ def test_checkpointing_root_wrap_and_no_reshard_keep_parity(tiny_model_dir):
     opts = {"gradient_checkpointing": True, "wrap_policy": "root", "reshard_after_forward": False}
     fsdp = FSDPTrainEngine({**CFG, **opts}, world_size=2)
     fsdp.initialize(tiny_model_dir, 10)
-    ref = TorchTrainEngine(CFG)
-    ref.initialize(tiny_model_dir, 10)
-    noise = TorchTrainEngine(NOISE_CFG)
-    noise.initialize(tiny_model_dir, 10)
+    ref, noise = torch_references(CFG, NOISE_CFG, tiny_model_dir, 10)
     try:
         steps = []
         for seed, lengths in enumerate(STEP_BATCHES[:2]):

@@ -7,17 +7,10 @@ shards)."""
 
 from __future__ import annotations
 
-import os
-
-import pytest
-
-from areal_kernel.testing.rank_engines import RankEngineRecoverySuite
-
-pytestmark = pytest.mark.slow
-HERE = os.path.dirname(os.path.abspath(__file__))
+from areal_kernel.testing.rank_engines import RankEngineRecoverySuite, plugin_example
 
 
 class TestFSDPRecovery(RankEngineRecoverySuite):
     ENGINE_NAME = "fsdp"
-    EXAMPLE = os.path.join(os.path.dirname(HERE), "examples", "grpo_arithmetic_fsdp.yaml")
+    EXAMPLE = plugin_example(__file__, "grpo_arithmetic_fsdp.yaml")
     STEPS = 4

@@ -10,8 +10,6 @@ import pytest
 
 from areal_kernel.testing.rank_engines import RankEngineDiskUpdateSuite, RankEngineWeightUpdateSuite
 
-pytestmark = pytest.mark.slow
-
 
 class TestFSDPWeightUpdate(RankEngineDiskUpdateSuite, RankEngineWeightUpdateSuite):
     ENGINE_NAME = "fsdp"

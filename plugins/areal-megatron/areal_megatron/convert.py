@@ -157,6 +157,15 @@ _SAME_SHAPE = {
 }
 
 
+def _layer_parameter(name: str, layer_offset: int) -> tuple[str, str]:
+    """``(HF prefix of its layer, Megatron suffix)`` of the per-layer parameter
+    ``name`` (global layer = ``layer_offset`` + the stage-local number)."""
+    m = _LAYER.match(name)
+    if m is None:
+        raise KeyError(f"no HF counterpart for Megatron parameter {name!r}")
+    return f"model.layers.{int(m.group(1)) + layer_offset}.", m.group(2)
+
+
 def hf_to_megatron(
     name: str, get: Callable[[str], Any], arch: ArchSpec, tp_rank: int, tp_size: int, layer_offset: int = 0
 ) -> Any:
@@ -171,11 +180,7 @@ def hf_to_megatron(
         return _rows(get("lm_head.weight"), tp_rank, tp_size).clone()
     if name == "decoder.final_layernorm.weight":
         return get("model.norm.weight").clone()
-    m = _LAYER.match(name)
-    if m is None:
-        raise KeyError(f"no HF counterpart for Megatron parameter {name!r}")
-    hf = f"model.layers.{int(m.group(1)) + layer_offset}."
-    rest = m.group(2)
+    hf, rest = _layer_parameter(name, layer_offset)
     if rest in _SAME_SHAPE:
         return get(hf + _SAME_SHAPE[rest]).clone()
     if rest in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
@@ -210,11 +215,7 @@ def megatron_to_hf(name: str, shards: list[Any], arch: ArchSpec, layer_offset: i
         return [("lm_head.weight", torch.cat(shards, dim=0))]
     if name == "decoder.final_layernorm.weight":
         return [("model.norm.weight", shards[0])]
-    m = _LAYER.match(name)
-    if m is None:
-        raise KeyError(f"no HF counterpart for Megatron parameter {name!r}")
-    hf = f"model.layers.{int(m.group(1)) + layer_offset}."
-    rest = m.group(2)
+    hf, rest = _layer_parameter(name, layer_offset)
     if rest in _SAME_SHAPE:
         return [(hf + _SAME_SHAPE[rest], shards[0])]
     if rest in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):

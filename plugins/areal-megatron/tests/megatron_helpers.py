@@ -53,10 +53,6 @@ def noise_cfg(cfg: dict[str, Any]) -> dict[str, Any]:
     return {**cfg, "max_tokens_per_mb": NOISE_MB, "attn_implementation": "eager"}
 
 
-def max_diff(a: Any, b: Any) -> float:
-    return max(abs(x - y) for ra, rb in zip(a, b) for x, y in zip(ra, rb))
-
-
 def run_steps(engine: Any, vocab: int) -> tuple[list[dict[str, float]], Any]:
     """The 4 steps of ``STEP_BATCHES``, then (logprobs, entropy) of a probe batch."""
     hist = []

@@ -5,7 +5,7 @@ the checkpoint into."""
 
 import pytest
 
-from areal_kernel.testing.contracts import TrainEngineContract
+from areal_kernel.testing.contracts import TrainEngineContract, engine_maker
 
 pytestmark = pytest.mark.slow
 SETTINGS = {"lr": 1e-3, "max_tokens_per_mb": 8}
@@ -30,12 +30,7 @@ def train_engine(_t2_engine):
 def make_train_engine(contract_model_dir):
     from areal_megatron.engine import MegatronTrainEngine
 
-    def make(model_dir=None):
-        e = MegatronTrainEngine(SETTINGS, "megatron:t2")
-        e.initialize(model_dir or contract_model_dir, 20)
-        return e
-
-    return make
+    return engine_maker(lambda: MegatronTrainEngine(SETTINGS, "megatron:t2"), contract_model_dir, 20)
 
 
 class TestMegatronEngineContract(TrainEngineContract):

@@ -21,16 +21,9 @@ test_megatron_weight_update.py."""
 
 from __future__ import annotations
 
-import os
-
-import pytest
-
-from areal_kernel.testing.rank_engines import RankEngineGRPOSuite
-
-pytestmark = pytest.mark.slow
-HERE = os.path.dirname(os.path.abspath(__file__))
+from areal_kernel.testing.rank_engines import RankEngineGRPOSuite, plugin_example
 
 
 class TestMegatronGRPO(RankEngineGRPOSuite):
     ENGINE_NAME = "megatron"
-    EXAMPLE = os.path.join(os.path.dirname(HERE), "examples", "grpo_arithmetic_megatron.yaml")
+    EXAMPLE = plugin_example(__file__, "grpo_arithmetic_megatron.yaml")

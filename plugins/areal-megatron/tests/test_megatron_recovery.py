@@ -7,18 +7,11 @@ shards). The suite's tiny Llama has 4 heads: it splits t2."""
 
 from __future__ import annotations
 
-import os
-
-import pytest
-
-from areal_kernel.testing.rank_engines import RankEngineRecoverySuite
-
-pytestmark = pytest.mark.slow
-HERE = os.path.dirname(os.path.abspath(__file__))
+from areal_kernel.testing.rank_engines import RankEngineRecoverySuite, plugin_example
 
 
 class TestMegatronT2Recovery(RankEngineRecoverySuite):
     ENGINE_NAME = "megatron"
-    EXAMPLE = os.path.join(os.path.dirname(HERE), "examples", "grpo_arithmetic_megatron.yaml")
+    EXAMPLE = plugin_example(__file__, "grpo_arithmetic_megatron.yaml")
     STEPS = 3
     EXTRA_ARGS = ("actor.backend=megatron:t2",)

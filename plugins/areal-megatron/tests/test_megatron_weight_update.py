@@ -11,8 +11,6 @@ import pytest
 
 from areal_kernel.testing.rank_engines import RankEngineWeightUpdateSuite
 
-pytestmark = pytest.mark.slow
-
 
 class TestMegatronWeightUpdate(RankEngineWeightUpdateSuite):
     ENGINE_NAME = "megatron"
