@@ -72,7 +72,9 @@ NOT_NAMED: dict[str, str] = {
 
 def examples_dir() -> Path:
     """The directory the shipped example configs are in."""
-    return Path(os.fspath(files("areal_kernel").joinpath("examples")))  # type: ignore[call-overload]
+    # A directory on disk wherever the package is installed from (a wheel
+    # unpacked into site-packages, a checkout); not a zip import.
+    return Path(str(files("areal_kernel").joinpath("examples")))
 
 
 def names() -> list[str]:
@@ -80,8 +82,9 @@ def names() -> list[str]:
 
 
 def find(name: str) -> Example | None:
-    # `grpo_arithmetic` (the file's stem) is the same example.
-    key = name.removesuffix(".yaml").replace("_", "-")
+    # `grpo_arithmetic` (the file's stem) is the same example; a file name
+    # (`grpo_arithmetic.yaml`) is not: a missing file stays an error.
+    key = name.replace("_", "-")
     return next((e for e in EXAMPLES if e.name == key), None)
 
 

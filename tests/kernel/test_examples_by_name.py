@@ -102,9 +102,14 @@ def test_unknown_name_is_one_line_listing_the_examples(outside, command):
     assert len(lines) == 1 and lines[0].startswith("areal: error: grpo-arithmatic: "), proc.stderr
     assert all(name in lines[0] for name in example_configs.names())
     assert "`areal examples`" in lines[0] and proc.stdout == ""
-    # Something that looks like a file keeps the loader's message.
-    proc = outside(command, "missing.yaml")
-    assert proc.stderr.strip() == "areal: error: missing.yaml: config file not found"
+
+
+def test_a_missing_file_is_not_replaced_by_an_example(outside):
+    # Something that looks like a file keeps the loader's message, even when
+    # it is an example's file name.
+    for missing in ("missing.yaml", "grpo_arithmetic.yaml", "sub/grpo-arithmetic"):
+        proc = outside("validate", missing)
+        assert proc.stderr.strip() == f"areal: error: {missing}: config file not found"
 
 
 def test_copy_writes_a_runnable_file_and_never_overwrites(outside):
