@@ -24,7 +24,7 @@ EXIT_USER_ERROR = 2
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("config", help="YAML config file")
+    p.add_argument("config", help="YAML config file, or the name of a shipped example (`areal examples`)")
     p.add_argument("overrides", nargs="*", metavar="key.sub=value", help="config overrides")
 
 
@@ -90,6 +90,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_plan)
 
+    p = sub.add_parser(
+        "examples",
+        help="the example configs shipped in the package (run one by name: areal train NAME); copy one to edit",
+        description="Lists the shipped examples. `areal examples copy NAME [DEST]` writes one to DEST (a file or "
+        "a directory; default: the current directory) for editing; an existing file is never overwritten.",
+    )
+    p.add_argument("action", nargs="?", choices=["list", "copy"], default="list")
+    p.add_argument("name", nargs="?", help="the example to copy")
+    p.add_argument("dest", nargs="?", help="where to write it (default: ./<its file name>)")
+    p.set_defaults(func=cmd_examples)
+
     p = sub.add_parser("schema", help="JSON schema of the config (with every installed plugin's section)")
     p.add_argument("-o", "--output", help="write to this file instead of stdout")
     p.set_defaults(func=cmd_schema)
@@ -124,6 +135,23 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
         print(yaml.safe_dump(data, sort_keys=False), end="")
     print(f"# {args.config}: valid", file=sys.stderr)
+    return 0
+
+
+def cmd_examples(args: argparse.Namespace) -> int:
+    from areal_kernel import example_configs
+
+    if args.action == "list":
+        if args.name:
+            raise ArealError(f"areal examples: unexpected argument {args.name!r} (copy one: areal examples copy NAME)")
+        print(example_configs.listing())
+        return 0
+    if not args.name:
+        raise ArealError(
+            "areal examples copy: give the example's NAME (and optionally DEST); `areal examples` lists them"
+        )
+    target = example_configs.copy(args.name, args.dest)
+    print(f"wrote {target}; run it with: areal train {target}")
     return 0
 
 
@@ -412,6 +440,10 @@ def main(argv: list[str] | None = None) -> int:
     # ~0.2 s of imports, which `areal plugins` should not pay).
     func: Callable[[argparse.Namespace], int] = args.func
     try:
+        if isinstance(getattr(args, "config", None), str) and hasattr(args, "overrides"):
+            from areal_kernel.example_configs import config_argument
+
+            args.config = config_argument(args.config)  # an example's name -> its shipped file
         return int(func(args) or 0)
     except BrokenPipeError:
         return _reader_gone()

@@ -58,6 +58,10 @@ def load_config(
     """YAML file (or defaults when ``path`` is None) + overrides -> validated
     config, resolved against ``registry`` when one is given (see ``validate_config``)."""
     data = read_yaml(path) if path else {}
+    if path:
+        from areal_kernel.example_configs import resolve_shipped_refs
+
+        data = resolve_shipped_refs(path, data)  # a shipped example's data, from any directory
     data = apply_overrides(data, list(overrides or []))
     return validate_config(data, source=path or "config", registry=registry)
 
