@@ -32,7 +32,7 @@ KERNEL = "areal_kernel"
 # module belongs to the longest entry that is a prefix of it ("" is the
 # package's own __init__: version and hookimpl).
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("errors", "logging", "utils"),  # no kernel imports beyond each other
+    ("errors", "logging", "utils", "example_configs"),  # no kernel imports beyond each other
     ("config",),  # the config's shape and its resolution against a registry it is given
     ("hookspecs", ""),  # the plugin hooks; the package root re-exports hookimpl
     ("platforms.base",),  # the Platform interface and the built-in cpu/cuda platforms
