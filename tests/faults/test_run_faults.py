@@ -450,7 +450,7 @@ def test_weight_check_passes_every_update_of_a_clean_run(run):
     assert r.returncode == 0, r.explain()
     steps = r.steps()
     assert [s["step"] for s in steps] == [1, 2, 3]
-    # The tiny Llama's tensors all fit in one update's sample (64 per update), on both servers.
+    # The tiny Llama's 20 tensors all fit in one update's sample (40 per update), on both servers.
     n = steps[0]["monitor/weights_checked"]
     assert n > 0 and n % 2 == 0 and all(s["monitor/weights_servers"] == 2 for s in steps), steps
     assert all(s["monitor/weights_checked"] == n and s["monitor/weights_mismatch"] == 0 for s in steps), steps

@@ -57,6 +57,13 @@ def test_disk_update_checks_clean_and_a_stale_server_is_named(servers, tiny_mode
     client = _client([s.address for s in servers], servers[0].token)
     eng = _engine(tiny_model_dir, steps=2, seed=5)
     n = len(eng.named_weights_for_transfer())
+    # The engine reads its sample from the live parameters: the same values as the transfer list's.
+    from areal_kernel.monitor.weights import plan, sample_named
+
+    named = eng.named_weights_for_transfer()
+    pos = plan([(k, t.numel()) for k, t in named], 0, 1000, 16).positions
+    direct, listed = eng.weight_sample(pos), sample_named(named, pos)
+    assert direct.keys() == listed.keys() and all(direct[k].equal(listed[k]) for k in pos)
     version = max(s.info()["weight_version"] for s in servers) + 1
     path = str(tmp_path / "v")
     eng.send_weights(WeightUpdateMeta(kind="disk", version=version, path=path))
