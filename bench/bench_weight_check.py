@@ -7,6 +7,7 @@ sample (40 tensors x 64 elements per update, every tensor within 7 updates).
 
 Goal: the check costs under 5% of the update (disk, the CPU default).
 """
+
 from __future__ import annotations
 
 import argparse

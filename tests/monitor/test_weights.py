@@ -237,3 +237,20 @@ def test_prefix_keeps_positions_among_the_first_elements_and_shapes_travel():
     assert back == spec and back.shapes["model.embed_tokens.weight"] == [50, 16]
     # Negative control: without the prefix, positions spread over the tensor.
     assert max(max(p) for p in plan(_numels(model), 3, 100, 16).positions.values()) >= 20
+
+
+def test_batched_checksums_equal_one_at_a_time():
+    # The servers' batched fingerprint and a backend's per-tensor one (SGLang's parse) must agree.
+    from areal_kernel.monitor.weights import checksums
+
+    g = torch.Generator().manual_seed(3)
+    vals = [
+        torch.randn(64, generator=g),
+        torch.randn(5, generator=g).to(torch.bfloat16),
+        torch.randn(64, generator=g),
+        torch.randint(-(2**40), 2**40, (7,), generator=g),
+        torch.rand(9, generator=g) > 0.5,
+    ]
+    assert checksums(vals, [100, 5, None, 7, 9]) == [checksum(v, n) for v, n in zip(vals, [100, 5, None, 7, 9])]
+    # Negative control: another order of the same values gives another position-weighted sum.
+    assert checksums([vals[0].flip(0)])[0]["wbits"] != checksum(vals[0])["wbits"]
