@@ -161,6 +161,15 @@ class InferenceEngine(abc.ABC):
         """Start an in-memory adapter update on every server; one future per server."""
         raise self._unsupported("update_adapter_from_distributed_async", "broadcast LoRA adapter updates")
 
+    def weight_fingerprints(self, spec: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
+        """Ask every server for the fingerprint of the weights it serves
+        (``spec``: ``areal_kernel.monitor.weights.FingerprintSpec.to_json()``);
+        returns ``(replies by address, errors by address)`` for the servers
+        that answered and those that could not. Used by the weight-delivery
+        check (``monitor.weights``); raises ``NotImplementedError`` when the
+        backend has no such route."""
+        raise self._unsupported("weight_fingerprints", "the weight-delivery check (monitor.weights)")
+
     def hold(self, address: str) -> None:
         """Send nothing to ``address`` (its server is being restarted) until ``release``."""
         raise self._unsupported("hold", "rollout.restart_servers")
@@ -337,6 +346,17 @@ class TrainEngine(abc.ABC):
             f"weight_update.mode: the train engine {type(self).__name__} cannot send weights by broadcast; "
             "use weight_update.mode: disk"
         )
+
+    def weight_sample(self, positions: dict[str, list[int]]) -> dict[str, Any]:
+        """For the weight-delivery check (``monitor.weights``): the elements at
+        the flat ``positions`` of each named tensor of the last sent weights
+        (names as ``named_weights_for_transfer``), as CPU tensors in the
+        dtype sent. The default reads ``named_weights_for_transfer``; an
+        engine whose weights live in other processes overrides it or raises
+        ``NotImplementedError`` (the check is then skipped with a note)."""
+        from areal_kernel.monitor.weights import sample_named
+
+        return sample_named(self.named_weights_for_transfer(), positions)
 
     def adapter_spec(self) -> AdapterSpec | None:
         """The LoRA adapter this engine trains, or ``None`` when it trains every

@@ -6,6 +6,9 @@ own log-probabilities of the same tokens, taken before the step's first
 optimizer update (``areal_kernel.monitor.mismatch`` computes the numbers;
 ``docs/monitoring.md`` says what normal values look like and what to check
 when the alarm fires).
+
+``monitor.weights`` checks after every weight update that each inference
+server serves the weights the trainer sent (``areal_kernel.monitor.weights``).
 """
 
 from __future__ import annotations
@@ -44,5 +47,35 @@ class MismatchMonitorConfig(StrictModel):
         return "off" if v is False else v
 
 
+class WeightsMonitorConfig(StrictModel):
+    # Default error: the comparison is exact (bit patterns of the same
+    # elements, after the one rounding a server's load does), so a mismatch is
+    # never numerical noise but a server sampling from weights the trainer did
+    # not send; a warning in a log is how such runs went unnoticed for weeks.
+    action: Literal["warn", "error", "off"] = Field(
+        "error",
+        description="What a weight-delivery mismatch does: error (stop the run naming the server, tensor and "
+        "version), warn (log it and go on), off (no check).",
+    )
+    # 40: on SmolLM2-135M (272 tensors) every tensor is checked within 7
+    # updates for ~4% of a disk update's time (bench/bench_weight_check.py);
+    # the check's cost grows with the number of tensors, not their size.
+    tensors_per_update: int = Field(
+        40,
+        ge=1,
+        description="Tensors checked after each update; they rotate, so every tensor is checked at least once "
+        "in any ceil(n_tensors / tensors_per_update) consecutive updates.",
+    )
+    elements_per_tensor: int = Field(
+        64, ge=1, description="Element positions sampled per checked tensor (new positions every version)."
+    )
+
+    @field_validator("action", mode="before")
+    @classmethod
+    def _yaml_off(cls, v: Any) -> Any:
+        return "off" if v is False else v
+
+
 class MonitorConfig(StrictModel):
     mismatch: MismatchMonitorConfig = Field(default_factory=MismatchMonitorConfig)
+    weights: WeightsMonitorConfig = Field(default_factory=WeightsMonitorConfig)

@@ -223,6 +223,25 @@ class TorchTrainEngine(TrainEngine):
             return adapter_weights(self.model)
         return weights_for_transfer(self.model)
 
+    def weight_sample(self, positions: dict[str, list[int]]) -> dict[str, Any]:
+        """The weight-delivery check's sample, read from the named parameters
+        (and buffers) directly: building ``named_weights_for_transfer`` walks
+        the whole state dict, which was most of the check's trainer-side cost
+        on SmolLM2. With LoRA, the adapter's file names differ from the live
+        ones: the default path."""
+        self._require_init()
+        if self.config.lora is not None:
+            return super().weight_sample(positions)
+        from areal_kernel.monitor.weights import sample_named
+
+        def live(name: str) -> Any:
+            try:
+                return self.model.get_parameter(name).detach()
+            except AttributeError:
+                return self.model.get_buffer(name)
+
+        return sample_named(((n, live(n)) for n in positions), positions)
+
     def _trained_tensors(self) -> list[tuple[str, Any]]:
         """What a recovery checkpoint stores: every weight, or with LoRA the
         adapter's parameters under their live names (the frozen base is the

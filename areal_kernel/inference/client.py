@@ -259,6 +259,27 @@ class RemoteInferenceEngine(InferenceEngine):
             self.protocol.update_weights_from_distributed(tensors, version, bucket_bytes, group_name)
         )
 
+    def weight_fingerprints(self, spec: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
+        """Every server's ``protocol.weight_fingerprint`` reply: ``(replies by
+        address, errors by address)``. A held server (being restarted) is left
+        out: its resync replays the update. ``NotImplementedError`` when the
+        protocol has no such route, or when every server answered 404 (an
+        older server)."""
+        servers = [s for s in self.servers if not s.held]
+        # One operation per server: a protocol may keep per-call state in it
+        # (SGLang assembles the fingerprint from several replies).
+        futures = [self._pool.submit(self.control, s.address, self.protocol.weight_fingerprint(spec)) for s in servers]
+        replies: dict[str, Any] = {}
+        errors: dict[str, str] = {}
+        for s, f in zip(servers, futures):
+            try:
+                replies[s.address] = f.result()
+            except ServerError as e:
+                errors[s.address] = str(e)
+        if errors and not replies and all("HTTP 404" in e for e in errors.values()):
+            raise NotImplementedError(f"the servers have no weight fingerprint route ({next(iter(errors.values()))})")
+        return replies, errors
+
     # -- control operations (controller thread; public extension points) --------------
     def control(self, address: str, op: ControlOp) -> Any:
         """Run a control operation (one ``HttpCall`` or a sequence, in order)

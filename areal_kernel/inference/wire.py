@@ -104,6 +104,11 @@ class ServerProtocol:
     # kernel's transports ship adapters as peft directories
     # (``load_adapter``), which every LoRA-capable backend loads.
     adapter_broadcast: bool = False
+    # For ``weight_fingerprint``: a server that can read only a tensor's
+    # leading elements cheaply (SGLang's ``/get_weights_by_name`` returns the
+    # first rows) sets how many; the trainer then samples positions among a
+    # tensor's first ``fingerprint_prefix`` elements (flat order). None: anywhere.
+    fingerprint_prefix: int | None = None
 
     def generate(self, rid: str, input_ids: list[int], gconfig: GenerationConfig, max_new_tokens: int) -> HttpCall:
         raise NotImplementedError
@@ -146,6 +151,18 @@ class ServerProtocol:
         raise NotImplementedError
 
     def set_version(self, version: int) -> ControlOp:
+        raise NotImplementedError
+
+    def weight_fingerprint(self, spec: dict[str, Any]) -> ControlOp:
+        """The weight-delivery check's route (``monitor.weights``): the server
+        answers ``areal_kernel.monitor.weights.fingerprint`` of the tensors it
+        serves for ``spec`` (``FingerprintSpec.to_json()``: version, adapter or
+        null, and per tensor its HF name, the flat element positions and its
+        shape as sent):
+        ``{"version": <served version or null>, "tensors": {name: {"dtype",
+        "numel", "n", "bits", "wbits", "sum"}}, "missing": [names]}``, over
+        the tensors as loaded (after any dtype conversion, before any fusion
+        the trainer does not do). Without it the check is skipped."""
         raise NotImplementedError
 
     # -- LoRA adapters (backends that serve adapters beside the base weights) --

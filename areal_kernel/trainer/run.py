@@ -23,6 +23,7 @@ from areal_kernel.config.models import ExperimentConfig
 from areal_kernel.errors import ArealError, ConfigError
 from areal_kernel.logging import get_logger
 from areal_kernel.monitor.mismatch import MismatchMonitor
+from areal_kernel.monitor.weights import WeightsMonitor
 from areal_kernel.plugins import get_plugin_manager, get_registry
 from areal_kernel.rollout.executor import RolloutExecutor, staleness_histogram, zero_variance
 from areal_kernel.trainer.common import (
@@ -192,6 +193,14 @@ class RLTrainer(Trainer):
         self.rl_cfg = RLConfig.from_config(cfg)
         mm = cfg.monitor.mismatch
         self.mismatch = MismatchMonitor(bound=mm.bound, patience=mm.patience, action=mm.action)
+        wm = cfg.monitor.weights
+        self.weights_monitor = WeightsMonitor(
+            action=wm.action,
+            tensors_per_update=wm.tensors_per_update,
+            elements_per_tensor=wm.elements_per_tensor,
+            seed=cfg.seed,
+            warn=lambda msg: print(msg, flush=True),
+        )
         a = cfg.algorithm
         self.estimator: AdvantageEstimator = reg.build(
             "advantage_estimator",
@@ -222,6 +231,7 @@ class RLTrainer(Trainer):
             if plan.checkpoint is None:
                 # Version 0 of the adapter (peft starts it as a no-op): the servers must know its name.
                 self.transport.update(self.version)
+                self._check_weights(self.version, now=True)
             log.info("training a LoRA adapter", adapter=adapter.name, rank=adapter.config.get("r"))
         self.stream = RecordStream(
             self.train_records, cfg.trainer.total_train_epochs, cfg.seed, cfg.dataset.shuffle, tag=True
@@ -263,6 +273,7 @@ class RLTrainer(Trainer):
         self.train_engine.set_version(self.version)
         # The servers started from the base model: give them the checkpoint's weights.
         self.transport.update(self.version)
+        self._check_weights(self.version, now=True)
 
     def save_recovery(self) -> str:
         """A recovery checkpoint of the state after ``self.step`` (see trainer/recovery.py)."""
@@ -315,6 +326,17 @@ class RLTrainer(Trainer):
         return critic
 
     # -- pieces -----------------------------------------------------------------
+    def _check_weights(self, version: int, now: bool = False) -> dict[str, float]:
+        """The weight-delivery check of update ``version`` (``monitor.weights``);
+        its metrics under ``monitor/``. ``now``: an update outside a step
+        (resume, an adapter's version 0) raises at once on ``error``; a step's
+        raises after the step's metrics are logged."""
+        assert self.train_engine is not None and self.rollout is not None, SETUP_FIRST
+        out = self.weights_monitor.check(version, self.train_engine, self.rollout.engine)
+        if now:
+            self.weights_monitor.raise_if_alarmed()
+        return {f"monitor/{k}": v for k, v in out.items()}
+
     def log_metrics(self, step: int, metrics: dict[str, Any]) -> None:
         self.sinks.log(step, metrics)
 
@@ -429,6 +451,7 @@ class RLTrainer(Trainer):
             self.hook.areal_on_weight_update(
                 version=new_version, transport=self.transport.name, seconds=time.monotonic() - t2
             )
+            delivery = self._check_weights(new_version)
             self.step = step
             self.trained_samples += len(batch)
             samples_here += len(batch)
@@ -441,6 +464,7 @@ class RLTrainer(Trainer):
             # The whole distribution, not only its mean and max (the report plots it).
             metrics.update({f"rollout/staleness_hist/{k}": float(n) for k, n in hist.items()})
             metrics.update(upd)
+            metrics.update(delivery)
             metrics.update(self.executor.stats.snapshot_and_reset())
             metrics.update(self.rollout.server_stats())
             metrics.update(self._reward_metrics())
@@ -461,6 +485,7 @@ class RLTrainer(Trainer):
             if step == hold_at:
                 hold_after_step(self.run_dir, step)
             self._check_reward_health()
+            self.weights_monitor.raise_if_alarmed()
             self.mismatch.raise_if_alarmed()
             self._check_skipped(train_stats)
             if cfg.checkpoint.save_hf_every and step % cfg.checkpoint.save_hf_every == 0 and step < total:

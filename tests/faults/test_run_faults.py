@@ -172,6 +172,8 @@ def _no_weights_model(tiny_model: str, workdir: Path) -> str:
 # the ones the alarm reads (docs/monitoring.md).
 MONITOR_BASE = ["reward.type=fault_spread", "monitor.mismatch.action=error", "monitor.mismatch.patience=2",
                 "rollout.max_staleness=0"]  # fmt: skip
+WEIGHTS_BASE = ["reward.type=fault_spread", "monitor.weights.action=error", "rollout.backend=embedded:d2"]
+CORRUPTED = "model.layers.1.mlp.down_proj.weight"
 NAN_BASE = ["reward.type=fault_spread", "algorithm.loss=fault_nan_ppo", "checkpoint.save_every=1"]
 
 # One ``areal train`` run per test: (overrides, extra environment, model
@@ -198,6 +200,13 @@ CASES: dict[str, tuple[list[str], dict[str, str], object]] = {
     "mismatch_clean": ([*MONITOR_BASE, "trainer.max_steps=3"], {}, None),
     "mismatch_cold": ([*MONITOR_BASE, "trainer.max_steps=4", "workflow.type=fault_hot_rlvr",
                        "workflow.fault_hot_rlvr.temperature_factor=0.25"], {}, None),
+    # Every weight update through the fault plugin's disk transport; the
+    # corrupted run gets one tensor of version 2 changed by one ulp per element
+    # between the trainer's write and the servers' load, its clean twin the
+    # same transport with nothing changed. Two servers: the check names the
+    # server, and both loaded the corrupted file.
+    "weights_clean": ([*WEIGHTS_BASE, "trainer.max_steps=3"], {"AREAL_FAULT_CORRUPT": "none"}, None),
+    "weights_corrupt": ([*WEIGHTS_BASE, "trainer.max_steps=4"], {"AREAL_FAULT_CORRUPT": f"2:{CORRUPTED}"}, None),
     "server_exits": (["trainer.max_steps=2"], {}, _no_weights_model),
     # Python alone takes longer than 1 s to start the server: it is alive but
     # not yet answering /health when the launcher gives up and kills it.
@@ -433,6 +442,40 @@ def test_mismatch_monitor_stops_a_run_whose_servers_sample_at_another_temperatur
     assert min(_mismatch(steps)) > 1000 * floor, (_mismatch(steps), floor)
 
 
+# -- weight-delivery check ------------------------------------------------------
+
+
+def test_weight_check_passes_every_update_of_a_clean_run(run):
+    r = run
+    assert r.returncode == 0, r.explain()
+    steps = r.steps()
+    assert [s["step"] for s in steps] == [1, 2, 3]
+    # The tiny Llama's 20 tensors all fit in one update's sample (40 per update), on both servers.
+    n = steps[0]["monitor/weights_checked"]
+    assert n > 0 and n % 2 == 0 and all(s["monitor/weights_servers"] == 2 for s in steps), steps
+    assert all(s["monitor/weights_checked"] == n and s["monitor/weights_mismatch"] == 0 for s in steps), steps
+    assert not (r.fault_dir / "corrupted.log").exists()
+    assert "weight delivery check" not in r.stdout + r.stderr, r.explain()
+
+
+def test_weight_check_names_the_tensor_corrupted_in_transit_in_that_update(run, fault_runs):
+    r = run
+    line = _one_line_error(r)
+    assert (r.fault_dir / "corrupted.log").read_text().split() == ["2", CORRUPTED]
+    assert "weight delivery check failed at version 2: server 127.0.0.1:" in line, line
+    assert f"tensor '{CORRUPTED}' at version 2" in line, line
+    assert "(and 1 more: tensors ['" + CORRUPTED + "'])" in line, line  # the other server loaded the same file
+    assert "weight_update.mode" in line, line  # what to check
+    steps = r.steps()  # the update's step is logged before the stop
+    assert [s["step"] for s in steps] == [1, 2], steps
+    assert [s["monitor/weights_mismatch"] for s in steps] == [0.0, 2.0]
+    assert not (r.run_dir / "result.json").exists()
+    # The clean twin, same transport and steps: no mismatch (its own test checks the rest).
+    clean = fault_runs["weights_clean"].result()
+    assert clean.returncode == 0, clean.explain()
+    assert [s["monitor/weights_mismatch"] for s in clean.steps()[:2]] == [0.0, 0.0]
+
+
 # -- inference servers --------------------------------------------------------
 
 
@@ -466,7 +509,10 @@ def test_server_never_healthy_within_startup_timeout(run):
 
 
 # Runs that a test of another case also reads: case -> those cases.
-ALSO_FOR = {"mismatch_clean": ("mismatch_cold",)}  # the cold run's noise floor
+ALSO_FOR = {
+    "mismatch_clean": ("mismatch_cold",),  # the cold run's noise floor
+    "weights_clean": ("weights_corrupt",),  # the corrupted run's clean twin
+}
 
 TEST_CASE = {
     test_reward_that_raises_is_scored_zero_and_counted.__name__: "raise",
@@ -476,6 +522,8 @@ TEST_CASE = {
     test_nan_streak_stops_the_run_and_keeps_the_last_good_checkpoint.__name__: "nan_streak",
     test_mismatch_monitor_stays_quiet_on_a_clean_run.__name__: "mismatch_clean",
     test_mismatch_monitor_stops_a_run_whose_servers_sample_at_another_temperature.__name__: "mismatch_cold",
+    test_weight_check_passes_every_update_of_a_clean_run.__name__: "weights_clean",
+    test_weight_check_names_the_tensor_corrupted_in_transit_in_that_update.__name__: "weights_corrupt",
     test_server_that_exits_at_start_is_reported_with_its_log_tail.__name__: "server_exits",
     test_server_never_healthy_within_startup_timeout.__name__: "server_unhealthy",
 }

@@ -108,6 +108,9 @@ class EmbeddedProtocol(ServerProtocol):
     def set_version(self, version: int) -> HttpCall:
         return HttpCall("POST", "/set_version", {"version": version})
 
+    def weight_fingerprint(self, spec: dict[str, Any]) -> HttpCall:
+        return HttpCall("POST", "/weight_fingerprint", spec)
+
     def load_adapter(self, name: str, path: str, version: int, replace: bool) -> HttpCall:
         # The server replaces an adapter of the same name itself.
         return HttpCall("POST", "/load_adapter", {"name": name, "path": path, "version": version})

@@ -95,6 +95,15 @@ class AdapterSet:
         self.versions[name] = version
         self._sync_hooks()
 
+    def tensor_table(self, name: str) -> dict[str, torch.Tensor]:
+        """Adapter ``name``'s tensors under their peft file names, as served
+        (in the base layer's dtype): what the weight-delivery check reads."""
+        out: dict[str, torch.Tensor] = {}
+        for module, up in self.adapters[name].items():
+            out[f"{_PREFIX}{module}.lora_A.weight"] = up.a
+            out[f"{_PREFIX}{module}.lora_B.weight"] = up.b
+        return out
+
     def unload(self, name: str) -> bool:
         found = self.adapters.pop(name, None) is not None
         self.versions.pop(name, None)

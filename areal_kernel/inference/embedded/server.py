@@ -50,7 +50,8 @@ from areal_kernel.utils.network import LOOPBACK_HOSTS, bearer_matches
 
 PORT_IN_USE_EXIT = 98
 ADMIN_TOKEN_ENV = "AREAL_EMBEDDED_ADMIN_TOKEN"
-# Routes that change server state; guarded by the admin token when one is set.
+# Routes that change server state, and the weight fingerprint (it reads the
+# weights and takes engine time); guarded by the admin token when one is set.
 CONTROL_ROUTES = frozenset(
     {
         "/pause",
@@ -63,6 +64,7 @@ CONTROL_ROUTES = frozenset(
         "/load_adapter",
         "/unload_adapter",
         "/update_adapter_from_distributed",
+        "/weight_fingerprint",
     }
 )
 
@@ -406,6 +408,25 @@ def build_app(state: ServerState) -> Any:
         res = await wait(state.engine.load_adapter(name, do_load, version))
         return web.json_response({"ok": True, **res})
 
+    async def weight_fingerprint(request: web.Request) -> web.Response:
+        from areal_kernel.monitor.weights import FingerprintSpec, fingerprint
+
+        try:
+            spec = FingerprintSpec.from_json(await body(request))
+        except ArealError as e:
+            raise P.RequestError(f"/weight_fingerprint: {e}") from None
+        engine = state.engine
+
+        def compute() -> dict:
+            # On the engine thread between steps: never mid-update.
+            if spec.adapter is None:
+                return fingerprint(state.table, spec, engine.version)
+            if spec.adapter not in engine.lora:
+                return fingerprint({}, spec, None)
+            return fingerprint(engine.lora.tensor_table(spec.adapter), spec, engine.lora.versions[spec.adapter])
+
+        return web.json_response(await wait(engine.call(compute)))
+
     app = web.Application(middlewares=[guard], client_max_size=64 << 20)
     app.router.add_get("/health", health)
     app.router.add_get("/info", info)
@@ -420,6 +441,7 @@ def build_app(state: ServerState) -> Any:
     app.router.add_post("/load_adapter", load_adapter)
     app.router.add_post("/unload_adapter", unload_adapter)
     app.router.add_post("/update_adapter_from_distributed", update_adapter_from_dist)
+    app.router.add_post("/weight_fingerprint", weight_fingerprint)
     return app
 
 

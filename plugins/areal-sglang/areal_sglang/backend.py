@@ -109,7 +109,11 @@ class SGLangBackend(InferenceBackend):
     def make_client(self, addresses: list[str]) -> SGLangInferenceEngine:
         return SGLangInferenceEngine(
             addresses,
-            SGLangProtocol(self.server_config.pause_mode, tp_size=self.tp_size),
+            SGLangProtocol(
+                self.server_config.pause_mode,
+                tp_size=self.tp_size,
+                dtype=self.server_config.dtype or self.config.model.dtype,
+            ),  # fmt: skip
             **client_options(self.config.rollout),
             # The launcher's token (the kernel's rule: generated beyond loopback).
             admin_token=self.launcher.admin_token if self.launcher is not None else self.server_config.api_key,

@@ -51,15 +51,27 @@ def sampling_params(gconfig: GenerationConfig, max_new_tokens: int) -> dict[str,
     return sp
 
 
+# SGLang's --dtype values -> torch dtype names ("auto": the model's own; unknown here).
+_DTYPES = {"half": "float16", "float16": "float16", "bfloat16": "bfloat16", "float": "float32", "float32": "float32"}
+
+
 class SGLangProtocol(ServerProtocol):
     health_path = "/health"
+    # /get_weights_by_name answers a tensor's leading rows (as float32 lists):
+    # the weight-delivery check samples among the first 64 elements, which
+    # one row of every 2-D weight holds.
+    fingerprint_prefix = 64
 
-    def __init__(self, pause_mode: str = "abort", tp_size: int = 1) -> None:
+    def __init__(self, pause_mode: str = "abort", tp_size: int = 1, dtype: str | None = None) -> None:
         if pause_mode not in PAUSE_MODES:
             raise ServerError(f"pause mode {pause_mode!r} is not one of SGLang's: {', '.join(PAUSE_MODES)}")
         self.pause_mode = pause_mode
         # Every TP rank of a server joins the weight group: server i owns ranks 1 + i*tp .. (i+1)*tp.
         self.tp_size = tp_size
+        # The dtype the server holds weights in (its --dtype): /get_weights_by_name
+        # answers float32, which holds every bfloat16/float16 value exactly, so
+        # casting back gives the bits the server holds.
+        self.dtype = _DTYPES.get(dtype or "", None)
 
     @property
     def ranks_per_server(self) -> int:  # type: ignore[override]
@@ -210,6 +222,37 @@ class SGLangProtocol(ServerProtocol):
             "POST", "/update_weight_version", {"new_version": _version_str(version), "abort_all_requests": False}
         )
 
+    # -- weight-delivery check ------------------------------------------------------
+    def weight_fingerprint(self, spec: dict[str, Any]) -> list[HttpCall]:
+        """One ``/get_weights_by_name`` per tensor (SGLang's route; the name
+        is the HF name, ``truncate_size`` the leading rows to return), the
+        fingerprint computed here from the values: the sampled positions lie
+        in the first ``fingerprint_prefix`` elements. The last call's parse
+        returns the whole fingerprint (``areal_kernel.monitor.weights.fingerprint``'s shape)."""
+        if spec.get("adapter") is not None:
+            raise NotImplementedError("SGLang has no route that reads a LoRA adapter's weights")
+        if self.dtype is None:
+            raise NotImplementedError(
+                "the SGLang servers' dtype is 'auto' (set rollout.sglang.dtype or model.dtype to compare weights)"
+            )
+        acc: dict[str, Any] = {"version": None, "tensors": {}, "missing": []}
+        calls = []
+        for t in spec["tensors"]:
+            shape = t.get("shape") or []
+            row = 1
+            for x in shape[1:]:
+                row *= int(x)
+            rows = max(t["positions"], default=0) // max(row, 1) + 1
+            calls.append(
+                HttpCall(
+                    "POST",
+                    "/get_weights_by_name",
+                    {"name": t["name"], "truncate_size": int(rows)},
+                    parse=_FingerprintPart(acc, t["name"], t["positions"], shape, self.dtype),
+                )
+            )
+        return calls
+
     # -- LoRA adapters ------------------------------------------------------------
     def load_adapter(self, name: str, path: str, version: int, replace: bool) -> list[HttpCall]:
         """SGLang loads an adapter under a new name only: a replacement is
@@ -244,3 +287,33 @@ class SGLangProtocol(ServerProtocol):
         return HttpCall(
             "POST", "/resume_memory_occupation", {"tags": list(tags)} if tags else {}, timeout_s=WEIGHT_CALL_TIMEOUT_S
         )
+
+
+class _FingerprintPart:
+    """Parses one ``/get_weights_by_name`` reply into the running fingerprint
+    ``acc`` (and returns it): the leading rows as nested float lists, or null
+    when SGLang has no such parameter."""
+
+    def __init__(self, acc: dict[str, Any], name: str, positions: list[int], shape: list[int], dtype: str) -> None:
+        self.acc, self.name, self.positions, self.shape, self.dtype = acc, name, positions, shape, dtype
+
+    def __call__(self, raw: bytes) -> dict[str, Any]:
+        import json
+
+        import torch
+
+        from areal_kernel.monitor.weights import checksum
+
+        data = json.loads(raw) if raw else None
+        if data is None:
+            self.acc["missing"].append(self.name)
+            return self.acc
+        flat = torch.tensor(data, dtype=torch.float32).reshape(-1)
+        numel = 1
+        for x in self.shape:
+            numel *= int(x)
+        if any(p >= flat.numel() for p in self.positions):
+            raise ValueError(f"/get_weights_by_name returned {flat.numel()} values of {self.name!r}, fewer than asked")
+        values = flat[torch.tensor(self.positions, dtype=torch.long)].to(getattr(torch, self.dtype))
+        self.acc["tensors"][self.name] = checksum(values, numel)
+        return self.acc

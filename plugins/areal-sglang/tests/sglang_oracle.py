@@ -140,6 +140,7 @@ def import_sglang() -> dict[str, Any]:
         "/resume_memory_occupation": io.ResumeMemoryOccupationReqInput,
         "/load_lora_adapter": io.LoadLoRAAdapterReqInput,
         "/unload_lora_adapter": io.UnloadLoRAAdapterReqInput,
+        "/get_weights_by_name": io.GetWeightsByNameReqInput,
     }
     return {
         "version": getattr(sglang, "__version__", "?"),

@@ -67,10 +67,39 @@ class Req:
         self.abort = False
 
 
+def load_tensors(path: str, dtype: str) -> dict[str, Any]:
+    """The weights of a safetensors directory in the server's dtype (as SGLang
+    holds them after a load); {} for the tests' placeholder files, which are
+    not safetensors."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    out: dict[str, Any] = {}
+    for name in sorted(os.listdir(path)):
+        if name.endswith(".safetensors"):
+            try:
+                out.update(load_file(os.path.join(path, name)))
+            except (SafetensorError, OSError, ValueError):
+                return {}
+    return {k: as_served(v, dtype) for k, v in out.items()}
+
+
+def as_served(t: Any, dtype: str) -> Any:
+    """``t`` converted to the server's --dtype (floating tensors only), as SGLang's loader copies it."""
+    import torch
+
+    served = {"half": "float16", "float": "float32"}.get(dtype, dtype)
+    if dtype == "auto" or not t.is_floating_point():
+        return t.clone()
+    return t.to(getattr(torch, served))
+
+
 class State:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.digest = weights_digest(args.model_path)
+        # The weights themselves, for /get_weights_by_name.
+        self.tensors = load_tensors(args.model_path, args.dtype)
         self.version = args.weight_version
         self.paused: str | None = None  # None or the pause mode
         self.resumed = asyncio.Event()
@@ -173,7 +202,12 @@ def flattened_bucket_empty(names: list[str], dtypes: list[str], shapes: list[lis
 
 
 def receive_weights(
-    pg: Any, names: list[str], dtypes: list[str], shapes: list[list[int]], load_format: str | None
+    pg: Any,
+    names: list[str],
+    dtypes: list[str],
+    shapes: list[list[int]],
+    load_format: str | None,
+    kept: dict[str, Any] | None = None,
 ) -> dict[str, str]:
     """WeightUpdater.receive_weights_from_distributed: one broadcast per bucket
     (flattened_bucket) or one per tensor; returns sha256 of each tensor's bytes."""
@@ -188,6 +222,8 @@ def receive_weights(
         tensors = [(n, torch.empty(shape, dtype=getattr(torch, d))) for n, d, shape in zip(names, dtypes, shapes)]
         for handle in [dist.broadcast(t, src=0, group=pg, async_op=True) for _, t in tensors]:
             handle.wait()
+    if kept is not None:
+        kept.update((n, t.clone()) for n, t in tensors)
     return {
         n: hashlib.sha256(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
         for n, t in tensors
@@ -313,6 +349,7 @@ def build_app(st: State) -> web.Application:
         await wait_idle()
         try:
             st.digest = weights_digest(body["model_path"])
+            st.tensors = load_tensors(body["model_path"], st.args.dtype)
         except OSError as e:
             return web.json_response(
                 {"success": False, "message": f"Failed to load weights: {e}", "num_paused_requests": 0}, status=400
@@ -402,9 +439,12 @@ def build_app(st: State) -> web.Application:
             )
         await wait_idle()
         try:
+            received: dict[str, Any] = {}
             sums = await asyncio.to_thread(
-                receive_weights, st.pgs[g], body["names"], body["dtypes"], body["shapes"], body.get("load_format")
-            )
+                receive_weights, st.pgs[g], body["names"], body["dtypes"], body["shapes"], body.get("load_format"),
+                received,
+            )  # fmt: skip
+            st.tensors.update({n: as_served(t, st.args.dtype) for n, t in received.items()})
         except Exception as e:
             return web.json_response({"success": False, "message": f"Failed to receive weights: {e}"}, status=400)
         st.received.update(sums)
@@ -467,6 +507,21 @@ def build_app(st: State) -> web.Application:
         st.fail_next, st.fail_status = int(b.get("n", 1)), int(b.get("status", 503))
         return web.json_response({"ok": True})
 
+    async def get_weights_by_name(request: web.Request) -> web.Response:
+        # SGLang's own route: the parameter's leading `truncate_size` rows
+        # (weight.to(float32).tolist()[:truncate_size]); an unknown name is
+        # SGLang's error response ("Get parameter by name failed", HTTP 400).
+        body = await body_of(request)
+        if (bad := check("/get_weights_by_name", body)) is not None:
+            return bad
+        st.log.append({"route": "/get_weights_by_name", "body": body, "paused": st.paused})
+        t = st.tensors.get(body["name"])
+        if t is None:
+            return web.json_response({"error": {"message": "Get parameter by name failed"}}, status=400)
+        import torch
+
+        return web.json_response(t.to(torch.float32).tolist()[: int(body.get("truncate_size", 100))])
+
     app = web.Application(middlewares=[auth], client_max_size=64 << 20)
     app.router.add_get("/health", health)
     app.router.add_get("/get_model_info", model_info)
@@ -487,6 +542,7 @@ def build_app(st: State) -> web.Application:
     ]:
         app.router.add_post(path, h)
     app.router.add_route("*", "/flush_cache", flush)
+    app.router.add_route("*", "/get_weights_by_name", get_weights_by_name)
     app.router.add_get("/_standin/state", standin_state)
     app.router.add_post("/_standin/fail_next", standin_fail)
     return app
@@ -500,6 +556,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--weight-version", default="default")
     p.add_argument("--api-key", default=None)
     p.add_argument("--context-length", type=int, default=None)
+    p.add_argument("--dtype", default="auto")
     args, _rest = p.parse_known_args(argv)  # the other flags only matter to a real SGLang
     return args
 

@@ -15,6 +15,7 @@ import time
 
 from pydantic import BaseModel, ConfigDict
 
+from areal_kernel.trainer.weight_sync import DiskTransport
 from areal_kernel.workflow.rlvr import RLVRWorkflow
 
 
@@ -113,3 +114,60 @@ class HotSamplerWorkflow(RLVRWorkflow):
             tokenizer=context.tokenizer, gconfig=hot, reward_target=context.reward.target,
             reward_pool=context.reward_pool,
         )  # fmt: skip
+
+
+def _corrupt_in_place(path: str, tensor: str) -> None:
+    """Flip the lowest mantissa bit of every element of ``tensor`` in the
+    safetensors file of ``path`` that holds it: a change of one ulp, far
+    below anything generation would show, that only an exact check sees."""
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from areal_kernel.weights.disk import list_safetensors_files
+
+    for fpath in list_safetensors_files(path):
+        with safe_open(fpath, framework="pt") as f:
+            if tensor not in f.keys():
+                continue
+            meta = f.metadata()
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+        t = tensors[tensor].contiguous()
+        ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+        tensors[tensor] = (t.view(ints) ^ 1).view(t.dtype)
+        save_file(tensors, fpath, metadata=meta)
+        return
+    raise AssertionError(f"fault: no tensor {tensor!r} under {path}")
+
+
+class CorruptingDiskTransport(DiskTransport):
+    """The built-in disk transport with a fault between the trainer's write
+    and the servers' load: ``AREAL_FAULT_CORRUPT=<version>:<tensor>`` changes
+    that tensor of that version's update (``none``: a clean pass-through, the
+    negative control). Each corruption is logged to ``corrupted.log``."""
+
+    name = "fault_corrupt_disk"
+
+    def __init__(self, train_engine, infer_engine, run_dir, bucket_bytes=0):
+        super().__init__(_CorruptingSender(train_engine), infer_engine, run_dir, bucket_bytes)
+
+
+class _CorruptingSender:
+    """The train engine, except that ``send_weights`` corrupts the directory it wrote."""
+
+    def __init__(self, engine):
+        self._engine = engine
+        spec = os.environ.get("AREAL_FAULT_CORRUPT", "none")
+        self._fault = None if spec == "none" else (int(spec.split(":", 1)[0]), spec.split(":", 1)[1])
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    def send_weights(self, meta):
+        self._engine.send_weights(meta)
+        if self._fault is not None and meta.version == self._fault[0]:
+            _corrupt_in_place(meta.path, self._fault[1])
+            d = os.environ.get("AREAL_FAULT_DIR")
+            if d:
+                with open(os.path.join(d, "corrupted.log"), "a", encoding="utf-8") as f:
+                    f.write(f"{meta.version} {self._fault[1]}\n")

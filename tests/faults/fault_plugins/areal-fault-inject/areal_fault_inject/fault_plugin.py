@@ -30,3 +30,21 @@ def areal_register_workflows(register):
         config_model=f"{_IMPL}:HotSamplerSettings",  # workflow.fault_hot_rlvr: {temperature_factor: ...}
         description="rlvr whose requests ask the servers for temperature_factor x the configured temperature",
     )
+
+
+@hookimpl
+def areal_register_weight_transports(register):
+    register(
+        "fault_corrupt_disk",
+        f"{_IMPL}:CorruptingDiskTransport",
+        description="disk updates; with AREAL_FAULT_CORRUPT=<version>:<tensor> one tensor of that update is "
+        "changed on disk before the servers load it",
+    )
+
+
+@hookimpl(tryfirst=True)
+def areal_select_weight_transport(train_backend, inference_backend, platform, mode):
+    import os
+
+    # Set (to a fault or to "none", the clean twin): every update goes through the wrapper.
+    return "fault_corrupt_disk" if os.environ.get("AREAL_FAULT_CORRUPT") else None
