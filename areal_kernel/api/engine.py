@@ -354,7 +354,7 @@ class TrainEngine(abc.ABC):
         dtype sent. The default reads ``named_weights_for_transfer``; an
         engine whose weights live in other processes overrides it or raises
         ``NotImplementedError`` (the check is then skipped with a note)."""
-        from areal_kernel.monitor.weights import sample_named
+        from areal_kernel.utils.tensor_sample import sample_named
 
         return sample_named(self.named_weights_for_transfer(), positions)
 

@@ -232,7 +232,7 @@ class TorchTrainEngine(TrainEngine):
         self._require_init()
         if self.config.lora is not None:
             return super().weight_sample(positions)
-        from areal_kernel.monitor.weights import sample_named
+        from areal_kernel.utils.tensor_sample import sample_named
 
         def live(name: str) -> Any:
             try:

@@ -44,9 +44,10 @@ import struct
 import time
 import zlib
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 from areal_kernel.errors import ArealError
+from areal_kernel.utils.tensor_sample import sample, sample_named  # re-exported: the check's trainer side
 
 if TYPE_CHECKING:
     import torch
@@ -185,15 +186,6 @@ def _positions(rng: random.Random, pool: int, k: int) -> list[int]:
         need = k - len(chosen)
         chosen.update(x % pool for x in struct.unpack(f"<{need}Q", rng.randbytes(8 * need)))
     return sorted(chosen)
-
-
-def sample(tensor: "torch.Tensor", positions: Sequence[int]) -> "torch.Tensor":
-    """The elements at flat ``positions`` of ``tensor``, on its device and in its dtype."""
-    import torch
-
-    flat = tensor.detach().reshape(-1)
-    idx = torch.tensor(list(positions), dtype=torch.long, device=flat.device)
-    return flat.index_select(0, idx)
 
 
 _INT_OF_SIZE = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}
@@ -441,22 +433,3 @@ class WeightsMonitor:
         if self.pending is not None:
             msg, self.pending = self.pending, None
             raise WeightDeliveryError(msg)
-
-
-def sample_named(
-    named: Iterable[tuple[str, "torch.Tensor"]], positions: Mapping[str, Sequence[int]]
-) -> dict[str, "torch.Tensor"]:
-    """``TrainEngine.weight_sample`` over ``(name, tensor)`` pairs: the sampled
-    values of each named tensor, copied to the CPU in their own dtype."""
-    out: dict[str, "torch.Tensor"] = {}
-    for name, t in named:
-        pos = positions.get(name)
-        if pos is None:
-            continue
-        if t.device.type == "meta":
-            raise NotImplementedError("the train engine's weights are not in this process (meta tensors)")
-        out[name] = sample(t, pos).cpu()
-    absent = [n for n in positions if n not in out]
-    if absent:
-        raise ArealError(f"weight sample: the train engine has no tensor {absent[0]!r}")
-    return out

@@ -65,6 +65,12 @@ def _fmt(v: Any) -> str:
 def render_panel(panel: Panel, runs: Sequence[RunData], labels: Sequence[str]) -> str:
     """One panel's HTML: its plot, or a line saying which metrics it needs;
     series that some run did not log are named under the plot."""
+    import logging
+
+    # matplotlib builds its font cache on a machine's first use and logs that
+    # at INFO, which the areal CLI's log handler shows: a stray line on a
+    # user's terminal (and on stderr, which scripts read) for no fault.
+    logging.getLogger("matplotlib").setLevel(logging.WARNING)
     import matplotlib
 
     matplotlib.use("Agg")
