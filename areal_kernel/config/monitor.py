@@ -13,15 +13,24 @@ server serves the weights the trainer sent (``areal_kernel.monitor.weights``).
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import BeforeValidator, Field
 
 from areal_kernel.config.sections import StrictModel
 
 
+def _yaml_off(v: Any) -> Any:
+    # YAML reads a bare `off` as false.
+    return "off" if v is False else v
+
+
+# What an alarm of any monitor does; each monitor picks its own default.
+MonitorAction = Annotated[Literal["warn", "error", "off"], BeforeValidator(_yaml_off)]
+
+
 class MismatchMonitorConfig(StrictModel):
-    action: Literal["warn", "error", "off"] = Field(
+    action: MonitorAction = Field(
         "warn",
         description="What a mismatch alarm does: warn (log it and go on), error (stop the run with what to check), "
         "off (no alarm; the mismatch/* metrics are still logged).",
@@ -40,19 +49,13 @@ class MismatchMonitorConfig(StrictModel):
         description="A token counts in mismatch/frac_over when its two log-probabilities differ by more than this.",
     )
 
-    @field_validator("action", mode="before")
-    @classmethod
-    def _yaml_off(cls, v: Any) -> Any:
-        # YAML reads a bare `off` as false.
-        return "off" if v is False else v
-
 
 class WeightsMonitorConfig(StrictModel):
     # Default error: the comparison is exact (bit patterns of the same
     # elements, after the one rounding a server's load does), so a mismatch is
     # never numerical noise but a server sampling from weights the trainer did
     # not send; a warning in a log is how such runs went unnoticed for weeks.
-    action: Literal["warn", "error", "off"] = Field(
+    action: MonitorAction = Field(
         "error",
         description="What a weight-delivery mismatch does: error (stop the run naming the server, tensor and "
         "version), warn (log it and go on), off (no check).",
@@ -69,11 +72,6 @@ class WeightsMonitorConfig(StrictModel):
     elements_per_tensor: int = Field(
         64, ge=1, description="Element positions sampled per checked tensor (new positions every version)."
     )
-
-    @field_validator("action", mode="before")
-    @classmethod
-    def _yaml_off(cls, v: Any) -> Any:
-        return "off" if v is False else v
 
 
 class MonitorConfig(StrictModel):

@@ -310,11 +310,14 @@ class RankEngineRecoverySuite(_RankEngineSuite):
     STEPS: ClassVar[int]
     EXTRA_ARGS: ClassVar[tuple[str, ...]] = ()
 
+    # classmethods: pytest (9.x) deprecates class-scoped fixtures defined as
+    # instance methods (each test gets a new instance anyway).
     @pytest.fixture(scope="class")
-    def tiny_chat_model(self, tmp_path_factory: pytest.TempPathFactory) -> str:
+    @classmethod
+    def tiny_chat_model(cls, tmp_path_factory: pytest.TempPathFactory) -> str:
         from areal_kernel.testing.models import make_tiny_chat_llama
 
-        return make_tiny_chat_llama(tmp_path_factory.mktemp(f"tiny-{self.ENGINE_NAME}-recovery"))
+        return make_tiny_chat_llama(tmp_path_factory.mktemp(f"tiny-{cls.ENGINE_NAME}-recovery"))
 
     def train_args(self, model: str, run_dir: str) -> list[str]:
         """The ``areal`` arguments of both runs."""
@@ -371,7 +374,8 @@ class _WeightUpdateBase(_RankEngineSuite):
     SERVER_MULTIPLE: ClassVar[float] = 8.0
 
     @pytest.fixture(scope="class")
-    def server_client(self, tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    @classmethod
+    def server_client(cls, tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Any:
         from areal_kernel.testing.servers import embedded_server
 
         with embedded_server(tiny_model_dir, str(tmp_path_factory.mktemp("srv"))) as client:

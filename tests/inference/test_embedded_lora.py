@@ -6,7 +6,6 @@ over the weight group, and a generation interrupted by an adapter update."""
 from __future__ import annotations
 
 import asyncio
-import random
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -17,7 +16,8 @@ from areal_kernel.testing.noise import assert_within_noise, measure_noise_floor
 from areal_kernel.api.io import GenerationConfig, ModelRequest, Trajectory, TrajectoryBatch
 from areal_kernel.engine.torch_engine import TorchTrainEngine
 
-VOCAB = 384
+from trained_engine import toy_batch as _batch, toy_loss as _loss, trained_engine as _engine
+
 PROMPT = [5, 17, 101, 33, 250, 7]
 # Server logprobs against the engine's recompute: within SERVER_MULTIPLE x a
 # floor measured in the same test (areal_kernel.testing.noise): the engine's
@@ -28,28 +28,6 @@ PROMPT = [5, 17, 101, 33, 250, 7]
 # ratio seen in tests/inference and tests/vlm (2.6x), while a stale weight
 # or a wrong adapter is off by > 1e-2, thousands of floors.
 SERVER_MULTIPLE = 8.0
-
-
-def _loss(logprobs, entropy, data):
-    mask = data["loss_mask"]
-    return -(logprobs * mask * (data["rewards"] * 2 - 1)).sum() / data["batch_loss_tokens"], {}
-
-
-def _batch(seed: int) -> TrajectoryBatch:
-    rng = random.Random(seed)
-    trajs = []
-    for k in range(4):
-        ids = [rng.randrange(VOCAB) for _ in range(12)]
-        trajs.append(Trajectory(ids, [0] * 4 + [1] * 8, [0.0] * 12, [-1] * 4 + [0] * 8, float(k % 2)))
-    return TrajectoryBatch(trajs)
-
-
-def _engine(model_dir: str, lora: dict | None, steps: int, seed: int) -> TorchTrainEngine:
-    e = TorchTrainEngine({"lr": 5e-2, "lora": lora, "seed": seed})
-    e.initialize(model_dir, 10)
-    for s in range(steps):
-        e.train_batch(_batch(seed * 100 + s), _loss)
-    return e
 
 
 def _recompute(engine: TorchTrainEngine, prompt: list[int], out: dict) -> list[float]:

@@ -6,47 +6,19 @@ left on other weights is named with the tensor and the version."""
 
 from __future__ import annotations
 
-import random
 
 import pytest
 
 from areal_kernel.api.engine import WeightUpdateMeta
 from areal_kernel.monitor.weights import WeightDeliveryError, WeightsMonitor
 
-VOCAB = 384
-
+from trained_engine import toy_batch as _batch, toy_loss as _loss, trained_engine as _engine
 
 def _client(addresses: list[str], token: str | None):
     from areal_kernel.inference.client import RemoteInferenceEngine
     from areal_kernel.inference.embedded.backend import EmbeddedProtocol
 
     return RemoteInferenceEngine(addresses, EmbeddedProtocol(), admin_token=token)
-
-
-def _loss(logprobs, entropy, data):
-    return -(logprobs * data["loss_mask"] * (data["rewards"] * 2 - 1)).sum() / data["batch_loss_tokens"], {}
-
-
-def _batch(seed: int):
-    from areal_kernel.api.io import Trajectory, TrajectoryBatch
-
-    rng = random.Random(seed)
-    trajs = []
-    for k in range(4):
-        ids = [rng.randrange(VOCAB) for _ in range(12)]
-        trajs.append(Trajectory(ids, [0] * 4 + [1] * 8, [0.0] * 12, [-1] * 4 + [0] * 8, float(k % 2)))
-    return TrajectoryBatch(trajs)
-
-
-def _engine(model_dir: str, lora: dict | None = None, steps: int = 1, seed: int = 0):
-    """A torch train engine that took ``steps`` optimizer steps (its weights differ from the model directory's)."""
-    from areal_kernel.engine.torch_engine import TorchTrainEngine
-
-    e = TorchTrainEngine({"lr": 5e-2, "lora": lora, "seed": seed})
-    e.initialize(model_dir, 10)
-    for s in range(steps):
-        e.train_batch(_batch(seed * 100 + s), _loss)
-    return e
 
 
 def _monitor(said: list[str], action: str = "error", per_update: int = 1000) -> WeightsMonitor:
