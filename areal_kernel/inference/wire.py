@@ -160,7 +160,10 @@ class ServerProtocol:
         null, and per tensor its HF name, the flat element positions and its
         shape as sent):
         ``{"version": <served version or null>, "tensors": {name: {"dtype",
-        "numel", "n", "bits", "wbits", "sum"}}, "missing": [names]}``, over
+        "numel", "n", "bits", "wbits", "sum"}}, "missing": [names],
+        "unreadable": [names]}`` (``unreadable``, optional: tensors the server
+        holds in a form it cannot read back, e.g. repacked for its kernels;
+        not compared and left out of later samples), over
         the tensors as loaded (after any dtype conversion, before any fusion
         the trainer does not do). Without it the check is skipped."""
         raise NotImplementedError

@@ -311,9 +311,12 @@ def compare(
         out.append(TensorMismatch(server, "*", v, f"the server reports serving weight version {served}"))
     got = reply["tensors"]
     missing = set(reply.get("missing") or ())
+    unreadable = set(reply.get("unreadable") or ())
     checked = 0
     todo: list[tuple[str, Any, Any]] = []  # (name, the server's reply, the trainer's values in the server's dtype)
     for name in spec.positions:
+        if name in unreadable:
+            continue  # held in a form the server cannot read back (see fingerprint's "unreadable")
         checked += 1
         if name in missing or name not in got:
             out.append(TensorMismatch(server, name, v, "the server has no tensor of this name"))
@@ -366,6 +369,8 @@ class WeightsMonitor:
     mismatches: list[TensorMismatch] = field(default_factory=list)
     _numels: dict[str, int] | None = None
     _shapes: dict[str, list[int]] = field(default_factory=dict)
+    # Tensors a server reported it cannot read back: left out of later plans.
+    unreadable: set[str] = field(default_factory=set)
 
     def _skip(self, why: str) -> dict[str, float]:
         if self.skipped is None:
@@ -388,7 +393,7 @@ class WeightsMonitor:
             self._shapes = {n: list(t.shape) for n, t in named}
         within = getattr(getattr(inference_engine, "protocol", None), "fingerprint_prefix", None)
         spec = plan(
-            list(self._numels.items()), version, self.tensors_per_update, self.elements_per_tensor, self.seed,
+            [t for t in self._numels.items() if t[0] not in self.unreadable], version, self.tensors_per_update, self.elements_per_tensor, self.seed,
             adapter=adapter.name if adapter is not None else None, shapes=self._shapes, within=within,
         )  # fmt: skip
         try:
@@ -402,6 +407,7 @@ class WeightsMonitor:
         checked = 0
         found: list[TensorMismatch] = []
         for server, reply in replies.items():
+            self._note_unreadable(server, reply)
             n, bad = compare(sent, self._numels, spec, server, reply)
             checked += n
             found.extend(bad)
@@ -427,6 +433,20 @@ class WeightsMonitor:
             "weights_servers": float(len(replies)),
             "weights_check_s": time.monotonic() - t0,
         }
+
+    def _note_unreadable(self, server: str, reply: Any) -> None:
+        names = reply.get("unreadable") if isinstance(reply, dict) else None
+        new = sorted(set(names or ()) - self.unreadable) if isinstance(names, list) else []
+        if not new:
+            return
+        self.unreadable.update(new)
+        left = sum(1 for n in self._numels or {} if n not in self.unreadable)
+        self.warn(
+            f"note: weight-delivery check: server {server} cannot read back {len(new)} tensor(s) it holds in "
+            f"another form (e.g. {new[0]!r}); later checks sample the {left} tensor(s) left"
+        )
+        if left == 0:
+            self._skip("the servers can read back none of the tensors the trainer sends")
 
     def raise_if_alarmed(self) -> None:
         """Raise ``WeightDeliveryError`` when ``action: error`` and a check failed."""

@@ -228,6 +228,62 @@ def test_monitor_skips_with_one_note_when_a_side_cannot_fingerprint():
         sample_named(meta.items(), {"model.norm.weight": [0]})
 
 
+def test_tensors_a_server_cannot_read_back_are_left_out_and_the_rest_still_checked():
+    """A server that holds some tensors in another form (vLLM on CPU repacks
+    linear weights and frees the plain ones) lists them as ``unreadable``:
+    they are not compared, said once, and left out of later plans, while a
+    corrupted readable tensor is still caught. Nothing readable: skipped."""
+
+    class Repacking(_Engine):
+        def weight_fingerprints(self, spec):
+            s = FingerprintSpec.from_json(spec)
+            out = {}
+            for a, table in self.servers.items():
+                readable = {n: t for n, t in table.items() if ".q." not in n}
+                reply = fingerprint(readable, s, self.version)
+                reply["unreadable"] = [n for n in s.positions if ".q." in n]
+                reply["missing"] = [n for n in reply["missing"] if n not in reply["unreadable"]]
+                out[a] = reply
+            return out, {}
+
+    trainer = _model()
+    bad = {k: v.clone() for k, v in trainer.items()}
+    bad["model.layers.2.mlp.weight"].add_(1.0)
+    said: list[str] = []
+    eng = Repacking(trainer, {"127.0.0.1:1": bad})
+    mon = WeightsMonitor(action="warn", tensors_per_update=4, elements_per_tensor=8, warn=said.append)
+    caught = False
+    for v in range(1, 2 * rotation_period(len(trainer), 4) + 1):
+        eng.version = v
+        known = set(mon.unreadable)
+        out = mon.check(v, eng, eng)
+        spec = plan([t for t in _numels(trainer) if t[0] not in known], v, 4, 8)
+        assert not set(spec.positions) & known  # once known, never planned again
+        # Every planned readable tensor was compared; the unreadable ones were not.
+        assert out["weights_checked"] == sum(1 for n in spec.positions if ".q." not in n)
+        caught = caught or out["weights_mismatch"] > 0
+    assert mon.unreadable and mon.unreadable <= {n for n in trainer if ".q." in n}
+    assert caught, "the corrupted readable tensor was never checked"
+    notes = [m for m in said if m.startswith("note: weight-delivery check: server 127.0.0.1:1 cannot read back")]
+    failures = [m for m in said if m.startswith("warning: weight delivery check failed")]
+    assert notes and len(notes) + len(failures) == len(said), said
+    assert all("model.layers.2.mlp.weight" in m for m in failures), failures  # never an unreadable tensor
+
+    # A server that can read none of them: the check says so and stops.
+    class Opaque(_Engine):
+        def weight_fingerprints(self, spec):
+            s = FingerprintSpec.from_json(spec)
+            return {"127.0.0.1:1": {"version": self.version, "tensors": {}, "missing": [],
+                                    "unreadable": list(s.positions)}}, {}  # fmt: skip
+
+    said2: list[str] = []
+    opaque = Opaque(trainer, {})
+    mon2 = WeightsMonitor(tensors_per_update=len(trainer), warn=said2.append)
+    assert mon2.check(1, opaque, opaque)["weights_checked"] == 0
+    assert mon2.skipped is not None and mon2.check(2, opaque, opaque) == {}
+    assert any("skipped" in m and "read back none" in m for m in said2), said2
+
+
 def test_prefix_keeps_positions_among_the_first_elements_and_shapes_travel():
     model = _model()
     shapes = {n: list(t.shape) for n, t in model.items()}

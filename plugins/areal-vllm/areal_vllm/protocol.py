@@ -225,6 +225,57 @@ class VLLMProtocol(ServerProtocol):
             HttpCall("POST", "/reset_prefix_cache", {}),
         ]
 
+    # -- weight-delivery check ------------------------------------------------------
+    def weight_fingerprint(self, spec: dict[str, Any]) -> list[HttpCall]:
+        """Our worker extension's ``areal_weight_fingerprint`` through
+        ``/collective_rpc`` (see ``areal_vllm.fingerprint``), then
+        ``/weight_info`` for the version the server labels its weights with;
+        the last call's parse returns both in one reply."""
+        import json
+
+        if spec.get("adapter") is not None:
+            raise NotImplementedError("the vLLM fingerprint reads base weights only, not LoRA adapters")
+        if self.tp_size > 1:
+            raise NotImplementedError(
+                f"the vLLM fingerprint covers tensor-parallel size 1 (these servers run {self.tp_size} shards)"
+            )
+        if self.image_placeholders is not None:
+            # vLLM names a vision-language model's towers its own way per model class; unmapped.
+            raise NotImplementedError("the vLLM fingerprint maps text models' tensor names only")
+        acc: dict[str, Any] = {}
+        return [
+            HttpCall(
+                "POST",
+                "/collective_rpc",
+                {"method": "areal_weight_fingerprint", "args": [json.dumps(spec)]},
+                timeout_s=_LOAD_TIMEOUT_S,
+                parse=lambda raw: _worker_reply(acc, raw),
+            ),
+            HttpCall("GET", "/weight_info", parse=lambda raw: _with_version(acc, raw)),
+        ]
+
+
+def _worker_reply(acc: dict[str, Any], raw: bytes) -> dict[str, Any]:
+    """The one worker's fingerprint from a ``/collective_rpc`` reply
+    (``{"results": [reply per worker]}``), kept in ``acc``."""
+    import json
+
+    data = json.loads(raw) if raw else None
+    results = data.get("results") if isinstance(data, dict) else None
+    if not isinstance(results, list) or len(results) != 1 or not isinstance(results[0], dict):
+        raise ServerError(f"vLLM /collective_rpc areal_weight_fingerprint: unexpected reply {str(data)[:300]}")
+    acc.clear()
+    acc.update(results[0])
+    return acc
+
+
+def _with_version(acc: dict[str, Any], raw: bytes) -> dict[str, Any]:
+    import json
+
+    data = json.loads(raw) if raw else None
+    acc["version"] = parse_version(data.get("weight_version")) if isinstance(data, dict) else None
+    return acc
+
 
 class VLLMInferenceEngine(RemoteInferenceEngine):
     """The kernel's remote client; versions are also labelled on the servers

@@ -37,3 +37,17 @@ class AReaLWorkerExtension:
         """Which weight-transfer engine this worker built (a health check for tests)."""
         engine: Any = getattr(self, "weight_transfer_engine", None)
         return type(engine).__name__ if engine is not None else None
+
+    def areal_weight_fingerprint(self, spec_json: str) -> dict[str, Any]:
+        """The weight-delivery check (``monitor.weights``) over the weights this
+        worker loaded; ``spec_json``: ``FingerprintSpec.to_json()`` as JSON text
+        (vLLM's ``/collective_rpc`` passes string arguments). See
+        ``areal_vllm.fingerprint``."""
+        from areal_vllm.fingerprint import worker_fingerprint
+        from areal_vllm.transfer import is_tied
+
+        runner: Any = getattr(self, "model_runner")
+        model_config = getattr(self, "vllm_config").model_config
+        hf = model_config.hf_config
+        text = getattr(hf, "get_text_config", lambda: hf)()
+        return worker_fingerprint(runner.get_model(), text, is_tied(model_config), spec_json)

@@ -55,3 +55,10 @@ def test_grpo_with_vllm_rollout_raises_the_reward(arm, run_areal, tmp_path):
     assert any(r["rollout/staleness_max"] == 1 for r in steps), [r["rollout/staleness_max"] for r in steps]
     assert [r["version"] for r in steps] == [1, 2, 3, 4, 5, 6]
     assert all(r["weights/mb"] > 400 for r in steps)  # the whole fp32 model moved in memory each step
+    # The weight-delivery check ran after every update and found the servers
+    # on the trainer's weights (the tensors vLLM on CPU can read back: norms,
+    # embedding; docs/monitoring.md).
+    assert all(r.get("monitor/weights_checked", 0) > 0 for r in steps), [
+        r.get("monitor/weights_checked") for r in steps
+    ]
+    assert all(r["monitor/weights_mismatch"] == 0 for r in steps)

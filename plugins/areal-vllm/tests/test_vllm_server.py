@@ -5,6 +5,7 @@
 - logprobs from token ids equal the kernel train engine's recompute (< 1e-3),
   greedy and sampled (temperature-scaled, the kernel's convention);
 - pause in keep and abort modes and resume, through vLLM's own routes;
+- the weight-delivery check (``monitor.weights``) over what the server loaded;
 - in-memory weight updates through the kernel's broadcast transport and the
   kernel's torch train engine (gloo, vLLM's weight-transfer routes) change the
   outputs to exactly the disk-loaded ones and restore them;
@@ -337,6 +338,41 @@ def test_in_memory_update_through_the_kernel_transport(inference_engine, smollm2
         assert inference_engine.server_versions() == [2] and inference_engine.get_version() == 2
     finally:
         transport.close()
+        train.destroy()
+        _load_disk(inference_engine, smollm2_fp32, 0)
+
+
+def test_weight_delivery_check_reads_what_the_server_loaded(inference_engine, smollm2_fp32, smollm2_alt):
+    """monitor.weights through our worker extension (``/collective_rpc``):
+    after a disk load of the perturbed weights, every tensor the server can
+    read back equals what a trainer holding them would send; the same
+    server put back on the original weights under the next version is named
+    with a tensor. On CPU vLLM repacks linear weights and frees the plain
+    tensors: those are reported unreadable, the others are compared."""
+    from areal_kernel.monitor.weights import WeightDeliveryError, WeightsMonitor
+
+    train = _train_engine(smollm2_alt)
+    said: list[str] = []
+    mon = WeightsMonitor(action="error", tensors_per_update=1000, elements_per_tensor=64, warn=said.append)
+    n_tensors = len(train.named_weights_for_transfer())
+    try:
+        _load_disk(inference_engine, smollm2_alt, 1)
+        out = mon.check(1, train, inference_engine)
+        mon.raise_if_alarmed()
+        compared = int(out["weights_checked"])
+        print(f"\nvLLM fingerprint: {compared} of {n_tensors} tensors compared, {len(mon.unreadable)} unreadable "
+              f"(e.g. {sorted(mon.unreadable)[:2]}), check {out['weights_check_s']:.2f} s")  # fmt: skip
+        assert out["weights_mismatch"] == 0 and out["weights_servers"] == 1
+        assert compared > 0 and compared + len(mon.unreadable) == n_tensors
+        # What is unreadable is a repacked linear weight, nothing else.
+        assert all(n.endswith("_proj.weight") for n in mon.unreadable), sorted(mon.unreadable)
+        # Negative control: the original weights, labelled as the next version.
+        _load_disk(inference_engine, smollm2_fp32, 2)
+        bad = mon.check(2, train, inference_engine)
+        assert bad["weights_mismatch"] == bad["weights_checked"] > 0
+        with pytest.raises(WeightDeliveryError, match=rf"at version 2: server {inference_engine.servers[0].address}"):
+            mon.raise_if_alarmed()
+    finally:
         train.destroy()
         _load_disk(inference_engine, smollm2_fp32, 0)
 
