@@ -160,7 +160,8 @@ class TorchTrainEngine(TrainEngine):
         if self._policies:
             raise ConfigError(
                 f"this engine trains several adapters ({', '.join(self._policies)}): make per-policy calls "
-                "through engine.policy(name)"
+                "through engine.policy(name) (the kernel's trainers drive one policy per engine so far: "
+                "for a run, use lora:)"
             )
         return self.runner
 

@@ -31,8 +31,8 @@ COMMON = dict(total_steps=4, lr=1e-2, lr_scheduler="cosine")
 X_SEEDS, Y_SEEDS = (10, 11, 12), (20, 21, 22)
 
 
-def multi_engine(model_dir: str, **cfg):
-    return make_engine(model_dir, adapters=[LORA_A, LORA_B], **COMMON, **cfg)
+def multi_engine(model_dir: str, adapters: list[dict] | None = None, **cfg):
+    return make_engine(model_dir, adapters=adapters or [LORA_A, LORA_B], **COMMON, **cfg)
 
 
 def single_engine(model_dir: str, lora: dict, init: dict[str, torch.Tensor], **cfg):
@@ -168,7 +168,9 @@ def test_a_view_round_trips_its_state(tiny_model_dir, tmp_path):
 
 
 def test_engine_state_restores_every_adapter_and_optimizer(tiny_model_dir, tmp_path):
-    m = multi_engine(tiny_model_dir)
+    # Dropout on the adapters' inputs draws from the engine's RNG: its checkpoint restores that too.
+    adapters = [{**LORA_A, "dropout": 0.2}, {**LORA_B, "dropout": 0.1}]
+    m = multi_engine(tiny_model_dir, adapters)
     a, b = m.policy("A"), m.policy("b.v2")
     train(a, [10])
     train(b, [20, 21])
@@ -186,7 +188,7 @@ def test_engine_state_restores_every_adapter_and_optimizer(tiny_model_dir, tmp_p
 
     want = continue_(m)
 
-    fresh = multi_engine(tiny_model_dir)
+    fresh = multi_engine(tiny_model_dir, adapters)
     fresh.load_state(str(tmp_path / "ckpt"))
     for name, (w, opt, step) in saved.items():
         v = fresh.policy(name)
@@ -199,7 +201,7 @@ def test_engine_state_restores_every_adapter_and_optimizer(tiny_model_dir, tmp_p
     assert max_abs_diff(got[0], want[0]) == 0.0 and max_abs_diff(got[1], want[1]) == 0.0
 
     # Negative control: without the checkpoint the same continuation differs.
-    ctrl = continue_(multi_engine(tiny_model_dir))
+    ctrl = continue_(multi_engine(tiny_model_dir, adapters))
     assert max_abs_diff(ctrl[1], want[1]) > 0.0
 
     # A checkpoint of other policies, or of a one-adapter engine, does not load.
