@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from areal_kernel.errors import ConfigError
 
@@ -75,6 +75,34 @@ class TorchEngineConfig(BaseModel):
     temperature: float = Field(1.0, gt=0, description="logprobs = log_softmax(logits / temperature)")
     seed: int = 1
     lora: LoraConfig | None = Field(None, description="train a LoRA adapter instead of every weight")
+    adapters: list[LoraConfig] | None = Field(
+        None,
+        min_length=1,
+        description="several LoRA adapters on one frozen base, one per policy (each with its own name, "
+        "optimizer, lr-schedule step, export and weight updates; the engine hands out one view per adapter: "
+        "engine.policy(name)); not together with lora",
+    )
+
+    @field_validator("adapters")
+    @classmethod
+    def _distinct_adapter_names(cls, adapters: list[LoraConfig] | None) -> list[LoraConfig] | None:
+        # The name keys everything per policy (views, checkpoints, the servers' adapters).
+        seen: dict[str, int] = {}
+        for i, a in enumerate(adapters or []):
+            if a.name in seen:
+                raise ValueError(
+                    f"entries {seen[a.name]} and {i} are both named {a.name!r}; give each adapter its own name"
+                )
+            seen[a.name] = i
+        return adapters
+
+    @model_validator(mode="after")
+    def _lora_or_adapters(self) -> Self:
+        if self.lora is not None and self.adapters is not None:
+            raise ValueError(
+                "lora and adapters are both set: use lora for one adapter, or adapters (a list) for several"
+            )
+        return self
 
     @classmethod
     def parse(cls, data: "TorchEngineConfig | dict[str, Any] | None") -> Self:

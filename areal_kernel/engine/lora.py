@@ -31,11 +31,9 @@ ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
 
 
-def apply_lora(model: Any, lora: "LoraConfig", section: str = "actor.<engine>.lora") -> Any:
-    """Wrap the HF causal LM ``model`` in a peft model with one adapter; the
-    base weights are frozen. ``ConfigError`` naming ``section`` when a target
-    module does not exist or is not a linear layer."""
-    import peft
+def check_targets(model: Any, lora: "LoraConfig", section: str) -> None:
+    """``ConfigError`` naming ``section`` when a target module of ``lora`` does
+    not exist in the (not yet wrapped) ``model`` or is not a linear layer."""
     import torch
 
     names = [n for n, _ in model.named_modules()]
@@ -49,7 +47,13 @@ def apply_lora(model: Any, lora: "LoraConfig", section: str = "actor.<engine>.lo
         bad = [n for n in hits if not isinstance(model.get_submodule(n), torch.nn.Linear)]
         if bad:
             raise ConfigError(f"{section}.target_modules: {target!r} matches {bad[0]!r}, which is not a linear layer")
-    cfg = peft.LoraConfig(
+
+
+def peft_lora_config(lora: "LoraConfig") -> Any:
+    """The ``peft.LoraConfig`` of the kernel's ``lora``."""
+    import peft
+
+    return peft.LoraConfig(
         r=lora.rank,
         lora_alpha=lora.alpha,
         lora_dropout=lora.dropout,
@@ -57,7 +61,52 @@ def apply_lora(model: Any, lora: "LoraConfig", section: str = "actor.<engine>.lo
         bias="none",
         task_type="CAUSAL_LM",
     )
-    return peft.get_peft_model(model, cfg)
+
+
+def apply_lora(model: Any, lora: "LoraConfig", section: str = "actor.<engine>.lora") -> Any:
+    """Wrap the HF causal LM ``model`` in a peft model with one adapter; the
+    base weights are frozen. ``ConfigError`` naming ``section`` when a target
+    module does not exist or is not a linear layer."""
+    import peft
+
+    check_targets(model, lora, section)
+    return peft.get_peft_model(model, peft_lora_config(lora))
+
+
+def peft_adapter_name(index: int) -> str:
+    """The name of the ``index``-th of several adapters inside the peft model.
+    Not the policy's name: that may hold dots, which module paths cannot."""
+    return f"adapter{index}"
+
+
+def apply_adapters(model: Any, loras: "list[LoraConfig]", section: str = "actor.<engine>.adapters") -> Any:
+    """Wrap the HF causal LM ``model`` in a peft model with one adapter per
+    entry of ``loras`` (peft names ``peft_adapter_name(i)``), the base frozen
+    and shared; the first adapter is active. Every entry's targets are
+    checked before anything is wrapped; ``ConfigError`` names the entry
+    (``section[i] (name 'x')``) and the field."""
+    import peft
+
+    for i, lora in enumerate(loras):
+        check_targets(model, lora, f"{section}[{i}] (name {lora.name!r})")
+    wrapped = peft.get_peft_model(model, peft_lora_config(loras[0]), adapter_name=peft_adapter_name(0))
+    for i, lora in enumerate(loras[1:], start=1):
+        wrapped.add_adapter(peft_adapter_name(i), peft_lora_config(lora))
+    wrapped.set_adapter(peft_adapter_name(0))
+    return wrapped
+
+
+def adapter_params(model: Any, adapter: str) -> list[tuple[str, Any]]:
+    """``(peft file name, live parameter)`` of the adapter ``adapter`` of the
+    peft ``model``, in model order, whether it trains right now or not (peft
+    switches ``requires_grad`` with the active adapter)."""
+    marks = [(f".lora_A.{adapter}.", ".lora_A."), (f".lora_B.{adapter}.", ".lora_B.")]
+    out = []
+    for n, p in model.named_parameters():
+        for live, file in marks:
+            if live in n:
+                out.append((n.replace(live, file), p))
+    return out
 
 
 def is_peft_model(model: Any) -> bool:
@@ -77,12 +126,12 @@ def peft_file_name(live_name: str) -> str:
     return live_name.replace(".lora_A.default.", ".lora_A.").replace(".lora_B.default.", ".lora_B.")
 
 
-def adapter_weights(model: Any) -> list[tuple[str, Any]]:
-    """``(peft file name, tensor)`` of the adapter of the peft ``model``, in
-    module order; detached views of the live tensors, not copies."""
+def adapter_weights(model: Any, adapter: str = "default") -> list[tuple[str, Any]]:
+    """``(peft file name, tensor)`` of the adapter ``adapter`` of the peft
+    ``model``, in module order; detached views of the live tensors, not copies."""
     import peft
 
-    return [(n, t.detach()) for n, t in peft.get_peft_model_state_dict(model).items()]
+    return [(n, t.detach()) for n, t in peft.get_peft_model_state_dict(model, adapter_name=adapter).items()]
 
 
 def _json_safe(x: Any) -> Any:
@@ -97,9 +146,9 @@ def _json_safe(x: Any) -> Any:
     return x
 
 
-def adapter_config(model: Any, base_model_path: str | None = None) -> dict[str, Any]:
-    """The ``adapter_config.json`` of the peft ``model``'s adapter (JSON data)."""
-    cfg = _json_safe(model.peft_config["default"].to_dict())
+def adapter_config(model: Any, base_model_path: str | None = None, adapter: str = "default") -> dict[str, Any]:
+    """The ``adapter_config.json`` of the peft ``model``'s adapter ``adapter`` (JSON data)."""
+    cfg = _json_safe(model.peft_config[adapter].to_dict())
     cfg["inference_mode"] = True
     if base_model_path is not None:
         cfg["base_model_name_or_path"] = base_model_path
@@ -146,8 +195,9 @@ def read_adapter_dir(path: str) -> tuple[dict[str, Any], dict[str, Any]]:
     return cfg, load_file(w_path)
 
 
-def merge_plan(model: Any) -> list[tuple[str, str, tuple[str, str, float] | None]]:
-    """How a merged export is built from the peft ``model``'s live state dict,
+def merge_plan(model: Any, adapter: str = "default") -> list[tuple[str, str, tuple[str, str, float] | None]]:
+    """How a merged export is built from the peft ``model``'s live state dict
+    (with its adapter ``adapter``; other adapters are left out),
     without computing anything: ``(HF name, live base name, (live A name,
     live B name, scale) or None)`` per weight of the base model, tied aliases
     dropped. A distributed engine gathers the live names of one entry at a
@@ -158,11 +208,11 @@ def merge_plan(model: Any) -> list[tuple[str, str, tuple[str, str, float] | None
 
     lora_of: dict[str, tuple[str, str, float]] = {}
     for name, mod in model.named_modules():
-        if isinstance(mod, LoraLayer) and "default" in mod.lora_A:
+        if isinstance(mod, LoraLayer) and adapter in mod.lora_A:
             lora_of[f"{name}.base_layer.weight"] = (
-                f"{name}.lora_A.default.weight",
-                f"{name}.lora_B.default.weight",
-                float(mod.scaling["default"]),
+                f"{name}.lora_A.{adapter}.weight",
+                f"{name}.lora_B.{adapter}.weight",
+                float(mod.scaling[adapter]),
             )
     plan = []
     for live, _ in weights_for_transfer(model):
@@ -180,7 +230,7 @@ def merge_tensor(base: Any, a: Any | None, b: Any | None, scale: float) -> Any:
     return base + (b.float() @ a.float() * scale).to(base.dtype)
 
 
-def merged_weights(model: Any) -> list[tuple[str, Any]]:
+def merged_weights(model: Any, adapter: str = "default") -> list[tuple[str, Any]]:
     """The base model's weights with the adapter merged in (``W + scale * B @ A``
     for every adapted layer), under the base model's HF names, tied aliases
     dropped; the live model is left untouched (nothing is merged in place)."""
@@ -189,7 +239,7 @@ def merged_weights(model: Any) -> list[tuple[str, Any]]:
     sd = model.state_dict()
     out: list[tuple[str, Any]] = []
     with torch.no_grad():
-        for hf, live, lora in merge_plan(model):
+        for hf, live, lora in merge_plan(model, adapter):
             t = sd[live].detach()
             if lora is not None:
                 t = merge_tensor(t, sd[lora[0]], sd[lora[1]], lora[2])
@@ -197,12 +247,12 @@ def merged_weights(model: Any) -> list[tuple[str, Any]]:
     return out
 
 
-def save_merged_hf_dir(path: str, model: Any, source_dir: str | None) -> None:
-    """An HF directory of the base model with the adapter merged in
+def save_merged_hf_dir(path: str, model: Any, source_dir: str | None, adapter: str = "default") -> None:
+    """An HF directory of the base model with the adapter ``adapter`` merged in
     (``merged_weights``), written like every other export."""
     from areal_kernel.engine.hf import finish_hf_dir, write_hf_weights
 
-    named = merged_weights(model)
+    named = merged_weights(model, adapter)
     with atomic_dir(path) as tmp:
         files = {"model.safetensors": write_hf_weights(tmp, "model.safetensors", named)}
         finish_hf_dir(tmp, model.get_base_model(), files, source_dir)

@@ -20,6 +20,13 @@ LoRA (``lora: {...}`` in the settings): the model is wrapped by ``peft``
 in the optimizer, in ``save_state`` checkpoints (with their optimizer
 moments) and in weight transfers (``adapter_spec`` tells the transports);
 ``save_hf`` writes an adapter directory or the merged model (``lora.export``).
+
+Several adapters (``adapters: [{name: a, ...}, {name: b, ...}]``): one frozen
+base shared by one adapter per policy; ``engine.policy(name)`` is that
+policy's ``TrainEngine`` (``areal_kernel.engine.multi_adapter``), and the
+per-policy calls (scoring, ``train_batch``, exports, weight transfer) go
+through it. The engine itself then only initializes, saves and loads the
+state of every policy at once, and destroys.
 """
 
 from __future__ import annotations
@@ -71,6 +78,8 @@ class TorchTrainEngine(TrainEngine):
         self._step = 0  # optimizer steps taken (skipped ones included): drives the lr schedule
         self._version = 0
         self._weight_group: Any = None
+        self._policies: dict[str, Any] = {}  # name -> AdapterPolicy, with ``adapters:``
+        self.active_adapter: str | None = None  # the peft adapter the model runs with, with ``adapters:``
 
     # ------------------------------------------------------------------ setup
     @property
@@ -105,6 +114,10 @@ class TorchTrainEngine(TrainEngine):
             from areal_kernel.engine.lora import apply_lora
 
             model = apply_lora(model, cfg.lora, section=f"{self.settings_path}.lora")
+        if cfg.adapters is not None:
+            from areal_kernel.engine.lora import apply_adapters
+
+            model = apply_adapters(model, cfg.adapters, section=f"{self.settings_path}.adapters")
         model.to(self.device)
         if cfg.gradient_checkpointing:
             # Non-reentrant checkpointing gives the same gradients and works
@@ -119,6 +132,13 @@ class TorchTrainEngine(TrainEngine):
             self.runner.vision = vision.ImageTensors(model_path)
         self.model_path = os.path.abspath(model_path)
         self.total_train_steps = int(total_train_steps)
+        if cfg.adapters is not None:
+            from areal_kernel.engine.multi_adapter import AdapterPolicy
+            from areal_kernel.engine.lora import peft_adapter_name
+
+            self._policies = {a.name: AdapterPolicy(self, a, peft_adapter_name(i)) for i, a in enumerate(cfg.adapters)}
+            self.active_adapter = peft_adapter_name(0)
+            return
         self.optimizer = make_optimizer([p for p in model.parameters() if p.requires_grad], cfg)
         self._step = 0
         self._set_lr()
@@ -137,6 +157,45 @@ class TorchTrainEngine(TrainEngine):
     def _require_init(self) -> MicroBatchRunner:
         if self.model is None or self.runner is None:
             raise ArealError("TorchTrainEngine is not initialized: call initialize(model_path, total_train_steps)")
+        if self._policies:
+            raise ConfigError(
+                f"this engine trains several adapters ({', '.join(self._policies)}): make per-policy calls "
+                "through engine.policy(name) (the kernel's trainers drive one policy per engine so far: "
+                "for a run, use lora:)"
+            )
+        return self.runner
+
+    # ------------------------------------------------------------- policies
+    def policy_names(self) -> list[str]:
+        """The policies this engine trains, in config order: the names of
+        ``adapters``, else one (``lora.name``, or ``"policy"`` for full weights)."""
+        if self.config.adapters is not None:
+            return [a.name for a in self.config.adapters]
+        return [self.config.lora.name if self.config.lora is not None else "policy"]
+
+    def policy(self, name: str) -> TrainEngine:
+        """The ``TrainEngine`` of the policy ``name``: with ``adapters``, a view
+        that trains, scores with, exports and sends only that adapter
+        (``areal_kernel.engine.multi_adapter.AdapterPolicy``); without, this
+        engine itself (so that single-policy code may call it the same way).
+        ``ConfigError`` listing the valid names for any other name."""
+        names = self.policy_names()
+        if name not in names:
+            raise ConfigError(f"unknown policy {name!r}: this engine trains {', '.join(map(repr, names))}")
+        if not self._policies:
+            if self.model is None:
+                raise ArealError("TorchTrainEngine is not initialized: call initialize(model_path, total_train_steps)")
+            return self
+        return self._policies[name]
+
+    def run_with_adapter(self, adapter: str) -> MicroBatchRunner:
+        """The runner, with the peft ``adapter`` active (trainable, the others
+        frozen and unused): what every ``AdapterPolicy`` call goes through."""
+        if self.model is None or self.runner is None:
+            raise ArealError("TorchTrainEngine is not initialized: call initialize(model_path, total_train_steps)")
+        if self.active_adapter != adapter:
+            self.model.set_adapter(adapter)
+            self.active_adapter = adapter
         return self.runner
 
     def current_lr(self) -> float:
@@ -176,13 +235,28 @@ class TorchTrainEngine(TrainEngine):
         runner = self._require_init()
         check_batch(batch, extra)
         t0 = time.perf_counter()
-        n_loss_tokens = count_loss_tokens(batch)
-        self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         lr = self._set_lr()
-        acc = runner.accumulate(batch, loss_fn, extra, batch_loss_tokens=n_loss_tokens, batch_n_seqs=len(batch))
-        grad_norm, applied = runner.apply_gradients(self.optimizer, acc.finite, self.config.max_grad_norm)
+        out = self.optimizer_step(runner, self.optimizer, lr, batch, loss_fn, extra)
         self._step += 1
+        out["step_time_s"] = time.perf_counter() - t0
+        return out
+
+    def optimizer_step(
+        self,
+        runner: MicroBatchRunner,
+        optimizer: Any,
+        lr: float,
+        batch: TrajectoryBatch,
+        loss_fn: Callable[..., Any],
+        extra: dict[str, list[list[float]]] | None,
+    ) -> dict[str, float]:
+        """The body of ``train_batch`` for ``optimizer`` (gradients zeroed, lr
+        set): accumulate, clip, step; its statistics but ``step_time_s``."""
+        n_loss_tokens = count_loss_tokens(batch)
+        self.model.train()
+        acc = runner.accumulate(batch, loss_fn, extra, batch_loss_tokens=n_loss_tokens, batch_n_seqs=len(batch))
+        grad_norm, applied = runner.apply_gradients(optimizer, acc.finite, self.config.max_grad_norm)
         current_platform().synchronize()
 
         out = dict(acc.stats)
@@ -197,7 +271,6 @@ class TorchTrainEngine(TrainEngine):
             n_loss_tokens=float(n_loss_tokens),
             n_mbs=float(acc.n_mbs),
             n_model_tokens=float(acc.n_model_tokens),
-            step_time_s=time.perf_counter() - t0,
         )
         return out
 
@@ -205,6 +278,8 @@ class TorchTrainEngine(TrainEngine):
     def adapter_spec(self) -> AdapterSpec | None:
         lora = self.config.lora
         if lora is None:
+            if self._policies:
+                self._require_init()  # each policy's view has its own spec
             return None
         from areal_kernel.engine.lora import adapter_config
 
@@ -335,6 +410,11 @@ class TorchTrainEngine(TrainEngine):
         With LoRA the weights are the adapter's only (the base is frozen)."""
         from safetensors.torch import save_file
 
+        if self._policies:
+            from areal_kernel.engine.multi_adapter import save_policies_state
+
+            save_policies_state(self, path)
+            return
         self._require_init()
         with atomic_dir(path) as tmp:
             save_file(
@@ -360,6 +440,11 @@ class TorchTrainEngine(TrainEngine):
         import torch
         from safetensors.torch import load_file
 
+        if self._policies:
+            from areal_kernel.engine.multi_adapter import load_policies_state
+
+            load_policies_state(self, path)
+            return
         self._require_init()
         meta = read_engine_state(path, "torch")
         check_param_names(path, meta["param_names"], [n for n, _ in self.model.named_parameters()])
@@ -392,4 +477,5 @@ class TorchTrainEngine(TrainEngine):
         self.runner = None
         self.optimizer = None
         self._weight_group = None
+        self._policies = {}
         current_platform().empty_cache()
