@@ -148,6 +148,14 @@ class RLTrainer(Trainer):
         # The parts come from the trainer toolkit (areal_kernel.trainer.toolkit),
         # which plugin trainers use too.
         ctx = self.context
+        if getattr(cfg.actor.plugin_config, "adapters", None):
+            # The engine trains several policies (engine.policy(name)); this
+            # trainer has one rollout, reward and step per run so far.
+            raise ConfigError(
+                f"{cfg.actor.where}.{cfg.actor.selected_name}.adapters: several policies in one run are not "
+                f"trained by 'areal train' yet (the train engine's per-policy views are, for code that drives "
+                f"them); for one adapter use {cfg.actor.where}.{cfg.actor.selected_name}.lora"
+            )
         self.needs_critic = needs_critic(cfg)
         self.model = resolve_model(ctx)
         self.model_dir, self.tokenizer = self.model.path, self.model.tokenizer
