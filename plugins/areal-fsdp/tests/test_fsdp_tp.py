@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 
 from areal_kernel.algo.losses import make_ppo_loss_fn
 from areal_kernel.engine.torch_engine import TorchTrainEngine
+from areal_kernel.testing.contracts import TrainEngineContract, engine_maker
 from areal_kernel.testing.noise import assert_within_noise, measure_noise_floor
 from areal_kernel.testing.rank_engines import (
     RankEngineWeightUpdateSuite,
@@ -167,6 +168,20 @@ def test_dcp_round_trip_continues_identically(trained, tmp_path):
     trip.assert_continues_identically()
 
 
+@pytest.fixture(scope="module")
+def t2_engine(tiny_model_dir):
+    """One fsdp:t2 engine shared by the kernel's suites below (as conftest.shared_engine is for d2)."""
+    from areal_fsdp.engine import FSDPTrainEngine
+
+    e = FSDPTrainEngine(T2_SETTINGS, allocation="fsdp:t2")
+    e.initialize(tiny_model_dir, 20)
+    yield e
+    e.destroy()
+
+
+T2_SETTINGS = {"lr": 1e-3, "max_tokens_per_mb": 8}
+
+
 class TestTensorParallelWeightUpdate(RankEngineWeightUpdateSuite):
     """The in-memory broadcast from 2 tensor ranks into a real embedded
     server (the kernel's suite): the ranks gather the DTensor shards, rank 0
@@ -175,10 +190,23 @@ class TestTensorParallelWeightUpdate(RankEngineWeightUpdateSuite):
     ENGINE_NAME = "fsdp"
 
     @pytest.fixture
-    def update_engine(self, tiny_model_dir):
+    def update_engine(self, t2_engine):
+        return t2_engine
+
+
+class TestTensorParallelEngineContract(TrainEngineContract):
+    """The kernel's train-engine contract on fsdp:t2 ranks."""
+
+    @pytest.fixture
+    def contract_model_dir(self, tiny_model_dir):
+        return tiny_model_dir
+
+    @pytest.fixture
+    def train_engine(self, t2_engine):
+        return t2_engine
+
+    @pytest.fixture
+    def make_train_engine(self, contract_model_dir):
         from areal_fsdp.engine import FSDPTrainEngine
 
-        e = FSDPTrainEngine({"lr": 1e-3, "max_tokens_per_mb": 8}, allocation="fsdp:t2")
-        e.initialize(tiny_model_dir, 20)
-        yield e
-        e.destroy()
+        return engine_maker(lambda: FSDPTrainEngine(T2_SETTINGS, allocation="fsdp:t2"), contract_model_dir, 20)
