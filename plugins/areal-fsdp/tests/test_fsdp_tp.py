@@ -210,3 +210,17 @@ class TestTensorParallelEngineContract(TrainEngineContract):
         from areal_fsdp.engine import FSDPTrainEngine
 
         return engine_maker(lambda: FSDPTrainEngine(T2_SETTINGS, allocation="fsdp:t2"), contract_model_dir, 20)
+
+
+def test_a_model_whose_heads_do_not_divide_is_refused_by_the_ranks(tmp_path):
+    """3 heads cannot split 2 ways: the ranks refuse while loading the model,
+    with one line naming the allocation and the counts, and leave no ranks."""
+    from areal_fsdp.engine import FSDPTrainEngine
+    from areal_kernel.errors import ConfigError
+    from areal_kernel.testing.models import make_tiny_llama
+
+    model = make_tiny_llama(str(tmp_path / "three-heads"), hidden=48, heads=3, kv_heads=3)
+    e = FSDPTrainEngine(T2_SETTINGS, allocation="fsdp:t2")
+    with pytest.raises(ConfigError, match=r"fsdp:d1t2: the model's num_attention_heads=3, num_key_value_heads=3 do"):
+        e.initialize(model, 10)
+    assert e.ranks is None
