@@ -161,6 +161,10 @@ class FSDPRankEngine:
         # LoRA with export: merged: how each exported weight is built (areal_kernel.engine.lora.merge_plan).
         self.merge_plan: list[tuple[str, str, Any]] = []
         self.adapter_config: dict[str, Any] | None = None
+        # Tensor parallelism: the tensor group, and the replicated weights whose
+        # gradients are partial sums over it (areal_fsdp.tensor_parallel.per_head_params).
+        self.tp_group: Any = None
+        self.tp_partial_params: list[Any] = []
 
     @property
     def device(self) -> Any:
@@ -219,8 +223,9 @@ class FSDPRankEngine:
 
         mesh = device_mesh(self.world_size, self.layout.tp)
         tp_layers = 0
+        partial_names: list[str] = []
         if self.layout.tp > 1:
-            from areal_fsdp.tensor_parallel import apply_tensor_parallel, check_tp_model
+            from areal_fsdp.tensor_parallel import apply_tensor_parallel, check_tp_model, per_head_params
 
             if vision_model:
                 raise ConfigError(
@@ -230,6 +235,8 @@ class FSDPRankEngine:
             check_tp_model(model.config, self.layout.tp, str(self.layout))
             # TP first, then FSDP over the data axis (the order FSDP2 composes with DTensor).
             tp_layers = apply_tensor_parallel(model, mesh["tp"])
+            self.tp_group = mesh["tp"].get_group()
+            partial_names = per_head_params(model)
             mesh = mesh["dp"]
         mp = cfg.mixed_precision
         mp_policy = MixedPrecisionPolicy(
@@ -273,6 +280,9 @@ class FSDPRankEngine:
                 m.set_force_sum_reduction_for_comms(True)
         model.train()
         self.model = model
+        # After fully_shard: its parameters replaced the module's.
+        params = dict(model.named_parameters())
+        self.tp_partial_params = [params[n] for n in partial_names]
         # The sharded model is only called as a whole (split_head=False): calling
         # the decoder and the LM head separately would bypass the root unit's
         # hooks, which gather the embedding, final norm and head.
@@ -333,6 +343,7 @@ class FSDPRankEngine:
             part, loss_fn, extra, batch_loss_tokens=batch_loss_tokens, batch_n_seqs=batch_n_seqs,
             seq_index=global_index,
         )  # fmt: skip
+        self._sum_partial_grads()
         grad_norm, applied = runner.apply_gradients(self.optimizer, acc.finite, self.config.max_grad_norm)
         self.step += 1
         current_platform().synchronize()
@@ -347,6 +358,16 @@ class FSDPRankEngine:
             "n_model_tokens": float(acc.n_model_tokens),
             "step_time_s": time.perf_counter() - t0,
         }
+
+    def _sum_partial_grads(self) -> None:
+        """Sum the per-head weights' gradients over the tensor group (each
+        tensor rank saw only its heads). Summing FSDP's reduce-scattered local
+        shards is the same sum: both reductions add."""
+        import torch.distributed as dist
+
+        for p in self.tp_partial_params:
+            if p.grad is not None:
+                dist.all_reduce(_local(p.grad), group=self.tp_group)
 
     # ---------------------------------------------------------------- weights
     def _named_sharded(self) -> dict[str, Any]:
