@@ -8,7 +8,7 @@ switch ``actor.backend`` between ``torch`` and ``fsdp:dN`` and keep its section.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -33,7 +33,16 @@ class MixedPrecisionConfig(BaseModel):
 
 class FSDPEngineConfig(TorchEngineConfig):
     """Settings of the ``fsdp`` train engine (``actor.fsdp: {...}``). The rank
-    count is not here: it comes from the allocation (``actor.backend: fsdp:d2``)."""
+    layout is not here: it comes from the allocation (``actor.backend: fsdp:d2``,
+    ``fsdp:t2``, ``fsdp:d2t2``; see ``areal_fsdp.layout``)."""
+
+    @classmethod
+    def check_allocation(cls, allocation: Any, where: str = "actor.backend") -> None:
+        """Called by the kernel when it validates ``actor.backend``: one
+        ConfigError for dims this engine cannot run (p, c, e)."""
+        from areal_fsdp.layout import layout_of
+
+        layout_of(allocation, where)
 
     mixed_precision: MixedPrecisionConfig = Field(default_factory=MixedPrecisionConfig)
     reshard_after_forward: bool = Field(

@@ -6,7 +6,8 @@ It implements the kernel's ``TrainEngine`` API in the controller process
 (``areal_kernel.engine.ranked.RankedTrainEngine``, on the rank plumbing of
 ``areal_kernel.engine.ranks``): every call is sent to every rank, each with
 its share of the batch, and the answers are merged. What is FSDP's own here:
-the allocation check (data-parallel dims only) and the LoRA adapter.
+the d x t layout (``areal_fsdp.layout``: FSDP2 over d, DTensor tensor
+parallelism over t), how parts reach the ranks, and the LoRA adapter.
 
 Why this shape: the kernel's trainer is a single controller that calls
 ``train_batch`` / ``compute_logprobs`` / ``send_weights`` on one object; the
@@ -22,6 +23,12 @@ its share of the *batch* loss (normalised by ``batch_loss_tokens`` /
 averaging is turned off), so a step equals the single-process step however
 the batch is split across ranks and micro-batches.
 
+Tensor parallelism (``fsdp:t2``, ``fsdp:d2t2``): the batch is split into
+``d`` parts; the ``t`` ranks of one replica receive the same part and run
+the same micro-batches in lockstep (their collectives pair up), and tensor
+rank 0 of each replica reports the part's answer (the others computed the
+same numbers).
+
 Failure handling: a rank that raises reports its traceback; if the other
 ranks also answer, the engine stays usable and the error is re-raised
 (same type for kernel errors). If a rank dies or the others hang in a
@@ -33,14 +40,15 @@ from __future__ import annotations
 from typing import Any
 
 from areal_kernel.api.engine import AdapterSpec
-from areal_kernel.config.allocation import Allocation, parse_allocation
+from areal_kernel.api.io import TrajectoryBatch
+from areal_kernel.config.allocation import Allocation
 from areal_kernel.engine.ranked import RankedTrainEngine
 from areal_kernel.engine.ranks import RankError
-from areal_kernel.errors import ConfigError
 from areal_kernel.logging import get_logger
 from areal_kernel.utils.fs import atomic_dir
 
 from areal_fsdp.config import FSDPEngineConfig
+from areal_fsdp.layout import Layout, check_layout_settings, layout_of
 
 log = get_logger(__name__)
 
@@ -52,7 +60,7 @@ class FSDPTrainEngine(RankedTrainEngine):
     """FSDP2 train engine over ``world_size`` rank processes.
 
     The kernel builds it with ``FSDPTrainEngine.from_context(context)``: the
-    allocation (``actor.backend: fsdp:d2``) gives the rank count, the run's
+    allocation (``actor.backend: fsdp:d2``, ``fsdp:t2``, ``fsdp:d2t2``) gives the layout, the run's
     scheduler starts the ranks, their logs go to
     ``<run_dir>/fsdp-ranks`` (``fsdp-ranks-<role>`` for a reference model).
     Built directly (tests, scripts): ``allocation`` is ``"fsdp:d2"`` or an
@@ -80,17 +88,12 @@ class FSDPTrainEngine(RankedTrainEngine):
         settings = FSDPEngineConfig.parse(config)
         if allocation is None and world_size is not None:
             allocation = f"fsdp:d{int(world_size)}"
-        self.allocation = (
-            parse_allocation(allocation) if isinstance(allocation, str) else (allocation or parse_allocation("fsdp"))
-        )
-        if (self.allocation.t, self.allocation.p, self.allocation.c) != (1, 1, 1):
-            raise ConfigError(
-                f"actor.backend: {self.allocation} asks for tensor/pipeline/context parallelism, which the fsdp "
-                "engine does not do; use data-parallel dims only (e.g. 'fsdp:d2')"
-            )
+        self.layout: Layout = layout_of(allocation)
+        check_layout_settings(self.layout, settings)
+        self.allocation = Allocation(backend="fsdp", d=self.layout.dp, t=self.layout.tp)
         super().__init__(
             settings,
-            self.allocation.world_size,
+            self.layout.world_size,
             log_dir=log_dir,
             scheduler=scheduler,
             run_config=run_config,
@@ -98,11 +101,38 @@ class FSDPTrainEngine(RankedTrainEngine):
         self._adapter_config: dict[str, Any] | None = None
 
     # ------------------------------------------------------- base-class hooks
+    @property
+    def data_parallel_size(self) -> int:
+        return self.layout.dp
+
+    def create_kwargs(self) -> dict[str, Any]:
+        return {"config": self.config.model_dump(), "tp": self.layout.tp}
+
     def on_initialized(self, answers: list[Any]) -> None:
         self._adapter_config = answers[0].get("adapter_config")
         log.info(
-            "fsdp engine ready", ranks=self.world_size, logs=self.log_dir, wrapped_blocks=answers[0]["wrapped_blocks"]
+            "fsdp engine ready", layout=str(self.layout), logs=self.log_dir,
+            wrapped_blocks=answers[0]["wrapped_blocks"], tp_layers=answers[0].get("tp_layers", 0),
+            rank_coords={r: self.layout.coords(r) for r in range(self.world_size)} if self.layout.tp > 1 else None,
+        )  # fmt: skip
+
+    def call_parts(
+        self,
+        cmd: str,
+        parts: list[TrajectoryBatch],
+        per_part: list[dict[str, Any]],
+        common: dict[str, Any],
+    ) -> list[Any]:
+        """Rank ``r`` gets part ``r // t`` (its replica's); tensor rank 0 of
+        each replica answers for it."""
+        tp = self.layout.tp
+        answers = self.call_ranks(
+            cmd, [{"part": parts[r // tp], **per_part[r // tp], **common} for r in range(self.world_size)]
         )
+        return answers[::tp]
+
+    def state_meta(self) -> dict[str, Any]:
+        return {"world_size": self.world_size, "layout": str(self.layout)}
 
     def export_options(self) -> dict[str, Any]:
         # The controller's settings decide the LoRA export form (adapter or merged).

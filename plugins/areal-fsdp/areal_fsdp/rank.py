@@ -15,7 +15,8 @@ shared-prompt plan, the forward, the micro-batch loop and the stats rules),
 (optimizer, RNG, lr) and ``.lr_schedule``. What sharding changes is here:
 ``RankSync`` (equal micro-batch counts on every rank, the global finite check
 and grad norm), summed instead of averaged gradients, gathered exports and
-DCP checkpoints.
+DCP checkpoints, and with ``t > 1`` the 2-D (data, tensor) mesh and the
+tensor-parallel plan (``areal_fsdp.tensor_parallel``) applied before FSDP.
 
 A rank exits when its control connection closes or when the controller (its
 parent) disappears, so no rank outlives the run that started it.
@@ -50,8 +51,9 @@ from areal_kernel.errors import ArealError, ConfigError
 from areal_kernel.platforms import current_platform
 
 from areal_fsdp.config import FSDPEngineConfig
+from areal_fsdp.layout import Layout, check_layout_settings
 
-__all__ = ["FSDPRankEngine", "RankSync", "device_mesh", "join_process_group", "main"]
+__all__ = ["FSDPRankEngine", "RankSync", "device_mesh", "join_process_group", "main", "replicas"]
 
 
 def _local(t: Any) -> Any:
@@ -62,6 +64,23 @@ def _local(t: Any) -> Any:
 def _full(t: Any) -> Any:
     """The whole tensor (an all-gather for a sharded DTensor: every rank must call it)."""
     return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def replicas(t: Any, world_size: int) -> int:
+    """How many ranks hold the same local part of ``t``: 1 for a tensor
+    sharded over every rank; ``t`` for a weight FSDP shards over the data axis
+    only and the tensor ranks replicate (norms, embedding, LM head); the whole
+    world for a plain tensor. A global sum of squares divides by it."""
+    mesh = getattr(t, "device_mesh", None)
+    if mesh is None:
+        return world_size
+    sharded = 1
+    for dim, placement in enumerate(t.placements):
+        # Shard, and FSDP's _StridedShard over a tensor-parallel shard (whose
+        # is_shard() says False): anything that is not a replica splits the data.
+        if not placement.is_replicate():
+            sharded *= mesh.size(dim)
+    return max(1, world_size // sharded)
 
 
 def _all_reduce(values: list[float], op: str) -> list[float]:
@@ -82,6 +101,9 @@ class RankSync(MicroBatchHooks):
 
     lockstep = True
 
+    def __init__(self, world_size: int = 1) -> None:
+        self.world_size = world_size
+
     def micro_batch_count(self, local: int) -> int:
         return int(_all_reduce([float(local)], "max")[0])
 
@@ -90,14 +112,17 @@ class RankSync(MicroBatchHooks):
 
     def clip_grad_norm(self, params: list[Any], max_norm: float | None) -> float:
         """Global L2 norm of the sharded gradients (each rank sums the squares
-        of its shards, one all-reduce adds them up), then clip every shard by
-        the same factor. Returns the norm before clipping."""
+        of its shards, each divided by how many ranks hold the same shard, one
+        all-reduce adds them up), then clip every shard by the same factor.
+        Returns the norm before clipping."""
         import torch
 
         grads = [p.grad for p in params]
         local = 0.0
         if grads:
-            sq = torch.stack([_local(g).detach().float().pow(2).sum() for g in grads]).sum()
+            sq = torch.stack(
+                [_local(g).detach().float().pow(2).sum() / replicas(g, self.world_size) for g in grads]
+            ).sum()
             local = float(sq)
         total = math.sqrt(_all_reduce([local], "sum")[0])
         if max_norm is not None and max_norm > 0 and math.isfinite(total):
@@ -112,10 +137,16 @@ class RankSync(MicroBatchHooks):
 class FSDPRankEngine:
     """The model shard and optimizer of one rank."""
 
-    def __init__(self, config: FSDPEngineConfig | dict[str, Any] | None, rank: int, world_size: int) -> None:
+    def __init__(
+        self, config: FSDPEngineConfig | dict[str, Any] | None, rank: int, world_size: int, tp: int = 1
+    ) -> None:
         self.config = FSDPEngineConfig.parse(config)
         self.rank = rank
         self.world_size = world_size
+        if tp < 1 or world_size % tp:
+            raise ConfigError(f"fsdp rank: tensor-parallel size {tp} does not divide the world size {world_size}")
+        self.layout = Layout(dp=world_size // tp, tp=tp)
+        check_layout_settings(self.layout, self.config)
         self.model: Any = None
         self.optimizer: Any = None
         self.runner: MicroBatchRunner | None = None
@@ -130,6 +161,10 @@ class FSDPRankEngine:
         # LoRA with export: merged: how each exported weight is built (areal_kernel.engine.lora.merge_plan).
         self.merge_plan: list[tuple[str, str, Any]] = []
         self.adapter_config: dict[str, Any] | None = None
+        # Tensor parallelism: the tensor group, and the replicated weights whose
+        # gradients are partial sums over it (areal_fsdp.tensor_parallel.per_head_params).
+        self.tp_group: Any = None
+        self.tp_partial_params: list[Any] = []
 
     @property
     def device(self) -> Any:
@@ -186,7 +221,23 @@ class FSDPRankEngine:
         if cfg.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
-        mesh = device_mesh(self.world_size)
+        mesh = device_mesh(self.world_size, self.layout.tp)
+        tp_layers = 0
+        partial_names: list[str] = []
+        if self.layout.tp > 1:
+            from areal_fsdp.tensor_parallel import apply_tensor_parallel, check_tp_model, per_head_params
+
+            if vision_model:
+                raise ConfigError(
+                    f"actor.backend: {self.layout}: tensor parallelism has no plan for vision-language models; "
+                    "use data parallelism only (t1)"
+                )
+            check_tp_model(model.config, self.layout.tp, str(self.layout))
+            # TP first, then FSDP over the data axis (the order FSDP2 composes with DTensor).
+            tp_layers = apply_tensor_parallel(model, mesh["tp"])
+            self.tp_group = mesh["tp"].get_group()
+            partial_names = per_head_params(model)
+            mesh = mesh["dp"]
         mp = cfg.mixed_precision
         mp_policy = MixedPrecisionPolicy(
             param_dtype=torch_dtype(mp.param_dtype),
@@ -229,10 +280,13 @@ class FSDPRankEngine:
                 m.set_force_sum_reduction_for_comms(True)
         model.train()
         self.model = model
+        # After fully_shard: its parameters replaced the module's.
+        params = dict(model.named_parameters())
+        self.tp_partial_params = [params[n] for n in partial_names]
         # The sharded model is only called as a whole (split_head=False): calling
         # the decoder and the LM head separately would bypass the root unit's
         # hooks, which gather the embedding, final norm and head.
-        self.runner = MicroBatchRunner(model, cfg, self.device, hooks=RankSync(), split_head=False)
+        self.runner = MicroBatchRunner(model, cfg, self.device, hooks=RankSync(self.world_size), split_head=False)
         if vision_model:
             self.runner.vision = ImageTensors(model_path)
         self.model_path = os.path.abspath(model_path)
@@ -244,6 +298,7 @@ class FSDPRankEngine:
         return {
             "transfer_meta": self.transfer_meta,
             "wrapped_blocks": wrapped,
+            "tp_layers": tp_layers,
             "adapter_config": self.adapter_config,
         }
 
@@ -288,6 +343,7 @@ class FSDPRankEngine:
             part, loss_fn, extra, batch_loss_tokens=batch_loss_tokens, batch_n_seqs=batch_n_seqs,
             seq_index=global_index,
         )  # fmt: skip
+        self._sum_partial_grads()
         grad_norm, applied = runner.apply_gradients(self.optimizer, acc.finite, self.config.max_grad_norm)
         self.step += 1
         current_platform().synchronize()
@@ -302,6 +358,16 @@ class FSDPRankEngine:
             "n_model_tokens": float(acc.n_model_tokens),
             "step_time_s": time.perf_counter() - t0,
         }
+
+    def _sum_partial_grads(self) -> None:
+        """Sum the per-head weights' gradients over the tensor group (each
+        tensor rank saw only its heads). Summing FSDP's reduce-scattered local
+        shards is the same sum: both reductions add."""
+        import torch.distributed as dist
+
+        for p in self.tp_partial_params:
+            if p.grad is not None:
+                dist.all_reduce(_local(p.grad), group=self.tp_group)
 
     # ---------------------------------------------------------------- weights
     def _named_sharded(self) -> dict[str, Any]:
@@ -485,18 +551,22 @@ class FSDPRankEngine:
 
 
 # ---------------------------------------------------------------- the process
-def device_mesh(world_size: int) -> Any:
-    """The 1-D mesh FSDP shards over, on the platform's device type (torch
-    picks the collective backend registered for that device)."""
+def device_mesh(world_size: int, tp: int = 1) -> Any:
+    """The mesh on the platform's device type (torch picks the collective
+    backend registered for that device): 1-D over every rank for data
+    parallelism alone; with ``tp > 1`` 2-D ``("dp", "tp")``, tensor ranks
+    innermost (rank ``r`` is replica ``r // tp``, tensor rank ``r % tp``)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh(current_platform().device_type, (world_size,))
+    if tp == 1:
+        return init_device_mesh(current_platform().device_type, (world_size,))
+    return init_device_mesh(current_platform().device_type, (world_size // tp, tp), mesh_dim_names=("dp", "tp"))
 
 
 def main(argv: list[str] | None = None) -> int:
     """The rank process: the kernel's rank loop (``areal_kernel.engine.ranks``)
     serving an ``FSDPRankEngine``."""
-    return rank_main(lambda rank, world_size, config: FSDPRankEngine(config, rank, world_size), "fsdp", argv)
+    return rank_main(lambda rank, world_size, config, tp=1: FSDPRankEngine(config, rank, world_size, tp), "fsdp", argv)
 
 
 if __name__ == "__main__":

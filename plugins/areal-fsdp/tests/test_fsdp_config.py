@@ -51,13 +51,62 @@ def test_torch_settings_under_fsdp_backend_point_to_the_right_section():
         _cfg({"backend": "fsdp:d2", "torch": {"lr": 1e-5}})
 
 
-def test_model_parallel_dims_are_refused():
+@pytest.mark.parametrize("alloc, dims", [("fsdp:d2p2", "p2"), ("fsdp:t2c2", "c2"), ("fsdp:d2e2", "e2")])
+def test_pipeline_context_expert_dims_are_refused(alloc, dims):
+    """One line naming the allocation, the dims it cannot run and what is
+    valid: from the engine and from `areal validate` (the kernel's check)."""
     from areal_fsdp.engine import FSDPTrainEngine
 
-    with pytest.raises(ConfigError, match="fsdp:d2t2.*data-parallel dims only"):
-        FSDPTrainEngine({}, allocation="fsdp:d2t2")
+    with pytest.raises(ConfigError, match=rf"{alloc} asks for .*\({dims}\).*valid dims are d \(data\) and t"):
+        FSDPTrainEngine({}, allocation=alloc)
+    with pytest.raises(ConfigError, match=rf"actor.backend: {alloc} asks for"):
+        _cfg({"backend": alloc})
+
+
+def test_data_and_tensor_dims_are_accepted():
+    from areal_fsdp.engine import FSDPTrainEngine
+
     assert FSDPTrainEngine({}, world_size=3).world_size == 3
     assert FSDPTrainEngine({}, allocation="fsdp:d4").world_size == 4
+    t2 = FSDPTrainEngine({}, allocation="fsdp:t2")
+    assert (t2.world_size, t2.data_parallel_size, str(t2.layout)) == (2, 1, "fsdp:d1t2")
+    d2t2 = FSDPTrainEngine({}, allocation="fsdp:d2t2")
+    assert (d2t2.world_size, d2t2.data_parallel_size) == (4, 2)
+    # Data-major rank numbering: the tensor ranks of one replica are neighbours.
+    assert [d2t2.layout.coords(r) for r in range(4)] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert _cfg({"backend": "fsdp:d2t2"}).actor.allocation.world_size == 4
+
+
+@pytest.mark.parametrize(
+    "section, field",
+    [
+        ({"lora": {"rank": 4}}, "lora"),
+        ({"gradient_checkpointing": True}, "gradient_checkpointing"),
+        ({"cpu_offload": True}, "cpu_offload"),
+    ],
+)
+def test_settings_tensor_parallelism_does_not_support_are_refused(section, field):
+    from areal_fsdp.engine import FSDPTrainEngine
+
+    with pytest.raises(ConfigError, match=rf"fsdp:d1t2 \(t2\) with actor.fsdp.{field} is not supported"):
+        FSDPTrainEngine(section, allocation="fsdp:t2")
+    FSDPTrainEngine(section, allocation="fsdp:d2")  # data parallelism alone keeps them
+
+
+def test_models_tensor_parallelism_cannot_split_are_refused():
+    from types import SimpleNamespace
+
+    from areal_fsdp.tensor_parallel import check_tp_model
+
+    llama = dict(model_type="llama", num_attention_heads=4, num_key_value_heads=2, intermediate_size=128)
+    check_tp_model(SimpleNamespace(**llama), 2, "fsdp:t2")
+    check_tp_model(SimpleNamespace(**{**llama, "num_key_value_heads": 1}), 1, "fsdp:d2")  # t1: nothing to split
+    with pytest.raises(ConfigError, match=r"fsdp:t2: the model's num_key_value_heads=1 do not divide by t=2"):
+        check_tp_model(SimpleNamespace(**{**llama, "num_key_value_heads": 1}), 2, "fsdp:t2")
+    with pytest.raises(ConfigError, match=r"fsdp:t4: .*num_attention_heads=6, num_key_value_heads=6"):
+        check_tp_model(SimpleNamespace(**{**llama, "num_attention_heads": 6, "num_key_value_heads": 6}), 4, "fsdp:t4")
+    with pytest.raises(ConfigError, match=r"fsdp:t2: .*plan for model types llama, qwen3, not 'gpt2'"):
+        check_tp_model(SimpleNamespace(**{**llama, "model_type": "gpt2"}), 2, "fsdp:t2")
 
 
 def test_engine_is_built_from_the_kernel_context(tmp_path):
@@ -110,3 +159,5 @@ def test_local_scheduler_plans_one_process_per_rank():
     from areal_kernel.scheduling.local import LocalScheduler
 
     assert LocalScheduler(_cfg({"backend": "fsdp:d2"})).device_plan()["actor"] == [[], []]
+    # A tensor rank is a process too: d2t2 is 4.
+    assert LocalScheduler(_cfg({"backend": "fsdp:d2t2"})).device_plan()["actor"] == [[], [], [], []]
