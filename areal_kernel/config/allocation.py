@@ -12,6 +12,8 @@ import re
 
 from pydantic import BaseModel, ConfigDict
 
+from areal_kernel.errors import ConfigError
+
 DIMS = {"d": "data", "t": "tensor", "p": "pipeline", "c": "context", "e": "expert"}
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.\-]*$")
 _DIM = re.compile(r"([a-z])(\d+)")
@@ -79,3 +81,15 @@ def parse_allocation(text: str) -> Allocation:
                 f"{text!r}: cannot parse {dims[pos:]!r}; expected a sequence like 'd2', 'd2t1' or 'd4t2p1'"
             )
     return Allocation(backend=name, **values)
+
+
+def allocation_at(value: "Allocation | str", where: str) -> Allocation:
+    """``value`` as an ``Allocation`` (parsed when a string): what an engine's
+    layout code starts from; one ``ConfigError`` naming ``where`` (the config
+    field) when it does not parse."""
+    if isinstance(value, Allocation):
+        return value
+    try:
+        return parse_allocation(value)
+    except AllocationError as e:
+        raise ConfigError(f"{where}: {e}") from None

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from areal_kernel.config.allocation import Allocation, AllocationError, parse_allocation
+from areal_kernel.config.allocation import Allocation, allocation_at
 from areal_kernel.errors import ConfigError
 
 EXAMPLES = "'fsdp:d2', 'fsdp:t2' or 'fsdp:d2t2'"
@@ -47,12 +47,7 @@ def layout_of(allocation: Allocation | str | None, where: str = "actor.backend")
     the allocation and what is valid for dims this engine cannot run."""
     if allocation is None:
         allocation = "fsdp"
-    if isinstance(allocation, str):
-        try:
-            allocation = parse_allocation(allocation)
-        except AllocationError as e:
-            raise ConfigError(f"{where}: {e}") from None
-    a = allocation
+    a = allocation_at(allocation, where)
     extra = [f"{k}{getattr(a, k)}" for k in ("p", "c", "e") if getattr(a, k) != 1]
     if extra:
         raise ConfigError(

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from areal_kernel.config.allocation import Allocation, AllocationError, parse_allocation
+from areal_kernel.config.allocation import Allocation, allocation_at
 from areal_kernel.errors import ConfigError
 
 EXAMPLES = "'megatron:d2', 'megatron:t2', 'megatron:p2' or 'megatron:d2t2p1'"
@@ -40,12 +40,7 @@ class Layout:
 def layout_of(allocation: Allocation | str, where: str = "actor.backend") -> Layout:
     """The ``Layout`` of an allocation; one ``ConfigError`` naming ``where``
     and what is valid for anything this engine cannot run."""
-    if isinstance(allocation, str):
-        try:
-            allocation = parse_allocation(allocation)
-        except AllocationError as e:
-            raise ConfigError(f"{where}: {e}") from None
-    a = allocation
+    a = allocation_at(allocation, where)
     if a.c != 1:
         raise ConfigError(
             f"{where}: {a} asks for context parallelism (c{a.c}); megatron-core implements it only in "
