@@ -52,8 +52,7 @@ from areal_kernel.engine.state import (
     set_python_random_state,
     write_engine_state,
 )
-from areal_kernel.errors import ArealError, ConfigError, DataError
-from areal_kernel.platforms import current_platform
+from areal_kernel.errors import ArealError, DataError
 from areal_kernel.utils.fs import atomic_dir
 
 if TYPE_CHECKING:
@@ -189,23 +188,7 @@ class AdapterPolicy(TrainEngine):
     def send_weights(self, meta: WeightUpdateMeta) -> None:
         """Send this adapter only: a peft directory at ``meta.path`` (disk) or
         its tensors over the engine's broadcast group."""
-        if meta.kind == "disk":
-            if not meta.path:
-                raise ConfigError("WeightUpdateMeta.path is required for kind='disk'")
-            self.write_adapter(meta.path)
-        elif meta.kind == "broadcast":
-            group = meta.extra.get("group", self.engine._weight_group)
-            if group is None:
-                raise ArealError(
-                    "kind='broadcast' needs a process group: call engine.init_weight_group(...) first "
-                    "or pass WeightUpdateMeta.extra['group']"
-                )
-            from areal_kernel.weights.broadcast import send_buckets
-
-            send_buckets(group, self.named_weights_for_transfer(), meta.bucket_bytes)
-            current_platform().synchronize()
-        else:
-            raise ConfigError(f"WeightUpdateMeta.kind={meta.kind!r} is not supported; valid: 'disk', 'broadcast'")
+        self.engine.send_by_kind(meta, self.write_adapter, self.named_weights_for_transfer)
 
     # ------------------------------------------------------------- checkpoint
     def save_state(self, path: str) -> None:
@@ -269,7 +252,7 @@ class AdapterPolicy(TrainEngine):
 def save_policies_state(engine: "TorchTrainEngine", path: str) -> None:
     """``engine.save_state`` with ``adapters``: every policy's state under
     ``adapters/<name>/``, the shared RNG states and the engine's version."""
-    _require_model(engine)
+    engine.require_model()
     with atomic_dir(path) as tmp:
         for name, view in engine._policies.items():
             sub = os.path.join(tmp, ADAPTERS_DIR, name)
@@ -286,15 +269,10 @@ def save_policies_state(engine: "TorchTrainEngine", path: str) -> None:
         })  # fmt: skip
 
 
-def _require_model(engine: "TorchTrainEngine") -> None:
-    if engine.model is None:
-        raise ArealError("TorchTrainEngine is not initialized: call initialize(model_path, total_train_steps)")
-
-
 def load_policies_state(engine: "TorchTrainEngine", path: str) -> None:
     """Restore what ``save_policies_state`` wrote; ``DataError`` when the
     checkpoint holds other policies than the engine's."""
-    _require_model(engine)
+    engine.require_model()
     meta = read_engine_state(path, POLICIES_STATE)
     saved, have = list(meta["policies"]), list(engine._policies)
     if sorted(saved) != sorted(have):

@@ -154,16 +154,22 @@ class TorchTrainEngine(TrainEngine):
         """The micro-batch runner over ``model``; subclasses with another forward override it."""
         return MicroBatchRunner(model, self.config, self.device)
 
-    def _require_init(self) -> MicroBatchRunner:
+    def require_model(self) -> MicroBatchRunner:
+        """The runner of an initialized engine (whatever its policies);
+        ``ArealError`` before ``initialize``."""
         if self.model is None or self.runner is None:
             raise ArealError("TorchTrainEngine is not initialized: call initialize(model_path, total_train_steps)")
+        return self.runner
+
+    def _require_init(self) -> MicroBatchRunner:
+        runner = self.require_model()
         if self._policies:
             raise ConfigError(
                 f"this engine trains several adapters ({', '.join(self._policies)}): make per-policy calls "
                 "through engine.policy(name) (the kernel's trainers drive one policy per engine so far: "
                 "for a run, use lora:)"
             )
-        return self.runner
+        return runner
 
     # ------------------------------------------------------------- policies
     def policy_names(self) -> list[str]:
@@ -183,20 +189,18 @@ class TorchTrainEngine(TrainEngine):
         if name not in names:
             raise ConfigError(f"unknown policy {name!r}: this engine trains {', '.join(map(repr, names))}")
         if not self._policies:
-            if self.model is None:
-                raise ArealError("TorchTrainEngine is not initialized: call initialize(model_path, total_train_steps)")
+            self.require_model()
             return self
         return self._policies[name]
 
     def run_with_adapter(self, adapter: str) -> MicroBatchRunner:
         """The runner, with the peft ``adapter`` active (trainable, the others
         frozen and unused): what every ``AdapterPolicy`` call goes through."""
-        if self.model is None or self.runner is None:
-            raise ArealError("TorchTrainEngine is not initialized: call initialize(model_path, total_train_steps)")
+        runner = self.require_model()
         if self.active_adapter != adapter:
             self.model.set_adapter(adapter)
             self.active_adapter = adapter
-        return self.runner
+        return runner
 
     def current_lr(self) -> float:
         return scheduled_lr(self.config, self._step, self.total_train_steps)
@@ -382,13 +386,20 @@ class TorchTrainEngine(TrainEngine):
 
     def send_weights(self, meta: WeightUpdateMeta) -> None:
         self._require_init()
+        write = self.write_adapter if self.config.lora is not None else self.save_hf
+        self.send_by_kind(meta, write, self.named_weights_for_transfer)
+
+    def send_by_kind(
+        self, meta: WeightUpdateMeta, write_disk: Callable[[str], None], named: Callable[[], list[tuple[str, Any]]]
+    ) -> None:
+        """``send_weights``' dispatch, shared with the per-policy views: a
+        directory written by ``write_disk`` at ``meta.path`` (disk), or the
+        tensors ``named()`` over ``meta.extra['group']`` or this engine's
+        weight group (broadcast)."""
         if meta.kind == "disk":
             if not meta.path:
                 raise ConfigError("WeightUpdateMeta.path is required for kind='disk'")
-            if self.config.lora is not None:
-                self.write_adapter(meta.path)
-            else:
-                self.save_hf(meta.path)
+            write_disk(meta.path)
         elif meta.kind == "broadcast":
             group = meta.extra.get("group", self._weight_group)
             if group is None:
@@ -398,7 +409,7 @@ class TorchTrainEngine(TrainEngine):
                 )
             from areal_kernel.weights.broadcast import send_buckets
 
-            send_buckets(group, self.named_weights_for_transfer(), meta.bucket_bytes)
+            send_buckets(group, named(), meta.bucket_bytes)
             current_platform().synchronize()
         else:
             raise ConfigError(f"WeightUpdateMeta.kind={meta.kind!r} is not supported; valid: 'disk', 'broadcast'")
