@@ -111,6 +111,48 @@ def torch_references(
     return engines
 
 
+def train_beside_references(
+    engine: Any,
+    cfg: dict[str, Any],
+    noise_cfg: dict[str, Any],
+    model_dir: str,
+    batches: list[TrajectoryBatch],
+    loss: Any,
+    stat_keys: tuple[str, ...],
+    total_steps: int = 10,
+) -> tuple[Any, list[tuple[dict[str, Any], dict[str, Any]]], dict[str, NoiseFloor]]:
+    """A parity test's run: ``engine`` and the two ``torch_references`` take
+    one step on each of ``batches`` (each computing its own proximal
+    logprobs, which must agree too). Returns the reference engine, the
+    ``(engine stats, reference stats)`` of every step, and the floors
+    measured between the two references: per stat of ``stat_keys``
+    (relative), ``logprobs`` and ``token_entropy`` on a probe batch after the
+    last step, and ``weights``."""
+    from areal_kernel.testing.noise import measure_noise_floor
+
+    ref, noise = torch_references(cfg, noise_cfg, model_dir, total_steps)
+    history, noise_history = [], []
+    for batch in batches:
+        a = engine.train_batch(batch, loss, ppo_step_inputs(batch, engine))
+        b = ref.train_batch(batch, loss, ppo_step_inputs(batch, ref))
+        c = noise.train_batch(batch, loss, ppo_step_inputs(batch, noise))
+        history.append((a, b))
+        noise_history.append(c)
+    probe = random_batch([10, 7, 12], seed=99)
+    lp_n, ent_n = noise.compute_logprobs_and_entropy(probe)
+    lp_r, ent_r = ref.compute_logprobs_and_entropy(probe)
+    floor = {
+        k: measure_noise_floor(k, [b[k] for _, b in history], [c[k] for c in noise_history], relative=True)
+        for k in stat_keys
+    }
+    floor["logprobs"] = measure_noise_floor("logprobs", lp_r, lp_n)
+    floor["token_entropy"] = measure_noise_floor("token_entropy", ent_r, ent_n)
+    floor["weights"] = measure_noise_floor(
+        "weights", dict(ref.named_weights_for_transfer()), dict(noise.named_weights_for_transfer())
+    )
+    return ref, history, floor
+
+
 def forward_floor(model_dir: str, weights: dict[str, Any], ids: list[int], start: int) -> NoiseFloor:
     """The noise floor of a comparison with these weights' logprobs of
     ``ids[start:]``: transformers' forward with sdpa against eager attention

@@ -15,7 +15,13 @@ from safetensors.torch import load_file
 from areal_kernel.algo.losses import make_ppo_loss_fn
 from areal_kernel.engine.torch_engine import TorchTrainEngine
 from areal_kernel.testing.noise import NoiseFloor, assert_within_noise, measure_noise_floor
-from areal_kernel.testing.rank_engines import ppo_step_inputs, random_batch, state_round_trip, torch_references
+from areal_kernel.testing.rank_engines import (
+    ppo_step_inputs,
+    random_batch,
+    state_round_trip,
+    torch_references,
+    train_beside_references,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -65,29 +71,12 @@ def trained_pair(tiny_model_dir):
 
     fsdp = FSDPTrainEngine(CFG, world_size=2)
     fsdp.initialize(tiny_model_dir, 10)
-    ref, noise = torch_references(CFG, NOISE_CFG, tiny_model_dir, 10)
-    history, noise_history = [], []
     try:
-        for seed, lengths in enumerate(STEP_BATCHES):
-            batch = random_batch(lengths, seed=seed, prompt_len=5 if seed == 1 else 3, shared_prompts=seed == 1)
-            # Each engine computes its own proximal logprobs (they must agree too).
-            a = fsdp.train_batch(batch, LOSS, ppo_step_inputs(batch, fsdp))
-            b = ref.train_batch(batch, LOSS, ppo_step_inputs(batch, ref))
-            c = noise.train_batch(batch, LOSS, ppo_step_inputs(batch, noise))
-            history.append((a, b))
-            noise_history.append(c)
-        probe = random_batch([10, 7, 12], seed=99)
-        lp_n, ent_n = noise.compute_logprobs_and_entropy(probe)
-        lp_r, ent_r = ref.compute_logprobs_and_entropy(probe)
-        floor = {
-            k: measure_noise_floor(k, [b[k] for _, b in history], [c[k] for c in noise_history], relative=True)
-            for k in STAT_KEYS
-        }
-        floor["logprobs"] = measure_noise_floor("logprobs", lp_r, lp_n)
-        floor["token_entropy"] = measure_noise_floor("token_entropy", ent_r, ent_n)
-        floor["weights"] = measure_noise_floor(
-            "weights", dict(ref.named_weights_for_transfer()), dict(noise.named_weights_for_transfer())
-        )
+        batches = [
+            random_batch(lengths, seed=seed, prompt_len=5 if seed == 1 else 3, shared_prompts=seed == 1)
+            for seed, lengths in enumerate(STEP_BATCHES)
+        ]
+        ref, history, floor = train_beside_references(fsdp, CFG, NOISE_CFG, tiny_model_dir, batches, LOSS, STAT_KEYS)
         yield fsdp, ref, history, floor
     finally:
         fsdp.destroy()

@@ -27,6 +27,7 @@ from areal_kernel.testing.rank_engines import (
     random_batch,
     state_round_trip,
     torch_references,
+    train_beside_references,
 )
 
 pytestmark = pytest.mark.slow
@@ -63,28 +64,9 @@ def trained(request, tiny_model_dir):
 
     tp = FSDPTrainEngine(CFG, allocation=request.param)
     tp.initialize(tiny_model_dir, 10)
-    ref, noise = torch_references(CFG, NOISE_CFG, tiny_model_dir, 10)
-    history, noise_history = [], []
     try:
-        for seed, lengths in enumerate(STEP_BATCHES):
-            batch = _batch(seed, lengths)
-            a = tp.train_batch(batch, LOSS, ppo_step_inputs(batch, tp))
-            b = ref.train_batch(batch, LOSS, ppo_step_inputs(batch, ref))
-            c = noise.train_batch(batch, LOSS, ppo_step_inputs(batch, noise))
-            history.append((a, b))
-            noise_history.append(c)
-        probe = random_batch([10, 7, 12], seed=99)
-        lp_n, ent_n = noise.compute_logprobs_and_entropy(probe)
-        lp_r, ent_r = ref.compute_logprobs_and_entropy(probe)
-        floor = {
-            k: measure_noise_floor(k, [b[k] for _, b in history], [c[k] for c in noise_history], relative=True)
-            for k in STAT_KEYS
-        }
-        floor["logprobs"] = measure_noise_floor("logprobs", lp_r, lp_n)
-        floor["token_entropy"] = measure_noise_floor("token_entropy", ent_r, ent_n)
-        floor["weights"] = measure_noise_floor(
-            "weights", dict(ref.named_weights_for_transfer()), dict(noise.named_weights_for_transfer())
-        )
+        batches = [_batch(seed, lengths) for seed, lengths in enumerate(STEP_BATCHES)]
+        ref, history, floor = train_beside_references(tp, CFG, NOISE_CFG, tiny_model_dir, batches, LOSS, STAT_KEYS)
         yield request.param, tp, ref, history, floor
     finally:
         tp.destroy()
