@@ -20,6 +20,7 @@ restart and weight-group logic stay the kernel's.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from areal_kernel.api.io import GenerationConfig, ImageInputs, StopReason
@@ -231,8 +232,6 @@ class VLLMProtocol(ServerProtocol):
         ``/collective_rpc`` (see ``areal_vllm.fingerprint``), then
         ``/weight_info`` for the version the server labels its weights with;
         the last call's parse returns both in one reply."""
-        import json
-
         if spec.get("adapter") is not None:
             raise NotImplementedError("the vLLM fingerprint reads base weights only, not LoRA adapters")
         if self.tp_size > 1:
@@ -258,8 +257,6 @@ class VLLMProtocol(ServerProtocol):
 def _worker_reply(acc: dict[str, Any], raw: bytes) -> dict[str, Any]:
     """The one worker's fingerprint from a ``/collective_rpc`` reply
     (``{"results": [reply per worker]}``), kept in ``acc``."""
-    import json
-
     data = json.loads(raw) if raw else None
     results = data.get("results") if isinstance(data, dict) else None
     if not isinstance(results, list) or len(results) != 1 or not isinstance(results[0], dict):
@@ -270,8 +267,6 @@ def _worker_reply(acc: dict[str, Any], raw: bytes) -> dict[str, Any]:
 
 
 def _with_version(acc: dict[str, Any], raw: bytes) -> dict[str, Any]:
-    import json
-
     data = json.loads(raw) if raw else None
     acc["version"] = parse_version(data.get("weight_version")) if isinstance(data, dict) else None
     return acc
