@@ -5,8 +5,11 @@ parent's threads or locks is inherited, and the parent's ``__main__`` is
 never re-imported, unlike multiprocessing's spawn). It talks over one socket
 wrapped as a ``multiprocessing.connection.Connection``:
 
-parent -> worker: ``{"sys_path", "preload", "parent_pid"}`` once (``preload``
-entries are modules to import or ``module:function`` warm-ups to call), then
+parent -> worker: ``{"sys_path", "preload", "resolve", "parent_pid"}`` once
+(``preload`` entries are modules to import or ``module:function`` warm-ups to
+call; ``resolve`` names the reward functions the pool is for, imported before
+``ready`` so that importing a reward's module never counts against a call's
+timeout; one that cannot be imported is left for its calls to report), then
 ``(call_id, fn_path, (completion, answer), kwargs_json)`` per call (keyword
 arguments as JSON text: the settings of a reward are plain data), ``None``
 to stop.
@@ -66,8 +69,13 @@ def _run(conn: Any) -> int:
     except BaseException as exc:  # report, then exit: the parent raises it
         conn.send(("startup_error", f"preloading {name!r} failed: {type(exc).__name__}: {exc}"))
         return 1
-    conn.send(("ready", os.getpid()))
     cache: dict[str, Callable[..., Any]] = {}
+    for fn_path in init.get("resolve", ()):
+        try:
+            cache[fn_path] = resolve_callable(fn_path)
+        except Exception:  # the call reports it, as a "config" answer naming the function
+            pass
+    conn.send(("ready", os.getpid()))
     while True:
         try:
             msg = conn.recv()

@@ -84,8 +84,9 @@ def resolve_reward_path(fn_path: str) -> str:
 class _Worker:
     """One worker slot: a process and its connection, restartable in place."""
 
-    def __init__(self, preload: Sequence[str]) -> None:
+    def __init__(self, preload: Sequence[str], resolve: Sequence[str] = ()) -> None:
         self._preload = tuple(preload)
+        self._resolve = tuple(resolve)
         self._start()
 
     def _start(self) -> None:
@@ -109,7 +110,14 @@ class _Worker:
             child_sock.close()
         self.conn = Connection(parent_sock.detach())
         self.ready = False
-        self.conn.send({"sys_path": list(sys.path), "preload": list(self._preload), "parent_pid": os.getpid()})
+        self.conn.send(
+            {
+                "sys_path": list(sys.path),
+                "preload": list(self._preload),
+                "resolve": list(self._resolve),
+                "parent_pid": os.getpid(),
+            }
+        )
 
     @property
     def alive(self) -> bool:
@@ -158,8 +166,9 @@ class RewardPool:
     """A pool of reward worker processes.
 
     ``score``/``ascore`` block (or await) until a worker is free, then give
-    the call ``timeout_s`` seconds. Worker startup (Python + ``preload``
-    imports) never counts against a call's timeout. ``settings`` maps a
+    the call ``timeout_s`` seconds. Worker startup (Python, ``preload``
+    imports and the modules of the rewards in ``settings``) never counts
+    against a call's timeout. ``settings`` maps a
     reward (short name or import path) to keyword arguments sent with each of
     its calls; they must be plain JSON data.
     """
@@ -195,7 +204,10 @@ class RewardPool:
         self._stats = {"calls": 0, "ok": 0, "failures": 0, "timeouts": 0, "crashes": 0, "restarts": 0}
         # One thread per worker: ascore never waits behind unrelated executor work.
         self._executor = ThreadPoolExecutor(n_workers, thread_name_prefix="areal-reward")
-        self._workers = [_Worker(self._preload) for _ in range(n_workers)]
+        # The bound rewards are imported at worker start-up (a replacement's
+        # included): a module that takes seconds to import under load must not
+        # time out the first call a fresh worker takes.
+        self._workers = [_Worker(self._preload, tuple(self._settings)) for _ in range(n_workers)]
         for w in self._workers:
             self._idle.put(w)
 

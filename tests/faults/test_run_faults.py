@@ -179,10 +179,11 @@ NAN_BASE = ["reward.type=fault_spread", "algorithm.loss=fault_nan_ppo", "checkpo
 # One ``areal train`` run per test: (overrides, extra environment, model
 # directory maker or None for the tiny model). Longest first.
 CASES: dict[str, tuple[list[str], dict[str, str], object]] = {
-    # The first two calls sleep for an hour; reward.timeout_s=1 kills them.
+    # The first two calls sleep for an hour; reward.timeout_s=2 kills them (the
+    # other calls are instant: the fault module is imported at worker start-up).
     # One worker: every later call waits behind the hung ones, so both are
     # over before step 1 can be assembled.
-    "hang": (["reward.type=fault_hang_first", "reward.timeout_s=1", "reward.workers=1", "trainer.max_steps=2"],
+    "hang": (["reward.type=fault_hang_first", "reward.timeout_s=2", "reward.workers=1", "trainer.max_steps=2"],
              {"AREAL_FAULT_HANGS": "2"}, None),
     "nan_isolated": ([*NAN_BASE, "algorithm.fault_nan_ppo={nan_steps: [2]}", "trainer.max_steps=4",
                       "checkpoint.keep_last=3"], {}, None),

@@ -151,3 +151,29 @@ def test_bad_pool_arguments():
         RewardPool(n_workers=0)
     with pytest.raises(ConfigError, match="timeout_s"):
         RewardPool(n_workers=1, timeout_s=0)
+
+
+def test_importing_a_bound_reward_never_counts_against_a_call(tmp_path):
+    # A reward module that takes 2.5 s to import, under a 1 s timeout (a
+    # plugin importing torch on a loaded machine). A reward bound to the pool
+    # (settings) is imported while a worker starts, a replacement's included.
+    (tmp_path / "areal_h3_slow_import.py").write_text(
+        "import os, time\ntime.sleep(2.5)\n\n"
+        "def fine(completion, answer):\n    return 1.0\n\n"
+        "def die(completion, answer):\n    os._exit(9)\n"
+    )
+    sys.path.insert(0, str(tmp_path))
+    try:
+        fine, die = "areal_h3_slow_import:fine", "areal_h3_slow_import:die"
+        with RewardPool(n_workers=1, timeout_s=1.0, preload=(), settings={fine: {}}) as pool:
+            assert pool.score(fine, "x", "1").ok
+            assert pool.score(die, "x", "1").error.startswith("worker crashed")
+            assert pool.score(fine, "x", "1").ok  # the replacement imported it at start-up
+            assert pool.stats()["timeouts"] == 0
+        # Negative control: the same function not bound is imported inside its
+        # first call, which the timeout cuts short.
+        with RewardPool(n_workers=1, timeout_s=1.0, preload=()) as pool:
+            assert pool.score(fine, "x", "1").error == "timeout"
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("areal_h3_slow_import", None)
