@@ -13,12 +13,16 @@ class InferenceEngineContract:
     running servers of your backend, weight version 0, serving the model in
     ``contract_model_dir``), ``contract_model_dir`` (an HF directory) and
     ``contract_alt_model_dir`` (the same architecture with different weights).
-    Prompts use token ids below 256. Override ``generations_running``."""
+    Prompts use token ids below 256. Override ``generations_running``; set
+    ``WEIGHT_FINGERPRINTS = False`` when your servers cannot fingerprint the
+    weights they serve (``weight_fingerprints`` raises ``NotImplementedError``
+    and the weight-delivery check is skipped with a note)."""
 
     PROMPT = [5, 6, 7, 8]
     # Tokens of the generation the pause test interrupts: long enough that the
     # few milliseconds between seeing it run and the pause landing cannot finish it.
     LONG_GENERATION = 400
+    WEIGHT_FINGERPRINTS = True
 
     def _gen(self, engine: Any, prompts: list[list[int]], **g: Any) -> list[Any]:
         from areal_kernel.api.io import GenerationConfig, ModelRequest
@@ -89,6 +93,48 @@ class InferenceEngineContract:
         per = inference_engine.protocol.ranks_per_server
         assert inference_engine.weight_group_world_size == 1 + per * len(inference_engine.servers)
 
+    def test_weight_delivery_check_reads_the_served_weights(
+        self, inference_engine: Any, contract_model_dir: str, contract_alt_model_dir: str
+    ) -> None:
+        """The weight-delivery check (``monitor.weights``) through this
+        backend, every tensor at once: the servers' fingerprints match the
+        weights they serve (``contract_model_dir``) and do not match the
+        other directory's (the negative control). A tensor a server holds in
+        a form it cannot read back is listed ``unreadable`` and left out; at
+        least one must be readable."""
+        from areal_kernel.api.engine import WeightUpdateMeta
+        from areal_kernel.monitor.weights import WeightsMonitor, plan
+
+        # Served by every server under one known version, whatever ran before.
+        version = inference_engine.get_version() + 1
+        inference_engine.pause()
+        inference_engine.update_weights(WeightUpdateMeta(kind="disk", version=version, path=contract_model_dir))
+        inference_engine.resume()
+        served = _DirectoryWeights(contract_model_dir)
+        if not self.WEIGHT_FINGERPRINTS:
+            spec = plan([(n, t.numel()) for n, t in served.named_weights_for_transfer()], version, 4, 4)
+            try:
+                inference_engine.weight_fingerprints(spec.to_json())
+            except NotImplementedError:
+                return
+            raise AssertionError("WEIGHT_FINGERPRINTS is False, but weight_fingerprints answered")
+
+        def check(weights: "_DirectoryWeights") -> tuple[dict[str, float], list[str]]:
+            said: list[str] = []
+            mon = WeightsMonitor(action="warn", tensors_per_update=10**6, elements_per_tensor=16, warn=said.append)
+            out = mon.check(version, weights, inference_engine)
+            assert out, f"the check was skipped: {said}"
+            # A server that cannot read a tensor says so once, then the check samples the rest.
+            if mon.unreadable:
+                out = mon.check(version, weights, inference_engine)
+            return out, said
+
+        out, said = check(served)
+        assert out["weights_servers"] == len(inference_engine.servers), f"{out}: " + "\n".join(said)
+        assert out["weights_checked"] > 0 and out["weights_mismatch"] == 0, f"{out}: " + "\n".join(said)
+        other, said = check(_DirectoryWeights(contract_alt_model_dir))
+        assert other["weights_mismatch"] > 0, ("the check did not tell other weights from the served ones", other)
+
     def generations_running(self, engine: Any) -> int:
         """How many generations the servers behind ``engine`` are running now.
 
@@ -129,3 +175,29 @@ class InferenceEngineContract:
         r = box["r"]
         assert r.n_interruptions >= 1
         assert len(r.output_ids) == len(r.output_logprobs) == len(r.output_versions)
+
+
+class _DirectoryWeights:
+    """The weights of an HF directory, seen as the trainer side of the
+    weight-delivery check sees a train engine's."""
+
+    def __init__(self, model_dir: str) -> None:
+        import glob
+        import os
+
+        from safetensors.torch import load_file
+
+        files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+        assert files, f"{model_dir} has no .safetensors file"
+        self._named: list[tuple[str, Any]] = [kv for f in files for kv in sorted(load_file(f).items())]
+
+    def adapter_spec(self) -> None:
+        return None
+
+    def named_weights_for_transfer(self) -> list[tuple[str, Any]]:
+        return self._named
+
+    def weight_sample(self, positions: dict[str, list[int]]) -> dict[str, Any]:
+        from areal_kernel.utils.tensor_sample import sample_named
+
+        return sample_named(self._named, positions)

@@ -8,23 +8,40 @@ import pytest
 
 from areal_kernel.testing.contracts import InferenceEngineContract
 
-from sglang_testutil import STANDIN_PREFIX, standin_state
+from sglang_testutil import STANDIN_PREFIX, make_model_dir, standin_state
 
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def contract_model_dir(model_dir):
-    return model_dir
+def _weights_dir(path, seed: int) -> str:
+    """A stand-in model directory whose weight file is real safetensors, which
+    the stand-in serves and fingerprints (the contract's weight-delivery
+    case); another seed writes other bytes, hence other outputs."""
+    import torch
+    from safetensors.torch import save_file
+
+    d = make_model_dir(path, seed)
+    g = torch.Generator().manual_seed(seed)
+    tensors = {
+        "model.embed_tokens.weight": torch.randn(256, 32, generator=g),
+        "model.norm.weight": torch.randn(32, generator=g),
+    }
+    save_file(tensors, f"{d}/model.safetensors")
+    return d
 
 
 @pytest.fixture(scope="module")
-def contract_alt_model_dir(alt_model_dir):
-    return alt_model_dir
+def contract_model_dir(tmp_path_factory):
+    return _weights_dir(tmp_path_factory.mktemp("contract-a"), 1)
 
 
 @pytest.fixture(scope="module")
-def backend(model_dir, oracle_url, tmp_path_factory):
+def contract_alt_model_dir(tmp_path_factory):
+    return _weights_dir(tmp_path_factory.mktemp("contract-b"), 2)
+
+
+@pytest.fixture(scope="module")
+def backend(contract_model_dir, oracle_url, tmp_path_factory):
     from areal_kernel.config import validate_config
     from areal_kernel.plugins import get_registry
     from areal_sglang.backend import SGLangBackend
@@ -39,7 +56,7 @@ def backend(model_dir, oracle_url, tmp_path_factory):
         registry=get_registry(),
     )
     b = SGLangBackend(cfg, launch_prefix=STANDIN_PREFIX)
-    addresses = b.launch(model_dir, [[], []], str(tmp_path_factory.mktemp("contract")))
+    addresses = b.launch(contract_model_dir, [[], []], str(tmp_path_factory.mktemp("contract")))
     assert len(addresses) == 2
     yield b, addresses
     b.stop()
