@@ -39,6 +39,16 @@ class InferenceEngineContract:
 
         return asyncio.run(go())
 
+    @staticmethod
+    def _serve(engine: Any, version: int, path: str) -> None:
+        """Serve the weights in ``path`` under ``version``, the way the trainer
+        does: pause, update from disk, resume."""
+        from areal_kernel.api.engine import WeightUpdateMeta
+
+        engine.pause()
+        engine.update_weights(WeightUpdateMeta(kind="disk", version=version, path=path))
+        engine.resume()
+
     def test_generation_carries_aligned_logprobs_and_versions(self, inference_engine: Any) -> None:
         (r,) = self._gen(inference_engine, [self.PROMPT], max_new_tokens=8, greedy=True)
         assert 1 <= r.output_len <= 8
@@ -57,20 +67,14 @@ class InferenceEngineContract:
     def test_weight_update_from_disk_changes_and_restores_outputs(
         self, inference_engine: Any, contract_model_dir: str, contract_alt_model_dir: str
     ) -> None:
-        from areal_kernel.api.engine import WeightUpdateMeta
-
         base = self._gen(inference_engine, [self.PROMPT], max_new_tokens=8, greedy=True)[0]
         v = inference_engine.get_version()
-        inference_engine.pause()
-        inference_engine.update_weights(WeightUpdateMeta(kind="disk", version=v + 1, path=contract_alt_model_dir))
-        inference_engine.resume()
+        self._serve(inference_engine, v + 1, contract_alt_model_dir)
         alt = self._gen(inference_engine, [self.PROMPT], max_new_tokens=8, greedy=True)[0]
         assert inference_engine.get_version() == v + 1
         assert set(alt.output_versions) == {v + 1}
         assert alt.output_logprobs != base.output_logprobs
-        inference_engine.pause()
-        inference_engine.update_weights(WeightUpdateMeta(kind="disk", version=v + 2, path=contract_model_dir))
-        inference_engine.resume()
+        self._serve(inference_engine, v + 2, contract_model_dir)
         again = self._gen(inference_engine, [self.PROMPT], max_new_tokens=8, greedy=True)[0]
         assert again.output_ids == base.output_ids
         assert max(abs(x - y) for x, y in zip(again.output_logprobs, base.output_logprobs)) < 1e-4
@@ -102,14 +106,11 @@ class InferenceEngineContract:
         other directory's (the negative control). A tensor a server holds in
         a form it cannot read back is listed ``unreadable`` and left out; at
         least one must be readable."""
-        from areal_kernel.api.engine import WeightUpdateMeta
         from areal_kernel.monitor.weights import WeightsMonitor, plan
 
         # Served by every server under one known version, whatever ran before.
         version = inference_engine.get_version() + 1
-        inference_engine.pause()
-        inference_engine.update_weights(WeightUpdateMeta(kind="disk", version=version, path=contract_model_dir))
-        inference_engine.resume()
+        self._serve(inference_engine, version, contract_model_dir)
         served = _DirectoryWeights(contract_model_dir)
         if not self.WEIGHT_FINGERPRINTS:
             spec = plan([(n, t.numel()) for n, t in served.named_weights_for_transfer()], version, 4, 4)
