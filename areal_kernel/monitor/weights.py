@@ -54,6 +54,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "FingerprintSpec",
+    "NamedWeights",
     "TensorMismatch",
     "WeightDeliveryError",
     "WeightsMonitor",
@@ -346,6 +347,38 @@ def compare(
                 )
             )  # fmt: skip
     return checked, out
+
+
+class NamedWeights:
+    """The trainer side of the check over a fixed list of named tensors: what
+    ``WeightsMonitor.check`` reads of a train engine (its weights, no adapter).
+    For tests and tools that check servers against weights they hold (an HF
+    directory: ``from_dir``) rather than against a train engine."""
+
+    def __init__(self, named: Sequence[tuple[str, Any]]) -> None:
+        self.named = list(named)
+
+    @classmethod
+    def from_dir(cls, model_dir: str) -> "NamedWeights":
+        """The tensors of the ``*.safetensors`` files in ``model_dir``, by name."""
+        import glob
+        import os
+
+        from safetensors.torch import load_file
+
+        files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+        if not files:
+            raise ArealError(f"{model_dir}: no .safetensors file to read weights from")
+        return cls([kv for f in files for kv in sorted(load_file(f).items())])
+
+    def adapter_spec(self) -> None:
+        return None
+
+    def named_weights_for_transfer(self) -> list[tuple[str, Any]]:
+        return self.named
+
+    def weight_sample(self, positions: Mapping[str, Sequence[int]]) -> dict[str, Any]:
+        return sample_named(self.named, positions)
 
 
 class WeightDeliveryError(ArealError):

@@ -106,12 +106,12 @@ class InferenceEngineContract:
         other directory's (the negative control). A tensor a server holds in
         a form it cannot read back is listed ``unreadable`` and left out; at
         least one must be readable."""
-        from areal_kernel.monitor.weights import WeightsMonitor, plan
+        from areal_kernel.monitor.weights import NamedWeights, WeightsMonitor, plan
 
         # Served by every server under one known version, whatever ran before.
         version = inference_engine.get_version() + 1
         self._serve(inference_engine, version, contract_model_dir)
-        served = _DirectoryWeights(contract_model_dir)
+        served = NamedWeights.from_dir(contract_model_dir)
         if not self.WEIGHT_FINGERPRINTS:
             spec = plan([(n, t.numel()) for n, t in served.named_weights_for_transfer()], version, 4, 4)
             try:
@@ -120,7 +120,7 @@ class InferenceEngineContract:
                 return
             raise AssertionError("WEIGHT_FINGERPRINTS is False, but weight_fingerprints answered")
 
-        def check(weights: "_DirectoryWeights") -> tuple[dict[str, float], list[str]]:
+        def check(weights: NamedWeights) -> tuple[dict[str, float], list[str]]:
             said: list[str] = []
             mon = WeightsMonitor(action="warn", tensors_per_update=10**6, elements_per_tensor=16, warn=said.append)
             out = mon.check(version, weights, inference_engine)
@@ -133,7 +133,7 @@ class InferenceEngineContract:
         out, said = check(served)
         assert out["weights_servers"] == len(inference_engine.servers), f"{out}: " + "\n".join(said)
         assert out["weights_checked"] > 0 and out["weights_mismatch"] == 0, f"{out}: " + "\n".join(said)
-        other, said = check(_DirectoryWeights(contract_alt_model_dir))
+        other, said = check(NamedWeights.from_dir(contract_alt_model_dir))
         assert other["weights_mismatch"] > 0, ("the check did not tell other weights from the served ones", other)
 
     def generations_running(self, engine: Any) -> int:
@@ -176,29 +176,3 @@ class InferenceEngineContract:
         r = box["r"]
         assert r.n_interruptions >= 1
         assert len(r.output_ids) == len(r.output_logprobs) == len(r.output_versions)
-
-
-class _DirectoryWeights:
-    """The weights of an HF directory, seen as the trainer side of the
-    weight-delivery check sees a train engine's."""
-
-    def __init__(self, model_dir: str) -> None:
-        import glob
-        import os
-
-        from safetensors.torch import load_file
-
-        files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
-        assert files, f"{model_dir} has no .safetensors file"
-        self._named: list[tuple[str, Any]] = [kv for f in files for kv in sorted(load_file(f).items())]
-
-    def adapter_spec(self) -> None:
-        return None
-
-    def named_weights_for_transfer(self) -> list[tuple[str, Any]]:
-        return self._named
-
-    def weight_sample(self, positions: dict[str, list[int]]) -> dict[str, Any]:
-        from areal_kernel.utils.tensor_sample import sample_named
-
-        return sample_named(self._named, positions)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from areal_kernel.api.engine import WeightUpdateMeta
-from areal_kernel.monitor.weights import WeightDeliveryError, WeightsMonitor, sample_named
+from areal_kernel.monitor.weights import NamedWeights, WeightDeliveryError, WeightsMonitor
 from areal_sglang.backend import SGLangInferenceEngine
 from areal_sglang.protocol import SGLangProtocol
 from areal_sglang.weights import SGLangBroadcastTransport
@@ -30,22 +30,6 @@ def _tensors(seed: int):
     ]
 
 
-class Trainer:
-    """What the check reads of a train engine (float32 weights, no adapter)."""
-
-    def __init__(self, named):
-        self.named = named
-
-    def named_weights_for_transfer(self):
-        return list(self.named)
-
-    def adapter_spec(self):
-        return None
-
-    def weight_sample(self, positions):
-        return sample_named(self.named, positions)
-
-
 def _monitor() -> WeightsMonitor:
     return WeightsMonitor(action="error", tensors_per_update=100, elements_per_tensor=64, warn=print)
 
@@ -55,7 +39,7 @@ def test_disk_update_checks_exactly_and_a_server_on_old_weights_is_named(model_d
 
     _, infos = launch_standins(model_dir, n=2, dtype="bfloat16")
     client = SGLangInferenceEngine([i.address for i in infos], SGLangProtocol(dtype="bfloat16"))
-    train = Trainer(_tensors(1))
+    train = NamedWeights(_tensors(1))
     v1 = str(tmp_path / "v1")
     save_state_dict_dir(train.named, v1)
     client.update_weights(WeightUpdateMeta(kind="disk", version=1, path=v1))
@@ -81,7 +65,7 @@ def test_disk_update_checks_exactly_and_a_server_on_old_weights_is_named(model_d
 def test_broadcast_update_checks_exactly(model_dir, launch_standins, tmp_path):
     _, infos = launch_standins(model_dir, n=1, dtype="bfloat16")
     client = SGLangInferenceEngine([i.address for i in infos], SGLangProtocol(dtype="bfloat16"))
-    train = Trainer(_tensors(3))
+    train = NamedWeights(_tensors(3))
     transport = SGLangBroadcastTransport(train, client, str(tmp_path), bucket_bytes=1 << 16, timeout_s=60)
     transport.setup()
     transport.update(1)
