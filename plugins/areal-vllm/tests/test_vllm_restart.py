@@ -154,18 +154,19 @@ def test_killed_vllm_server_is_restarted_with_the_current_weights(tmp_path):
     assert all(r["batch/sequences"] == 2 * 8 for r in steps)  # every batch full: no trajectory lost
     # The version the rollout stamped matches the trainer's after the restart.
     assert all(r["rollout/staleness_max"] <= 1 for r in steps)
-    # The weight-delivery check found the trainer's weights on every server that
-    # answered. The only update it may not read is one whose check ran while the
-    # server was dead or restarting: the run said so for that version (CI saw
-    # such a step once, checked 0), and the restart replays that update.
-    unanswered = {int(v) for v in re.findall(r"weight-delivery check at version (\d+): server \S+ did not answer", out)}
+    # The weight-delivery check found the trainer's weights on every server it
+    # read. An update made while the only server was held (dead and being
+    # restarted, or given up after the second kill) has no server to read:
+    # the client leaves held servers out (a restart replays the update), so
+    # that step logs weights_servers 0 and checks nothing (stop 41's CI saw
+    # one; with the tiny model's fast steps the step after the second kill is
+    # often such a step).
     assert all(r["monitor/weights_mismatch"] == 0 for r in steps), steps
-    unread = [r["version"] for r in steps if r.get("monitor/weights_checked", 0) == 0]
-    assert set(unread) <= unanswered, (unread, unanswered, steps)
-    # Before the kill every update was read; after the restart, the restarted
-    # server was read too.
+    assert all(r["monitor/weights_checked"] > 0 for r in steps if r["monitor/weights_servers"] > 0), steps
+    # Every update before the kill was read; after it, a read can only come
+    # from the restarted server, after its replay.
     assert all(r["monitor/weights_checked"] > 0 for r in steps[:killed_after]), steps
-    assert any(r["monitor/weights_checked"] > 0 for r in steps[killed_after + 1 :]), steps
+    assert any(r["monitor/weights_checked"] > 0 for r in steps[killed_after:]), steps
     # The budget is spent: one clear error naming the server, its log and the checkpoint.
     assert rc == 2, out[-4000:]
     assert f"areal: error: inference server {address}" in out, out[-4000:]
