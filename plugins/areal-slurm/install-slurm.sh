@@ -21,9 +21,12 @@ fi
 echo "installing slurm-wlm and munge with apt-get (for areal-slurm's tests)"
 export DEBIAN_FRONTEND=noninteractive
 # The tests start their own daemons (private key, socket and ports); any the
-# packages start system-wide are not used.
-install() { apt-get install -y -q --no-install-recommends slurm-wlm munge >/dev/null; }
-if ! install && ! { apt-get update -q >/dev/null && install; }; then
+# packages start system-wide are not used. Another apt-get (a fresh machine's
+# own updates, or a second checkout's install) may hold dpkg's lock: wait for
+# it instead of failing at once.
+LOCK_WAIT=(-o DPkg::Lock::Timeout=600)
+install() { apt-get "${LOCK_WAIT[@]}" install -y -q --no-install-recommends slurm-wlm munge >/dev/null; }
+if ! install && ! { apt-get "${LOCK_WAIT[@]}" update -q >/dev/null && install; }; then
     if ci; then
         echo "error: CI=true and apt-get could not install slurm-wlm and munge" >&2
         exit 1
