@@ -63,8 +63,7 @@ BIG_MEMORY_FILES = frozenset({
 # that finished early sat idle while the other still ran one of them (xdist
 # gives a worker its next unit while its current one still has two tests to run).
 LONG_FILES: tuple[str, ...] = (
-    "tests/e2e/test_multi_turn_learns.py",  # 355: a learning run and its lr=0 control
-    "tests/e2e/test_grpo_learns.py",  # 162: the same
+    "tests/e2e/test_grpo_learns.py",  # 162: a learning run and its lr=0 control
     "plugins/areal-ray/tests/test_ray_scheduler.py",  # 152: a real Ray cluster, servers and controller killed
     "tests/e2e/test_readme_walkthrough.py",  # 137: every README command, SmolLM2 included
     "tests/faults/test_interrupt.py",  # 90: SIGTERM mid-run, resumed

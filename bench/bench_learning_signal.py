@@ -9,7 +9,7 @@ runs' minimum, the bar, and where the bar sits in frozen standard deviations
 (goal: at least 3 above the frozen mean, and below every learning run).
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/bench_learning_signal.py --backend torch --seeds 3 [--out runs.jsonl]
-    ... --backend lora | multi_turn | vlm         (cheap: a few GB, one process each)
+    ... --backend lora | multi_turn | vlm         (cheap: a few GB, one process each; multi_turn: a tiny model)
     ... --backend fsdp | megatron | vllm          (several GB: two ranks, or a vLLM server)
     ... --table runs.jsonl [more.jsonl ...]       (the table again from saved runs, no run)
 
@@ -44,8 +44,9 @@ BACKENDS: dict[str, dict] = {
               "check": learning.ARITHMETIC, "overrides": [*ARITH, "actor.torch.lr_scheduler=constant"]},
     "lora": {"example": "examples/grpo_lora.yaml", "lr": ["actor.torch.lr"], "steps": 6,
              "check": learning.ARITHMETIC, "overrides": [*ARITH, "actor.torch.lr_scheduler=constant"]},
-    "multi_turn": {"example": "examples/grpo_multi_turn.yaml", "lr": ["actor.torch.lr"], "steps": 6,
-                   "check": learning.MULTI_TURN, "overrides": [*ARITH, "actor.torch.lr_scheduler=constant"]},
+    "multi_turn": {"example": "examples/grpo_multi_turn.yaml", "lr": ["actor.torch.lr"],
+                   "steps": learning.TINY_MULTI_TURN_STEPS, "check": learning.MULTI_TURN, "tiny_byte_model": True,
+                   "overrides": [*ARITH, *learning.TINY_MULTI_TURN_OVERRIDES]},
     "vlm": {"example": "examples/vlm_shapes.yaml", "lr": ["actor.torch.lr"], "steps": 20,
             "check": learning.VLM_SHAPES, "overrides": ARITH, "sft": "examples/vlm_shapes_sft.yaml"},
     "fsdp": {"example": "plugins/areal-fsdp/examples/grpo_arithmetic_fsdp.yaml", "lr": ["actor.fsdp.lr"],
@@ -72,6 +73,13 @@ def run(backend: str, seed: int, frozen: bool, steps: int, root: str, extra: lis
     run_dir = os.path.join(root, f"{backend}-{arm}-seed{seed}")
     t0 = time.monotonic()
     model: list[str] = []
+    if spec.get("tiny_byte_model"):  # the test's tiny model, built once per measurement (same seed: same weights)
+        model_dir = os.path.join(root, "tiny-byte-model")
+        if not os.path.isfile(os.path.join(model_dir, "model.safetensors")):
+            from areal_kernel.testing.models import make_tiny_byte_chat_llama
+
+            make_tiny_byte_chat_llama(model_dir)
+        model = [f"model.path={model_dir}"]
     if "sft" in spec:  # stage 1 (SFT) once per seed, shared by both arms
         sft_dir = os.path.join(root, f"{backend}-sft-seed{seed}")
         if not os.path.isdir(os.path.join(sft_dir, "checkpoints", "final")):

@@ -105,6 +105,12 @@ def areal_register_rewards(register: Any) -> None:
         success_threshold=1.0,
     )
     register(
+        "char_share",
+        "areal_kernel.reward.char_share:char_share_reward",
+        config_model=f"{settings}:CharShareRewardSettings",
+        description="share of the completion's characters in a set (graded; learnable by a tiny random model)",
+    )
+    register(
         "code_exec",
         "areal_kernel.reward.code_exec:code_exec_reward",
         config_model=f"{settings}:CodeExecRewardSettings",

@@ -53,8 +53,9 @@ def make_tiny_llama(
         copied = [n for n in _TOKENIZER_FILES if (src / n).is_file()]
         if not copied:
             raise FileNotFoundError(f"no tokenizer files in {src} (looked for {', '.join(_TOKENIZER_FILES)})")
-        for n in copied:
-            shutil.copyfile(src / n, out / n)
+        if src.resolve() != out.resolve():  # a tokenizer written into the model's own directory stays
+            for n in copied:
+                shutil.copyfile(src / n, out / n)
         from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(str(out))
@@ -94,6 +95,43 @@ def make_tiny_chat_llama(path: str | os.PathLike[str], **kwargs: object) -> str:
     from areal_kernel.models.smollm2 import ensure_smollm2
 
     return make_tiny_llama(path, tokenizer_from=ensure_smollm2(), **kwargs)  # type: ignore[arg-type]
+
+
+# SmolLM2's chat format for string contents (the byte-level tokenizer's template).
+_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def make_tiny_byte_chat_llama(path: str | os.PathLike[str], **kwargs: object) -> str:
+    """``make_tiny_llama`` with a byte-level tokenizer: one token per byte
+    (256) plus ``<|endoftext|>`` (padding), ``<|im_start|>`` and ``<|im_end|>``
+    (end of a turn), and SmolLM2's chat format.
+
+    With 259 tokens instead of SmolLM2's 49,152, a random model's samples
+    are spread over few enough tokens that GRPO moves them within a dozen
+    steps: the suite's tiny-model learning tests (a learnable reward such as
+    ``char_share``) need no real model. Any text encodes (no unknown
+    token); a sampled byte sequence that is not valid UTF-8 decodes with
+    replacement characters."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    # BPE without merges over the byte alphabet: every byte is its own token.
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>", pad_token="<|endoftext|>"
+    )
+    fast.chat_template = _CHAT_TEMPLATE
+    fast.save_pretrained(str(out))
+    return make_tiny_llama(out, tokenizer_from=str(out), **kwargs)  # type: ignore[arg-type]
 
 
 # A chat template that renders content lists ({"type": "image"} / {"type": "text"})

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from areal_kernel.reward.char_share import DEFAULT_CHARS
+
 
 class MathRewardSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -30,3 +32,13 @@ class CodeExecRewardSettings(BaseModel):
     timeout_s: float = Field(5.0, gt=0, description="Wall time of the sandboxed program.")
     memory_mb: int = Field(512, ge=16, description="Address-space limit per process.")
     max_processes: int = Field(8, ge=1, description="Processes the program may run at once.")
+
+
+class CharShareRewardSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    chars: str = Field(
+        DEFAULT_CHARS,
+        min_length=1,
+        description="The characters that count; the reward is the share of the completion's characters among them.",
+    )

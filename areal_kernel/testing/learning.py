@@ -145,11 +145,30 @@ ARITHMETIC = LearningCheck("mean sampling reward, steps 3-6", late=(3, 6), bar=0
 # the current bench and test: mean 0.40, std 0.08; 3 earlier runs 0.33-0.42):
 # the bar is 3.2 frozen std above their mean.
 ARITHMETIC_VLLM = LearningCheck("mean sampling reward, steps 3-6 (vLLM sampling)", late=(3, 6), bar=0.65)
-# examples/grpo_multi_turn.yaml (a corrected answer scores half), seeds 1-3:
-# 0.60-0.90 with lr (4 runs; seed 3 rose to 0.88 at step 4, then fell back to
-# 0.38-0.41) and 0.34-0.40 with lr=0 (mean 0.37, std 0.03 over 3): the bar is
-# 3.8 frozen std above their mean and 0.10 under the lowest learning run.
-MULTI_TURN = LearningCheck("mean sampling reward, steps 3-6 (multi-turn)", late=(3, 6), bar=0.50)
+# Multi-turn GRPO on a tiny model: examples/grpo_multi_turn.yaml (a turn
+# that misses the success threshold gets feedback and one more turn; turn k
+# scores 0.5**k of its reward) on a tiny random Llama with a byte-level
+# tokenizer (``make_tiny_byte_chat_llama``), scored by ``char_share`` (the
+# share of ASCII letters and digits, which a random model samples about a
+# quarter of the time): ``TINY_MULTI_TURN_OVERRIDES`` plus ``model.path``,
+# 16 steps. Steps 13-16 sampled 0.480-0.915 with lr 3e-2 (9 runs, seeds
+# 1-5 of the bench and 1-4 by hand; seed 3 is the slow one both times) and
+# 0.133 +- 0.003 with lr=0 (seeds 1-5; no single frozen step above 0.163):
+# the bar is 0.23 under the lowest learning run and 41 frozen std above the
+# frozen mean. lr 6e-2 learned faster but fell to 0.01-0.07 first in 3 of 4
+# seeds, and 12 steps left seed 3 at 0.313, too near a bar. The earlier
+# SmolLM2 version of this test (steps 3-6 of the arithmetic task, bar 0.50)
+# took 457 s for both arms in a fresh-clone run; this one about 20 s per arm.
+TINY_MULTI_TURN_STEPS = 16
+TINY_MULTI_TURN_OVERRIDES = (
+    "reward.type=char_share",
+    "workflow.multi_turn.success_threshold=0.6",
+    "actor.torch.lr=3e-2",
+    "actor.torch.lr_scheduler=constant",
+)
+MULTI_TURN = LearningCheck(
+    "mean sampling reward, steps 13-16 (multi-turn, tiny byte-level model, char_share)", late=(13, 16), bar=0.25
+)
 # examples/vlm_shapes.yaml after its SFT stage, 20 steps: gains of 0.164-0.248
 # with lr (4 runs) and 0.019-0.038 with lr=0 (mean 0.025, std 0.009 over 4; a
 # frozen run's step-to-step noise implies ~0.034 for this statistic).

@@ -1,4 +1,5 @@
-"""make_tiny_llama: a real LlamaConfig model, with or without SmolLM2's tokenizer."""
+"""make_tiny_llama: a real LlamaConfig model, with or without SmolLM2's tokenizer;
+make_tiny_byte_chat_llama: the same with a byte-level tokenizer."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import json
 
 import pytest
 
-from areal_kernel.testing.models import make_tiny_llama
+from areal_kernel.testing.models import make_tiny_byte_chat_llama, make_tiny_llama
 
 
 def _weights(path):
@@ -74,3 +75,28 @@ def test_with_smollm2_tokenizer(tmp_path):
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=4, do_sample=False)
     assert out.shape[1] > ids.shape[1]
+
+
+def test_byte_level_tokenizer_round_trips_any_text_and_chats(tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    d = make_tiny_byte_chat_llama(tmp_path / "m", seed=1)
+    tok = AutoTokenizer.from_pretrained(d)
+    model = AutoModelForCausalLM.from_pretrained(d)
+    assert len(tok) == 259 == model.config.vocab_size
+    assert model.config.eos_token_id == tok.eos_token_id == tok.convert_tokens_to_ids("<|im_end|>")
+    assert model.config.pad_token_id == tok.pad_token_id != tok.eos_token_id
+    text = "What is 3 + 4? Ünïcödé, 漢字 and\ttabs"
+    ids = tok(text)["input_ids"]
+    assert len(ids) == len(text.encode("utf-8")) and max(ids) < 256  # one token per byte, no special token
+    assert tok.decode(ids) == text
+    prompt = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
+    assert prompt == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    chat_ids = tok.apply_chat_template(
+        [{"role": "user", "content": "hi"}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )["input_ids"]
+    assert chat_ids[0, 0].item() == tok.convert_tokens_to_ids("<|im_start|>")  # a special token is one id
+    with torch.no_grad():
+        out = model.generate(chat_ids, max_new_tokens=4, do_sample=False)
+    assert out.shape[1] > chat_ids.shape[1]

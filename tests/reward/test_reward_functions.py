@@ -7,7 +7,7 @@ import threading
 import pytest
 
 from areal_kernel.data import arithmetic_records
-from areal_kernel.reward import exact_match_reward, math_verify_reward
+from areal_kernel.reward import char_share_reward, exact_match_reward, math_verify_reward
 from areal_kernel.testing.contracts import RewardContract
 
 RIGHT = ["8", "The answer is 8.", "\\boxed{8}", "3 + 5 = 8", "$8$", " 8\n", "8.0", "So, 5 + 3 = 8. The answer is 8"]
@@ -72,6 +72,39 @@ def test_exact_match_text_and_strict():
     assert exact_match_reward(" 8 ", "8", strict=True) == 1.0
     assert exact_match_reward("The answer is 8.", "8", strict=True) == 0.0
     assert exact_match_reward("paris", "Paris", strict=True) == 0.0
+
+
+def test_char_share_is_the_share_of_allowed_characters():
+    assert char_share_reward("ab12", "ignored") == 1.0
+    assert char_share_reward("a b!", "") == 0.5
+    assert char_share_reward("?? é", "") == 0.0  # non-ASCII letters do not count by default
+    assert char_share_reward("", "") == 0.0
+    assert char_share_reward("a1a1", "", chars="1") == 0.5
+
+
+def test_char_share_settings_refuse_an_empty_set():
+    from pydantic import ValidationError
+
+    from areal_kernel.reward.settings import CharShareRewardSettings
+
+    with pytest.raises(ValidationError, match="chars"):
+        CharShareRewardSettings(chars="")
+
+
+class TestCharShareRewardContract(RewardContract):
+    """The plugin authors' reward suite on the built-in ``char_share`` reward, with a setting."""
+
+    @pytest.fixture
+    def reward_target(self) -> str:
+        return "areal_kernel.reward.char_share:char_share_reward"
+
+    @pytest.fixture
+    def reward_settings(self) -> dict:
+        return {"chars": "0123456789"}
+
+    @pytest.fixture
+    def reward_cases(self) -> list[tuple[str, str, float]]:
+        return [("8", "8", 1.0), ("eight", "8", 0.0), ("8 a", "", 1 / 3)]
 
 
 class TestMathRewardContract(RewardContract):
