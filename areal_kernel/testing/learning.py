@@ -173,3 +173,18 @@ MULTI_TURN = LearningCheck(
 # with lr (4 runs) and 0.019-0.038 with lr=0 (mean 0.025, std 0.009 over 4; a
 # frozen run's step-to-step noise implies ~0.034 for this statistic).
 VLM_SHAPES = LearningCheck("sampling reward, steps 16-20 minus steps 1-5", late=(16, 20), early=(1, 5), bar=0.10)
+
+# GRPO on the same tiny model and reward through a rank engine's example
+# (the FSDP and Megatron plugins' ``grpo_arithmetic_*.yaml``, 2 ranks; the
+# suite is ``areal_kernel.testing.rank_engines.RankEngineGRPOSuite``):
+# ``TINY_OVERRIDES``, the engine's lr at ``TINY_LR``, ``TINY_STEPS`` steps.
+# Steps 9-12 sampled 0.82-0.99 with lr (fsdp:d2 0.824-0.961, megatron:d2
+# 0.857-0.995: seeds 1-3 of the bench and a run of each test) and 0.239-0.252
+# with lr=0 (8 runs; no single frozen step above 0.32): the bar is 0.37 under
+# the lowest learning run and 0.2 above the highest frozen one.
+TINY_STEPS = 12
+TINY_LR = 3e-2
+TINY_OVERRIDES = ("reward.type=char_share",)
+TINY_CHARS = LearningCheck(
+    "mean sampling reward, steps 9-12 (tiny byte-level model, char_share)", late=(9, 12), bar=0.45
+)

@@ -13,17 +13,12 @@ frozen mean and below every learning run. Four steps in the window, because
 one step holds a handful of prompt groups (+-0.15); step 2 is left out since
 with staleness 1 it still samples mostly the initial weights.
 
-The frozen case is also the negative control of the FSDP, Megatron and LoRA
-learning tests (plugins/areal-fsdp/tests/test_fsdp_e2e_grpo.py,
-plugins/areal-megatron/tests/test_megatron_e2e_grpo.py,
-tests/e2e/test_grpo_lora.py: a fresh adapter is a no-op, and its frozen
-series equalled this one step for step), which assert the same
-check: with every lr at 0 no train engine changes what is sampled, and their
-examples differ from this one only in rollout settings that leave a frozen
-run's samples alone (``filter_retry_budget: 1`` and in-memory updates gave the
-identical per-step series, 0.312 0.375 0.425 0.375 0.406 0.225, in a run of
-this file with those overrides). Sharing it keeps two more SmolLM2 ranks per
-control off the big-memory unit, the suite's longest.
+The frozen case is also the negative control of the LoRA learning test
+(tests/e2e/test_grpo_lora.py: a fresh adapter is a no-op, and its frozen
+series equalled this one step for step), which asserts the same check: with
+every lr at 0 no train engine changes what is sampled. (The FSDP and Megatron
+GRPO tests shared it too until they moved to a tiny model with their own
+controls: ``areal_kernel.testing.rank_engines.RankEngineGRPOSuite``.)
 
 Wall time seen (other helpers' jobs loading both cores ~6x): learning 316 s,
 frozen 221 s.
