@@ -56,10 +56,9 @@ BACKENDS: dict[str, dict] = {
                  "lr": ["actor.megatron.lr"], "steps": learning.TINY_STEPS, "check": learning.TINY_CHARS,
                  "tiny_byte_model": True,
                  "overrides": [*ARITH, *learning.TINY_OVERRIDES, f"actor.megatron.lr={learning.TINY_LR}"]},
-    "vllm": {"example": "examples/grpo_arithmetic.yaml", "lr": ["actor.torch.lr"], "steps": 6,
-             "check": learning.ARITHMETIC_VLLM,
-             "overrides": [*ARITH, "actor.torch.lr_scheduler=constant", "rollout.backend=vllm",
-                           "weight_update.mode=broadcast", "rollout.vllm.startup_timeout_s=1200"]},
+    "vllm": {"example": "examples/grpo_arithmetic.yaml", "lr": ["actor.torch.lr"], "steps": learning.TINY_STEPS,
+             "check": learning.TINY_CHARS_VLLM, "tiny_byte_model": learning.TINY_VLLM_MODEL,
+             "overrides": [*ARITH, *learning.TINY_VLLM_OVERRIDES]},
 }  # fmt: skip
 
 
@@ -77,11 +76,12 @@ def run(backend: str, seed: int, frozen: bool, steps: int, root: str, extra: lis
     t0 = time.monotonic()
     model: list[str] = []
     if spec.get("tiny_byte_model"):  # the test's tiny model, built once per measurement (same seed: same weights)
-        model_dir = os.path.join(root, "tiny-byte-model")
+        shape = spec["tiny_byte_model"] if isinstance(spec["tiny_byte_model"], dict) else {}
+        model_dir = os.path.join(root, "tiny-byte-model" + "".join(f"-{k}{v}" for k, v in sorted(shape.items())))
         if not os.path.isfile(os.path.join(model_dir, "model.safetensors")):
             from areal_kernel.testing.models import make_tiny_byte_chat_llama
 
-            make_tiny_byte_chat_llama(model_dir)
+            make_tiny_byte_chat_llama(model_dir, **shape)
         model = [f"model.path={model_dir}"]
     if "sft" in spec:  # stage 1 (SFT) once per seed, shared by both arms
         sft_dir = os.path.join(root, f"{backend}-sft-seed{seed}")

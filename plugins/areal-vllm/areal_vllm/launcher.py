@@ -10,8 +10,10 @@ wait, log tail, stop, restart) is the kernel's ``SubprocessLauncher``.
 
 from __future__ import annotations
 
+import getpass
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -22,6 +24,17 @@ from areal_kernel.inference.launcher import SubprocessLauncher
 from areal_kernel.platforms import Platform
 
 from areal_vllm.config import VLLMServerConfig
+
+
+def _shared_inductor_cache() -> str:
+    """torch inductor's default cache directory for this user, as torch
+    computes it from the launcher's own (not a server's private) TMPDIR."""
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):  # no passwd entry (some containers)
+        user = str(os.getuid())
+    return os.path.join(tempfile.gettempdir(), "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user))
+
 
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 WORKER_EXTENSION = "areal_vllm.worker_ext.AReaLWorkerExtension"
@@ -128,10 +141,17 @@ class VLLMLauncher(SubprocessLauncher):
         if c.offline:
             env["HF_HUB_OFFLINE"] = "1"
             env["TRANSFORMERS_OFFLINE"] = "1"
-        # Per-server scratch and caches: servers must not share compile caches
-        # or temp files with each other or with other runs.
+        # Per-server scratch and caches: servers must not share temp files or
+        # vLLM's own caches with each other or with other runs.
         scratch = os.path.join(self.run_dir, f"vllm-{index}")
         os.makedirs(os.path.join(scratch, "cache"), exist_ok=True)
+        # Except torch inductor's: vLLM's CPU worker compiles a few C++ kernels
+        # (and a precompiled header) at every start, about 12 s of CPU in g++.
+        # Its cache is keyed by the sources' hash and written atomically (what
+        # lets torch share one per user by default), but it lives under TMPDIR,
+        # which is private below: left there, every server start recompiled.
+        if "TORCHINDUCTOR_CACHE_DIR" not in env:
+            env["TORCHINDUCTOR_CACHE_DIR"] = _shared_inductor_cache()
         env["TMPDIR"] = self._short_tmpdir(index)
         env["XDG_CACHE_HOME"] = os.path.join(scratch, "cache")
         env["VLLM_CACHE_ROOT"] = os.path.join(scratch, "cache", "vllm")

@@ -131,11 +131,21 @@ def test_environment_places_devices_through_the_platform(tmp_path, monkeypatch):
 
     launcher = VLLMLauncher(VLLMServerConfig(extra_env={"FOO": "1"}), run_dir=str(tmp_path))
     monkeypatch.setattr(platforms, "current_platform", lambda: CudaPlatform())
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     env = launcher.environment(1, 2, [2, 3])
     assert env["CUDA_VISIBLE_DEVICES"] == "2,3"
     assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["FOO"] == "1"
     # Short private TMPDIR (vLLM binds unix sockets there; their paths must fit 107 bytes).
     assert os.path.isdir(env["TMPDIR"]) and len(env["TMPDIR"]) < 60
+    # ... but torch inductor's compile cache stays the user's shared one (what
+    # torch itself would pick without the private TMPDIR): not recompiled per server.
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    assert env["TORCHINDUCTOR_CACHE_DIR"] == default_cache_dir()
+    assert not env["TORCHINDUCTOR_CACHE_DIR"].startswith(env["TMPDIR"])
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))  # a user's own setting is kept
+    assert launcher.environment(0, 1, [])["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
     assert "VLLM_CPU_KVCACHE_SPACE" not in env
     monkeypatch.undo()
     cpu_env = launcher.environment(1, 2, [])
