@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from areal_kernel.api.kinds import KindContract, from_context
-from areal_kernel.utils.procs import tail_file
+from areal_kernel.utils.procs import tail_file, wait_group_gone
 
 if TYPE_CHECKING:
     from areal_kernel.config.models import ExperimentConfig
@@ -145,6 +145,14 @@ class ProcessHandle(abc.ABC):
 
         self.signal_group(signal.SIGKILL)
 
+    def wait_group_gone(self, timeout: float) -> bool:
+        """After the group was killed: wait until none of its processes runs
+        (a killed process that held GBs takes a moment to free them); False
+        if one still does after ``timeout`` seconds. This default returns
+        True at once: a handle that cannot see the group's members (a
+        process on another node) has nothing to wait on."""
+        return True
+
 
 @dataclass(frozen=True)
 class ProcessStatus:
@@ -183,6 +191,9 @@ class LocalProcess(ProcessHandle):
             os.killpg(self.pid, sig)
         except (ProcessLookupError, PermissionError):
             pass
+
+    def wait_group_gone(self, timeout: float) -> bool:
+        return wait_group_gone(self.pid, timeout)
 
     def log_tail(self, n: int) -> str:
         return tail_file(self.log_path, n)

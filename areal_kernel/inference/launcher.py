@@ -342,6 +342,11 @@ class SubprocessLauncher(ServerLauncher):
             proc.handle.wait(10)
         except subprocess.TimeoutExpired:  # unkillable (D state): nothing more we can do
             pass
+        # The leader reaped is not the group gone: a vLLM engine core SIGKILLed
+        # with it can still be freeing its GBs. Stopped means nothing left
+        # running (`areal inf deregister` returned once before that, and a
+        # fresh-clone run under load saw the group still there).
+        proc.handle.wait_group_gone(10)
 
     def failure(self, proc: ServerProcess, why: str) -> ServerError:
         """An error naming the server, its command, its log file and the log's last lines."""

@@ -13,6 +13,8 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+from areal_kernel.utils.procs import stat_fields
+
 __all__ = ["ProcInfo", "is_alive", "live_processes", "wait_gone"]
 
 
@@ -45,24 +47,13 @@ class ProcInfo:
             return False
 
 
-def _stat_fields(pid: int | str) -> list[str] | None:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    # The command name (field 2) may hold spaces and parentheses; everything
-    # after its closing parenthesis is space-separated: state, ppid, pgrp, ...
-    return stat[stat.rfind(")") + 2 :].split()
-
-
 def _gone_state(state: str) -> bool:
     return state in ("Z", "X")
 
 
 def is_alive(pid: int) -> bool:
     """Whether ``pid`` runs (present and not a zombie)."""
-    fields = _stat_fields(pid)
+    fields = stat_fields(pid)
     return fields is not None and not _gone_state(fields[0])
 
 
@@ -75,7 +66,7 @@ def _scan() -> Iterator[ProcInfo]:
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
-        fields = _stat_fields(entry)
+        fields = stat_fields(entry)
         if fields is None or _gone_state(fields[0]):
             continue
         try:

@@ -3,9 +3,11 @@ scheduler-placed processes): one definition each, used by every launcher."""
 
 from __future__ import annotations
 
+import os
+import time
 from collections import deque
 
-__all__ = ["tail_file"]
+__all__ = ["group_running", "stat_fields", "tail_file", "wait_group_gone"]
 
 
 def tail_file(path: str, n: int = 30) -> str:
@@ -17,3 +19,49 @@ def tail_file(path: str, n: int = 30) -> str:
             return "".join(deque(f, maxlen=n))
     except OSError as e:
         return f"(no log: {e})"
+
+
+def stat_fields(pid: int | str) -> list[str] | None:
+    """Fields 3 onwards of ``/proc/<pid>/stat`` (state, ppid, pgrp, ...), or
+    ``None`` when the process is gone or there is no ``/proc``."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    # The command name (field 2) may hold spaces and parentheses; everything
+    # after its closing parenthesis is space-separated.
+    return stat[stat.rfind(")") + 2 :].split()
+
+
+def group_running(pgid: int) -> bool:
+    """Whether a process of group ``pgid`` still runs. Zombies count as gone
+    (they hold no memory and wait only for their reaper). Read from ``/proc``;
+    without one, the kernel's answer to ``killpg(pgid, 0)``, which counts
+    zombies too."""
+    if not os.path.isdir("/proc"):
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            fields = stat_fields(entry)
+            if fields is not None and len(fields) > 2 and fields[2] == str(pgid) and fields[0] not in ("Z", "X"):
+                return True
+    return False
+
+
+def wait_group_gone(pgid: int, timeout_s: float) -> bool:
+    """Wait until no process of group ``pgid`` runs; False if one still does
+    after ``timeout_s``. After a SIGKILL of a big process (a vLLM engine
+    holding GBs) this takes a moment: the kernel frees its memory first."""
+    deadline = time.monotonic() + timeout_s
+    while group_running(pgid):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+    return True

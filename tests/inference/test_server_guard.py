@@ -136,6 +136,27 @@ def test_launcher_stop_and_restart_still_work_on_guarded_servers(tmp_path) -> No
         os.killpg(again.pid, 0)
 
 
+def test_stop_returns_once_no_process_of_the_group_runs(tmp_path) -> None:
+    """A stubborn server (SIGTERM ignored, a grandchild of its own): stop()
+    SIGKILLs the group and returns only when none of it runs, not as soon as
+    the guard (the group's leader) is reaped: a killed vLLM engine core can
+    still be freeing its GBs then, and `areal inf deregister` said "stopped"
+    while it was."""
+    from areal_kernel.utils.procs import group_running, wait_group_gone
+
+    lau = StandInLauncher(str(tmp_path / "run"), mode="stubborn", stop_grace_s=0.5)
+    try:
+        info = lau.launch(str(tmp_path), n_servers=1, devices_per_server=0)[0]
+        server_pid, _, grandchild = _health(info.address)
+        assert os.getpgid(grandchild) == info.pid
+        assert group_running(info.pid)
+        assert not wait_group_gone(info.pid, 0.3)  # a running group is not waited out
+    finally:
+        lau.stop()
+    assert not group_running(info.pid)
+    assert not is_alive(server_pid) and not is_alive(grandchild)
+
+
 def _run_guard(argv: list[str], **kw) -> subprocess.Popen:  # type: ignore[no-untyped-def]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
     return subprocess.Popen(guard.guarded_command(argv, grace_s=1), env=env, start_new_session=True, **kw)
