@@ -10,10 +10,12 @@ SGLANG_ORACLE_REQS := plugins/areal-sglang/tests/oracle-requirements.txt
 ORACLE_DIR := $(VENV)/sglang-oracle
 ORACLE_STAMP := $(ORACLE_DIR)/.install-stamp
 INSTALL_INPUTS := Makefile pyproject.toml constraints.txt requirements-test.txt $(wildcard plugins/areal-*/pyproject.toml)
-# No byte-compiling at install: pip would compile every module of every
-# package (~29,000 files, ~100 s of one core on a fresh clone) where a run
-# imports a few thousand, each compiled once on first import.
-PIP_INSTALL := $(PIP) install -q --no-compile
+# pip byte-compiles what it installs (~29,000 modules, ~100 s of one core).
+# Not skipped (--no-compile): with PYTHONDONTWRITEBYTECODE set, as it is on
+# these machines, nothing would ever cache the bytecode, and every process
+# of the suite compiled torch and transformers from source (a run took
+# several times as long).
+PIP_INSTALL := $(PIP) install -q
 export OMP_NUM_THREADS ?= 1
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
