@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from areal_kernel.utils.procs import stat_fields
+from areal_kernel.utils.procs import is_gone_state, stat_fields
 
 __all__ = ["ProcInfo", "is_alive", "live_processes", "wait_gone"]
 
@@ -47,14 +47,10 @@ class ProcInfo:
             return False
 
 
-def _gone_state(state: str) -> bool:
-    return state in ("Z", "X")
-
-
 def is_alive(pid: int) -> bool:
     """Whether ``pid`` runs (present and not a zombie)."""
     fields = stat_fields(pid)
-    return fields is not None and not _gone_state(fields[0])
+    return fields is not None and not is_gone_state(fields[0])
 
 
 def live_processes(where: Callable[[ProcInfo], bool] | None = None) -> list[ProcInfo]:
@@ -67,7 +63,7 @@ def _scan() -> Iterator[ProcInfo]:
         if not entry.isdigit():
             continue
         fields = stat_fields(entry)
-        if fields is None or _gone_state(fields[0]):
+        if fields is None or is_gone_state(fields[0]):
             continue
         try:
             with open(f"/proc/{entry}/cmdline", "rb") as f:

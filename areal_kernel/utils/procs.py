@@ -7,7 +7,7 @@ import os
 import time
 from collections import deque
 
-__all__ = ["group_running", "stat_fields", "tail_file", "wait_group_gone"]
+__all__ = ["group_running", "is_gone_state", "stat_fields", "tail_file", "wait_group_gone"]
 
 
 def tail_file(path: str, n: int = 30) -> str:
@@ -34,6 +34,12 @@ def stat_fields(pid: int | str) -> list[str] | None:
     return stat[stat.rfind(")") + 2 :].split()
 
 
+def is_gone_state(state: str) -> bool:
+    """Whether a ``/proc`` state letter means the process no longer runs: a
+    zombie (``Z``, waiting only for its reaper, holding no memory) or dead (``X``)."""
+    return state in ("Z", "X")
+
+
 def group_running(pgid: int) -> bool:
     """Whether a process of group ``pgid`` still runs. Zombies count as gone
     (they hold no memory and wait only for their reaper). Read from ``/proc``;
@@ -50,7 +56,7 @@ def group_running(pgid: int) -> bool:
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             fields = stat_fields(entry)
-            if fields is not None and len(fields) > 2 and fields[2] == str(pgid) and fields[0] not in ("Z", "X"):
+            if fields is not None and len(fields) > 2 and fields[2] == str(pgid) and not is_gone_state(fields[0]):
                 return True
     return False
 
