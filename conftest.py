@@ -115,6 +115,56 @@ def pytest_configure(config: pytest.Config) -> None:
         "markers", "needs_hardware(*kinds, reason): a skip for want of this hardware is allowed under CI=true"
     )
     _scratch_under_basetemp(config)
+    _start_prefork_server(config)
+
+
+_PREFORK = pytest.StashKey[Any]()
+
+
+def _start_prefork_server(config: pytest.Config) -> None:
+    """A prefork server per test process (``areal_kernel.utils.prefork``):
+    the ``python -m`` programs the tests start (``areal train``, servers and
+    train ranks, through ``run_areal``, the recovery helpers and
+    ``spawn_local``) fork from it with torch and transformers already
+    imported, where each fresh interpreter spent ~5 s of CPU importing them
+    (about 300 starts a run). A start it cannot make exactly as a fresh one
+    falls back to a plain start (its log says why). ``AREAL_TEST_PREFORK=0``
+    turns it off; tests that start programs with another environment (the
+    README walkthrough's own HOME) get plain starts anyway."""
+    from areal_kernel.utils import prefork
+
+    if config.getoption("dist", "no") != "no" and not hasattr(config, "workerinput"):
+        return  # xdist's controller runs no test
+    if os.environ.get("AREAL_TEST_PREFORK", "1") == "0" or prefork.PREFORK_ENV in os.environ:
+        return
+    # Not waited for: until its socket accepts, starts are plain ones.
+    server = prefork.start_server(wait=False)
+    os.environ[prefork.PREFORK_ENV] = server.socket_path
+    config.stash[_PREFORK] = server
+
+
+@pytest.hookimpl(tryfirst=True)  # before the test's fixtures change the environment for it
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    from areal_kernel.utils import prefork
+
+    server = item.config.stash.get(_PREFORK, None)
+    if server is None or server.drifted() is None:
+        return
+    # A library this worker imported changed its environment (vLLM, Ray):
+    # every start would now be a plain one. A server with today's environment.
+    server.stop()
+    server = prefork.start_server(wait=False)
+    os.environ[prefork.PREFORK_ENV] = server.socket_path
+    item.config.stash[_PREFORK] = server
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    from areal_kernel.utils import prefork
+
+    server = config.stash.get(_PREFORK, None)
+    if server is not None:
+        os.environ.pop(prefork.PREFORK_ENV, None)
+        server.stop()
 
 
 # Ray puts unix sockets at <RAY_TMPDIR>/ray/session_<date>_<pid>/sockets/

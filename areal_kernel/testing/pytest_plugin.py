@@ -13,6 +13,8 @@ from typing import Callable, Iterator
 
 import pytest
 
+from areal_kernel.utils import prefork
+
 
 @pytest.fixture
 def areal_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., None]]:
@@ -37,13 +39,15 @@ def areal_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., None]]:
 
 @pytest.fixture
 def run_areal() -> Callable[..., subprocess.CompletedProcess]:
-    """Run the ``areal`` CLI in a fresh process: ``run_areal("plugins", "--json", env={...})``."""
+    """Run the ``areal`` CLI in a new process: ``run_areal("plugins", "--json", env={...})``
+    (through the prefork server when ``PREFORK_ENV`` names one, see
+    ``areal_kernel.utils.prefork``)."""
 
     def run(*args: str, env: dict[str, str] | None = None, timeout: float = 300, cwd: str | None = None):
         full_env = dict(os.environ)
         full_env.setdefault("OMP_NUM_THREADS", "1")
         full_env.update(env or {})
-        return subprocess.run(
+        return prefork.run(
             [sys.executable, "-m", "areal_kernel.cli", *args],
             capture_output=True,
             text=True,

@@ -14,6 +14,7 @@ from typing import Any
 
 # The trainer's own reader of samples.jsonl, for the tests' comparisons.
 from areal_kernel.trainer.recovery import read_samples
+from areal_kernel.utils import prefork
 
 __all__ = [
     "interrupt_after_step",
@@ -31,7 +32,7 @@ def _env() -> dict[str, str]:
 
 def run_train(args: list[str], timeout: float = 900) -> subprocess.CompletedProcess:
     """``areal <args>`` in a fresh process, output captured."""
-    return subprocess.run(
+    return prefork.run(
         [sys.executable, "-m", "areal_kernel.cli", *args], capture_output=True, text=True, env=_env(), timeout=timeout
     )
 
@@ -48,7 +49,7 @@ def kill_after_checkpoint(args: list[str], run_dir: str, step: int, timeout: flo
 
     held = step + 1
     marker = os.path.join(run_dir, HELD_MARKER.format(step=held))
-    proc = subprocess.Popen(
+    proc = prefork.popen(
         [sys.executable, "-m", "areal_kernel.cli", *args],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**_env(), HOLD_ENV: str(held)},
         start_new_session=True,
@@ -92,7 +93,7 @@ def interrupt_after_step(
     ``step``, send ``sig`` to its process group (as Ctrl-C in a terminal
     does) and wait for it to exit (SIGKILL past ``timeout``). Returns the
     exit code and the output (stdout and stderr together)."""
-    proc = subprocess.Popen(
+    proc = prefork.popen(
         [sys.executable, "-m", "areal_kernel.cli", *args],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(), start_new_session=True,
     )  # fmt: skip

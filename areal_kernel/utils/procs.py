@@ -4,10 +4,11 @@ scheduler-placed processes): one definition each, used by every launcher."""
 from __future__ import annotations
 
 import os
+import select
 import time
 from collections import deque
 
-__all__ = ["group_running", "is_gone_state", "stat_fields", "tail_file", "wait_group_gone"]
+__all__ = ["ParentWatch", "group_running", "is_gone_state", "stat_fields", "tail_file", "wait_group_gone"]
 
 
 def tail_file(path: str, n: int = 30) -> str:
@@ -71,3 +72,42 @@ def wait_group_gone(pgid: int, timeout_s: float) -> bool:
             return False
         time.sleep(0.05)
     return True
+
+
+class ParentWatch:
+    """Whether the process that keeps this one alive is gone.
+
+    Started directly by it, this process watches its own parent: once that
+    dies, ``os.getppid()`` changes, which no pid reuse can fake. Started
+    through an intermediary (a prefork server's keeper, a scheduler's agent)
+    it watches ``pid`` itself, through a pidfd opened now (Linux 5.3+), which
+    also stays true to the one process; else by signal 0."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.direct = os.getppid() == pid
+        self._fd: int | None = None
+        self._gone_at_start = False
+        if not self.direct:
+            try:
+                self._fd = os.pidfd_open(pid)
+            except ProcessLookupError:
+                self._gone_at_start = True
+            except (AttributeError, OSError):  # no pidfd here: signal 0
+                self._fd = None
+
+    def gone(self) -> bool:
+        if self.direct:
+            return os.getppid() != self.pid
+        if self._gone_at_start:
+            return True
+        if self._fd is not None:
+            readable, _, _ = select.select([self._fd], [], [], 0)
+            return bool(readable)
+        try:
+            os.kill(self.pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            return False
+        return False
