@@ -13,6 +13,7 @@ import time
 
 import openai  # a test dependency (requirements-test.txt): missing is an error, not a skip
 from agent_helpers import http
+from areal_kernel.utils import prefork
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -31,7 +32,7 @@ def test_online_sessions_from_outside_are_trained_on(areal_tiny_chat_model_dir, 
     ]  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS="1")
     log = open(tmp_path / "serve.log", "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    proc = prefork.popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 240

@@ -31,6 +31,7 @@ import pytest
 
 from areal_kernel.testing.packages import pip_install_private
 from areal_kernel.testing.procs import live_processes
+from areal_kernel.utils import prefork
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -135,7 +136,7 @@ def _run_areal_train(
         sys.executable, "-m", "areal_kernel.cli", "train", "/dev/null",
         f"model.path={model}", f"run_dir={run_dir}", f"dataset.path={data}", *BASE, *overrides,
     ]  # fmt: skip
-    popen = subprocess.Popen(
+    popen = prefork.popen(
         args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env, start_new_session=True
     )
     try:
@@ -211,7 +212,10 @@ CASES: dict[str, tuple[list[str], dict[str, str], object]] = {
     "server_exits": (["trainer.max_steps=2"], {}, _no_weights_model),
     # Python alone takes longer than 1 s to start the server: it is alive but
     # not yet answering /health when the launcher gives up and kills it.
-    "server_unhealthy": (["trainer.max_steps=2", "rollout.embedded.startup_timeout_s=1"], {}, None),
+    # Plain server starts (no prefork server): a fresh interpreter takes
+    # seconds to import torch, a preforked server is healthy within 1 s.
+    "server_unhealthy": (["trainer.max_steps=2", "rollout.embedded.startup_timeout_s=1"],
+                         {prefork.PREFORK_ENV: ""}, None),
 }  # fmt: skip
 
 # Runs at once: each is mostly one busy process (trainer or server start-up),

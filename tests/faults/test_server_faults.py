@@ -22,6 +22,7 @@ from areal_kernel.api.io import GenerationConfig, ModelRequest, StopReason, Traj
 from areal_kernel.errors import ServerError
 from areal_kernel.testing.procs import live_processes
 from areal_kernel.testing.waits import embedded_info, embedded_running, wait_until
+from areal_kernel.utils import prefork
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -256,7 +257,7 @@ def test_areal_train_survives_a_killed_server(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     log_path = tmp_path / "train.log"
     with open(log_path, "wb") as logf:
-        proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, cwd=repo, start_new_session=True)
+        proc = prefork.popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, cwd=repo, start_new_session=True)
     metrics = os.path.join(run_dir, "metrics.jsonl")
     try:
         deadline = time.monotonic() + 240

@@ -25,6 +25,7 @@ import pytest
 from areal_kernel.cli import main
 from areal_kernel.report.panels import PANELS
 from areal_kernel.testing.recovery import trained_steps
+from areal_kernel.utils import prefork
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXAMPLE = os.path.join(REPO, "examples", "grpo_arithmetic.yaml")
@@ -50,7 +51,7 @@ def run_dir(areal_tiny_chat_model_dir, tmp_path_factory):
 def areal(*args: str, timeout: float) -> subprocess.CompletedProcess:
     """The `areal` command in a fresh process (the run_areal fixture's, usable from a module-scoped fixture)."""
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    return subprocess.run(
+    return prefork.run(
         [sys.executable, "-m", "areal_kernel.cli", *args], capture_output=True, text=True, env=env, timeout=timeout
     )
 

@@ -161,6 +161,12 @@ def test_killed_replica_is_restarted_and_logs_follow_it(inf_cli: Any, service: d
     reader = threading.Thread(target=lambda: seen.extend(iter(follower.stdout.readline, "")), daemon=True)
     reader.start()
     try:
+        # The follower prints the log's last lines before it follows: once it
+        # has, what the restart appends reaches it. Killed earlier, a fast
+        # restart (a preforked server is healthy within a second) could write
+        # the restart line and more than 5 lines after it before the follower
+        # opened the file, and its tail would start after the line.
+        wait_until(lambda: bool(seen), timeout_s=120, what="`logs -f` to print the log's last lines")
         os.kill(rep["pid"], signal.SIGKILL)
 
         def restarted() -> bool:

@@ -23,12 +23,12 @@ module fixture); the control adds one GRPO run of the learning run's length
 """
 
 import os
-import subprocess
 import sys
 
 import pytest
 
 from areal_kernel.testing.learning import VLM_SHAPES, frozen_overrides, step_rows
+from areal_kernel.utils import prefork
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SFT = os.path.join(REPO, "examples", "vlm_shapes_sft.yaml")
@@ -39,7 +39,7 @@ GRPO = os.path.join(REPO, "examples", "vlm_shapes.yaml")
 def sft_model(vlm_dir, tmp_path_factory) -> str:
     """Stage 1, shared by both arms: the SFT checkpoint GRPO starts from."""
     sft_dir = str(tmp_path_factory.mktemp("vlm-sft"))
-    proc = subprocess.run(
+    proc = prefork.run(
         [sys.executable, "-m", "areal_kernel.cli", "train", SFT, f"run_dir={sft_dir}", f"model.path={vlm_dir}",
          "logging.sinks=[jsonl]"],
         capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"},
