@@ -44,7 +44,7 @@ from typing import Any, Callable, cast
 
 from areal_kernel.api.scheduler import PARENT_PID_ENV
 from areal_kernel.errors import ArealError
-from areal_kernel.utils.procs import ParentWatch
+from areal_kernel.utils.procs import ParentWatch, flush_std_streams
 from areal_kernel.utils.procs import tail_file as log_tail  # the stable name of this module
 
 CONTROL_ENV = "AREAL_RANK_CONTROL"
@@ -406,11 +406,7 @@ def _exit_now(code: int) -> None:
             os.kill(pid, signal.SIGKILL)
         except OSError:
             pass
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:  # noqa: BLE001 - a closed stream must not keep the rank alive
-            pass
+    flush_std_streams()
     os._exit(code)
 
 

@@ -5,10 +5,19 @@ from __future__ import annotations
 
 import os
 import select
+import sys
 import time
 from collections import deque
 
-__all__ = ["ParentWatch", "group_running", "is_gone_state", "stat_fields", "tail_file", "wait_group_gone"]
+__all__ = [
+    "ParentWatch",
+    "flush_std_streams",
+    "group_running",
+    "is_gone_state",
+    "stat_fields",
+    "tail_file",
+    "wait_group_gone",
+]
 
 
 def tail_file(path: str, n: int = 30) -> str:
@@ -111,3 +120,14 @@ class ParentWatch:
         except PermissionError:
             return False
         return False
+
+
+def flush_std_streams() -> None:
+    """Flush stdout and stderr before an ``os._exit`` (which skips the
+    interpreter's own flushing); a closed or broken stream is passed over,
+    so it cannot keep a process from ending."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001
+            pass

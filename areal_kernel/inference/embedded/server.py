@@ -516,12 +516,10 @@ def main(argv: list[str] | None = None) -> None:
     # streams are flushed, and the process ends.
     import atexit
 
+    from areal_kernel.utils.procs import flush_std_streams
+
     atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:  # noqa: BLE001 - a closed stream must not keep the server alive
-            pass
+    flush_std_streams()
     os._exit(code)
 
 
