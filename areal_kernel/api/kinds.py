@@ -1,4 +1,4 @@
-"""The 15 registry kinds as code: for each, the module of ``areal_kernel.api``
+"""The 16 registry kinds as code: for each, the module of ``areal_kernel.api``
 that holds its contract, and how ``Registry.build`` turns a registered target
 into a checked object.
 
@@ -212,6 +212,16 @@ KIND_DOCS: tuple[KindDoc, ...] = (
         "[Tools and tool-call parsers](#tools-and-tool-call-parsers)",
         "controller (asyncio loop)",
         "ToolContract",
+    ),
+    KindDoc(
+        "environment",
+        "areal_kernel.api.environment",
+        "environment",
+        "a role's `python` setting (`rollout.vllm.python`), `areal env create`",
+        "`fn(ctx: EnvironmentContext) -> EnvironmentSpec`: what a managed environment installs and what an "
+        "interpreter must hold (`areal_kernel.api.environment`); see [Environments](#environments)",
+        "controller",
+        "none (a spec built from one context; `areal env check` probes it)",
     ),
 )
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import difflib
 from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, PrivateAttr, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
 from areal_kernel.config.allocation import Allocation, AllocationError, parse_allocation
 from areal_kernel.errors import ConfigError
@@ -133,6 +133,26 @@ class PluginSection(BaseModel):
                 f"'{name}' go under {where}.{name})"
             )
         return self
+
+
+class RoleEnvironment(BaseModel):
+    """Mixed into a plugin's settings section whose processes may run from
+    their own Python environment (``rollout.vllm``): adds ``python``.
+
+    The subclass sets ``environment`` to the name it registered through
+    ``areal_register_environments`` (``"vllm"``): what that environment
+    must hold. ``areal validate`` and the launcher resolve ``python`` with
+    ``areal_kernel.environments.resolve_python`` and probe it against that
+    spec; the plugin starts its processes with the resolved interpreter."""
+
+    environment: ClassVar[str] = ""
+
+    python: str | None = Field(
+        None,
+        description="The interpreter this role's processes run from: a managed environment's name (`areal env "
+        "create NAME`), a path to a python executable or to a venv directory; unset: this interpreter when it "
+        "has the backend's packages, else the managed environment named after the backend.",
+    )
 
 
 def require_resolved(resolved: bool, where: str) -> None:

@@ -105,6 +105,11 @@ class SubprocessLauncher(ServerLauncher):
     # The name of the run directory made when none is given (server logs);
     # ``stop`` removes it again unless a server failed.
     run_dir_prefix: ClassVar[str] = "areal-servers-"
+    # The plugin's top-level packages its servers import (``("areal_vllm",)``):
+    # a server that runs from another Python environment
+    # (``RoleEnvironment.python``) gets them, and the kernel, through
+    # ``server_pythonpath`` without anything installed there.
+    server_packages: ClassVar[tuple[str, ...]] = ()
 
     def __init__(
         self,
@@ -151,6 +156,28 @@ class SubprocessLauncher(ServerLauncher):
         env = dict(os.environ)
         env["OMP_NUM_THREADS"] = "1"
         env.update(current_platform().visible_devices_env_for(device_ids))
+        return env
+
+    def server_pythonpath(self, env: dict[str, str], python: str, foreign: bool) -> dict[str, str]:
+        """Set ``env``'s PYTHONPATH for a server run by ``python``. The same
+        environment as this process (``foreign`` false): unchanged. Another
+        one: only a directory under the run directory linking the kernel,
+        ``server_packages`` and the kernel's pure-Python dependencies that
+        environment lacks (``environments.stage_packages``), or no
+        PYTHONPATH at all without ``server_packages``; nothing of this
+        process's PYTHONPATH, which would shadow the environment's own pins."""
+        if not foreign:
+            return env
+        if not self.server_packages:  # the server imports nothing of ours
+            env.pop("PYTHONPATH", None)
+            return env
+        from areal_kernel.environments import stage_packages
+
+        staged = os.path.join(self.run_dir, "server-path")
+        if getattr(self, "_staged_for", None) != python:
+            stage_packages(staged, python, ["areal_kernel", *self.server_packages])
+            self._staged_for = python
+        env["PYTHONPATH"] = staged
         return env
 
     def health_headers(self) -> dict[str, str]:

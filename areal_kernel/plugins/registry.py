@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from areal_kernel.api.inference_engine import InferenceBackendContext, InferenceBackendProtocol
     from areal_kernel.api.loss import LossContext, PolicyLoss
     from areal_kernel.api.metric_sink import MetricSinkContext, MetricSinkProtocol
+    from areal_kernel.api.environment import EnvironmentContext, EnvironmentSpec
     from areal_kernel.api.model_source import ModelSourceContext
     from areal_kernel.api.platform import Platform, PlatformContext
     from areal_kernel.api.reward import Reward, RewardContext
@@ -318,6 +319,16 @@ class Registry:
         platform: str | None = ...,
         where: str = ...,
     ) -> str: ...
+    @overload
+    def build(
+        self,
+        kind: Literal["environment"],
+        name: str,
+        ctx: "EnvironmentContext",
+        *,
+        platform: str | None = ...,
+        where: str = ...,
+    ) -> "EnvironmentSpec": ...
     @overload
     def build(
         self,

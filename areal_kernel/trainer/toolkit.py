@@ -260,6 +260,15 @@ def build_weight_transport(ctx: TrainerContext, engine: TrainEngine, rollout: Ro
         platform=rollout.scheduler.platform.name,
         mode=cfg.weight_update.mode,
     )
+    if name != "disk":  # every other transport moves tensors in memory
+        from areal_kernel.environments import in_memory_fallback
+
+        why = in_memory_fallback(cfg)
+        if why:
+            # gloo/NCCL exchange tensors in torch's own wire format: both ends
+            # need the same torch. Disk works across any two.
+            log.warning("in-memory weight updates cannot reach the servers' environment; using disk", why=why)
+            name = "disk"
     transport: WeightTransportProtocol = get_registry().build(
         "weight_transport",
         name,

@@ -261,6 +261,13 @@ CASES: list[Case] = [
          lambda ctx: ["train", "/dev/null", "run_dir=run", "actor.torch.adapters=[{name: a}, {name: b}]",
                       "trainer.max_steps=1"],
          ("actor.torch.adapters", "not trained by 'areal train' yet", "actor.torch.lora")),
+    # -- role environments
+    Case("vllm-python-missing", "`rollout.vllm.python` naming no interpreter",
+         _v("rollout.backend=vllm", "rollout.vllm.python=/nope/bin/python"),
+         ("rollout.vllm.python", "'/nope/bin/python' is not an executable python", "areal env create vllm")),
+    Case("vllm-env-unknown", "`rollout.vllm.python` naming a managed environment that was never created",
+         _v("rollout.backend=vllm", "rollout.vllm.python=vllm2"),
+         ("rollout.vllm.python", "no managed environment 'vllm2'", "areal env create vllm2")),
     Case("algorithm-type-unknown", "`algorithm.type` naming no registered trainer (a loss's name)",
          _v("algorithm.type=ppo"), ("algorithm.type", "no trainer named 'ppo'", "Available: dpo, grpo, ipo, rm, sft",
                                     "algorithm.loss: ppo")),

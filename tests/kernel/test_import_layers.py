@@ -42,7 +42,10 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("plugins",),  # discovery and loading plugins by name; the process registry and its platform
     ("platforms",),  # current_platform(): the plugin manager's platform
     # Implementations of the kinds and the libraries they share.
-    ("data", "algo", "reward", "models", "metrics", "checkpoint", "weights", "tools", "monitor", "report"),
+    (
+        "data", "algo", "reward", "models", "metrics", "checkpoint", "weights", "tools", "monitor", "report",
+        "environments",
+    ),  # fmt: skip
     ("engine", "inference", "rollout", "scheduling"),
     ("workflow", "agent"),
     ("trainer",),  # the run: builds every part through the registry

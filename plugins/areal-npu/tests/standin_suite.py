@@ -315,7 +315,8 @@ def test_standin_vllm_on_ascend_command_is_accepted_by_vllms_parser(torch_npu_st
     assert cmd[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
     argvs = [cmd[3:], [*cmd[3:], "--no-such-vllm-flag"]]
     proc = subprocess.run(
-        [sys.executable, "-c", VLLM_PARSE, json.dumps(argvs)],
+        # vLLM's own interpreter (rollout.vllm.python resolved: vLLM may live in its own environment).
+        [cmd[0], "-c", VLLM_PARSE, json.dumps(argvs)],
         capture_output=True,
         text=True,
         timeout=300,

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from areal_kernel.config.sections import RoleEnvironment
 
 # Flags the launcher sets itself; passing them again through extra_args would
 # silently fight the launcher (SGLang's argparse keeps the last one).
@@ -52,10 +54,14 @@ class SGLangLoraSettings(BaseModel):
     max_loras_per_batch: int = Field(2, ge=1, description="adapters in one batch, the base included")
 
 
-class SGLangServerConfig(BaseModel):
-    """Settings of SGLang servers (``rollout.sglang``). ``None`` leaves SGLang's own default."""
+class SGLangServerConfig(RoleEnvironment):
+    """Settings of SGLang servers (``rollout.sglang``). ``None`` leaves SGLang's own default.
+    ``python`` (from ``RoleEnvironment``): the interpreter the servers run
+    from; unset, this one when it has SGLang, else the managed environment
+    ``sglang`` (``areal env create sglang``)."""
 
     model_config = ConfigDict(extra="forbid")
+    environment: ClassVar[str] = "sglang"
 
     model_path: str | None = Field(
         None, description="Serve this path/hub id instead of the resolved model.path (e.g. a pre-converted checkpoint)."
@@ -102,7 +108,6 @@ class SGLangServerConfig(BaseModel):
     lora: SGLangLoraSettings | None = Field(
         None, description="Serve LoRA adapters (set from the actor's adapter when it trains one and this is unset)."
     )
-    python: str | None = Field(None, description="Interpreter that has sglang installed; default: this one.")
     host: str = "127.0.0.1"
     startup_timeout_s: float = Field(900.0, gt=0, description="Model load + CUDA graph capture can take minutes.")
     stop_grace_s: float = Field(15.0, ge=0)

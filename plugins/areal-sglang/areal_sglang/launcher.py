@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import sys
 
+from areal_kernel.environments import ResolvedPython, resolve_python
 from areal_kernel.errors import ServerError
 from areal_kernel.inference.launcher import SubprocessLauncher
 
@@ -28,12 +29,14 @@ def build_command(
     launch_prefix: list[str] | None = None,
     host: str | None = None,
     api_key: str | None = None,
+    python: str | None = None,
 ) -> list[str]:
     """The argv of one server. ``launch_prefix`` replaces ``python -m sglang.launch_server``
     (tests use it to start a stand-in that speaks the same argv and wire format);
     ``host`` (default ``cfg.host``) is the bind address its scheduler placed it on;
-    ``api_key`` (default ``cfg.api_key``) the launcher's admin token."""
-    prefix = launch_prefix or [cfg.python or sys.executable, "-m", "sglang.launch_server"]
+    ``api_key`` (default ``cfg.api_key``) the launcher's admin token;
+    ``python`` the resolved interpreter (default ``cfg.python``, else this one)."""
+    prefix = launch_prefix or [python or cfg.python or sys.executable, "-m", "sglang.launch_server"]
     cmd = [
         *prefix,
         "--model-path", cfg.model_path or model_path,
@@ -79,6 +82,9 @@ class SGLangLauncher(SubprocessLauncher):
     settings_path = "rollout.sglang"
     run_dir_prefix = "areal-sglang-"
     start_failure_hint = "set rollout.sglang.python to an interpreter that has sglang installed"
+    # SGLang's server imports nothing of ours: a foreign interpreter gets
+    # only a PYTHONPATH cleared of this side's entries.
+    server_packages = ()
 
     def __init__(
         self,
@@ -94,6 +100,7 @@ class SGLangLauncher(SubprocessLauncher):
         self.seed = self.config.seed if self.config.seed is not None else seed
         self.launch_prefix = launch_prefix
         self._tp = self.config.tp_size or 1
+        self._python: ResolvedPython | None = None
         super().__init__(
             run_dir, host=self.config.host,
             startup_timeout_s=self.config.startup_timeout_s, stop_grace_s=self.config.stop_grace_s,
@@ -103,6 +110,17 @@ class SGLangLauncher(SubprocessLauncher):
     def log_name(self, index: int) -> str:
         return f"sglang-{index}.log"
 
+    @property
+    def python(self) -> ResolvedPython | None:
+        """The servers' interpreter (``rollout.sglang.python`` resolved and
+        probed once; a missing or wrong one is one ``ConfigError``), or
+        ``None`` when ``launch_prefix`` replaces the command (tests' stand-in)."""
+        if self.launch_prefix is not None:
+            return None
+        if self._python is None:
+            self._python = resolve_python(self.config.python, "sglang", f"{self.settings_path}.python")
+        return self._python
+
     def check_launch(self, model_path: str, n_servers: int, devices_per_server: int) -> None:
         tp = self.config.tp_size or max(1, devices_per_server)
         if devices_per_server and tp > devices_per_server:
@@ -111,6 +129,7 @@ class SGLangLauncher(SubprocessLauncher):
                 f"{devices_per_server}; raise t in rollout.backend (e.g. sglang:d1t{tp}) or lower tp_size"
             )
         self._tp = tp
+        self.python  # resolved before any server starts
 
     def command(self, model_path: str, port: int, index: int, device_ids: list[int]) -> list[str]:
         return build_command(
@@ -124,10 +143,14 @@ class SGLangLauncher(SubprocessLauncher):
             host=self.host_for(index),
             # The kernel's token rule: api_key, else generated beyond loopback.
             api_key=self.admin_token,
+            # Resolved by check_launch (every launch); a bare command() keeps the setting as written.
+            python=self._python.python if self._python is not None else None,
         )
 
     def environment(self, index: int, n_servers: int, device_ids: list[int]) -> dict[str, str]:
         # Each server sees only its own devices, numbered from 0 (so no --base-gpu-id).
         env = super().environment(index, n_servers, device_ids)
+        if self._python is not None:
+            self.server_pythonpath(env, self._python.python, self._python.foreign)
         env.update(self.config.extra_env)
         return env

@@ -52,3 +52,12 @@ def areal_select_weight_transport(train_backend: str, inference_backend: str, pl
             return "disk"
         return "sglang_broadcast"
     return None
+
+
+@hookimpl
+def areal_register_environments(register: Any) -> None:
+    register(
+        "sglang",
+        "areal_sglang.environment:sglang_environment",
+        description="a Python environment for SGLang servers (areal env create sglang; rollout.sglang.python)",
+    )

@@ -148,3 +148,17 @@ def launch_standins(tmp_path, oracle_url):
     yield start
     for lau in launchers:
         lau.stop()
+
+
+@pytest.fixture(scope="session")
+def sglang_env_python(tmp_path_factory) -> str:
+    """A STAND-IN for an SGLang environment (SGLang cannot run on these
+    machines): a venv, without pip, holding SGLang's real installed metadata
+    (the oracle's ``sglang-*.dist-info``), so that resolving
+    ``rollout.sglang.python`` to it passes the probe the kernel runs. Its
+    servers cannot start; tests use it for commands and environments."""
+    from areal_kernel.testing.envs import metadata_venv
+
+    dists = [str(p) for d in ORACLE_SITE.split(os.pathsep) for p in Path(d).glob("sglang-*.dist-info")]
+    assert dists, ORACLE_INSTALL_HINT
+    return metadata_venv(str(tmp_path_factory.mktemp("sglang-env") / "venv"), {}, copy_dist_info=(dists[0],))

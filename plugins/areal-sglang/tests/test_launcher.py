@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from areal_kernel.errors import ServerError
+from areal_kernel.errors import ConfigError, ServerError
 from areal_sglang.config import SGLangServerConfig
 from areal_sglang.launcher import SGLangLauncher, build_command
 
@@ -37,8 +37,15 @@ def test_server_that_never_gets_healthy_times_out_and_is_killed(tmp_path, model_
 
 
 def test_missing_interpreter_is_a_clear_error(tmp_path, model_dir):
-    lau = SGLangLauncher(SGLangServerConfig(python="/nonexistent/python"), run_dir=str(tmp_path))
-    with pytest.raises(ServerError, match="rollout.sglang.python"):
+    """rollout.sglang.python is resolved before anything starts: a path that
+    is no interpreter, and (unset) no SGLang here nor a managed environment,
+    are each one line naming the setting; no server process was started."""
+    lau = SGLangLauncher(SGLangServerConfig(python="/nonexistent/python"), run_dir=str(tmp_path / "a"))
+    with pytest.raises(ConfigError, match=r"^rollout\.sglang\.python: '/nonexistent/python' is not an executable"):
+        lau.launch(model_dir, n_servers=1, devices_per_server=0)
+    assert lau.servers == []
+    lau = SGLangLauncher(SGLangServerConfig(), run_dir=str(tmp_path / "b"))
+    with pytest.raises(ConfigError, match=r"^rollout\.sglang\.python: unset.*areal env create sglang"):
         lau.launch(model_dir, n_servers=1, devices_per_server=0)
 
 
@@ -100,3 +107,20 @@ def test_a_server_placed_beyond_loopback_gets_an_api_key(tmp_path, model_dir):
     fixed = SGLangLauncher(SGLangServerConfig(api_key="k"), run_dir=str(tmp_path / "c"))
     fixed.place(None, [Placement("rollout", 0, "n1", "10.1.2.3")])
     assert fixed.admin_token == "k" and fixed.command(model_dir, 1, 0, []).count("k") == 1
+
+
+def test_servers_run_from_the_resolved_environment_without_this_sides_pythonpath(
+    tmp_path, model_dir, sglang_env_python, monkeypatch
+):
+    """rollout.sglang.python names another environment (a stand-in: SGLang's
+    metadata in a bare venv): the command runs that interpreter and the
+    server's environment carries none of this process's PYTHONPATH (SGLang
+    imports nothing of ours); the same interpreter keeps it (the control)."""
+    monkeypatch.setenv("PYTHONPATH", "/somewhere/of/ours")
+    lau = SGLangLauncher(SGLangServerConfig(python=sglang_env_python), run_dir=str(tmp_path / "a"))
+    lau.check_launch(model_dir, 1, 0)
+    assert lau.command(model_dir, 1, 0, [])[:3] == [sglang_env_python, "-m", "sglang.launch_server"]
+    assert lau.python is not None and lau.python.foreign and lau.python.source == "path"
+    assert "PYTHONPATH" not in lau.environment(0, 1, [])
+    here = SGLangLauncher(SGLangServerConfig(), run_dir=str(tmp_path / "b"))
+    assert here.environment(0, 1, [])["PYTHONPATH"] == "/somewhere/of/ours"

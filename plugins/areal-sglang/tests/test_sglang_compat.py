@@ -105,7 +105,7 @@ def test_unknown_attention_backend_is_rejected_by_sglang(sglang_oracle):
     assert not res["ok"] and "invalid choice" in res["error"]
 
 
-def test_npu_variant_launch_command_is_parsed_by_sglang(sglang_oracle, monkeypatch, tmp_path):
+def test_npu_variant_launch_command_is_parsed_by_sglang(sglang_oracle, sglang_env_python, monkeypatch, tmp_path):
     """On the npu platform (areal-npu's NPUPlatform, whose launch answers need
     no torch_npu) the command carries SGLang's NPU build flags, --device npu
     and its ascend attention backend, as SGLang's own parser reads them; each
@@ -118,10 +118,14 @@ def test_npu_variant_launch_command_is_parsed_by_sglang(sglang_oracle, monkeypat
 
     monkeypatch.setattr(platforms, "current_platform", lambda: NPUPlatform())
     launcher = SGLangBackend(
-        validate_config({"rollout": {"backend": "sglang:d2t2"}}, registry=get_registry())
+        validate_config(
+            {"rollout": {"backend": "sglang:d2t2", "sglang": {"python": sglang_env_python}}}, registry=get_registry()
+        )
     ).make_launcher(str(tmp_path))
     launcher.check_launch("/models/qwen", 2, 2)
     cmd = launcher.command("/models/qwen", 31234, 1, [2, 3])
+    # The resolved interpreter of rollout.sglang.python (a stand-in SGLang environment).
+    assert cmd[:3] == [sglang_env_python, "-m", "sglang.launch_server"]
     assert launcher.environment(1, 2, [2, 3])["ASCEND_RT_VISIBLE_DEVICES"] == "2,3"
     res = sglang_oracle.argv(cmd[3:])
     assert res["ok"], res["error"]

@@ -5,6 +5,7 @@ Example::
     rollout:
       backend: vllm:d1t1
       vllm:
+        python: vllm          # a managed environment (areal env create vllm), or a path
         max_model_len: 2048
         kv_cache_space_gb: 1
         extra_args: ["--max-num-seqs", "64"]
@@ -12,9 +13,11 @@ Example::
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from areal_kernel.config.sections import RoleEnvironment
 
 # Flags the launcher sets itself: giving them again through ``extra_args``
 # would silently fight the validated fields, so they are rejected.
@@ -54,10 +57,14 @@ class VLLMLoraSettings(BaseModel):
     max_loras: int = Field(2, ge=1, description="adapters in one batch (--max-loras): runs sharing the servers")
 
 
-class VLLMServerConfig(BaseModel):
-    """Settings of vLLM inference servers (``rollout.vllm``)."""
+class VLLMServerConfig(RoleEnvironment):
+    """Settings of vLLM inference servers (``rollout.vllm``). ``python``
+    (from ``RoleEnvironment``): the interpreter the servers run from; unset,
+    this one when it has vLLM, else the managed environment ``vllm``
+    (``areal env create vllm``)."""
 
     model_config = ConfigDict(extra="forbid")
+    environment: ClassVar[str] = "vllm"
 
     dtype: Literal["auto", "float32", "bfloat16", "float16"] | None = Field(
         None, description="Server weights dtype; default: model.dtype (float32 on CPUs without fast bf16)."

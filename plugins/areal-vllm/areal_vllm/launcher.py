@@ -15,9 +15,9 @@ import json
 import os
 import re
 import shutil
-import sys
 import tempfile
 
+from areal_kernel.environments import ResolvedPython, resolve_python
 from areal_kernel.errors import ServerError
 from areal_kernel.inference.admin_auth import ADMIN_MIDDLEWARE, ADMIN_TOKEN_ENV
 from areal_kernel.inference.launcher import SubprocessLauncher
@@ -50,11 +50,13 @@ class VLLMLauncher(SubprocessLauncher):
     settings_path = "rollout.vllm"
     run_dir_prefix = "areal-vllm-"
     poll_s = 0.5
+    server_packages = ("areal_vllm",)
 
     def __init__(self, config: VLLMServerConfig | None = None, run_dir: str | None = None) -> None:
         self.config = config or VLLMServerConfig()
         self._tmpdirs: list[str] = []
         self._tp = self.config.tensor_parallel_size or 1
+        self._python: ResolvedPython | None = None
         super().__init__(
             run_dir, host=self.config.host,
             startup_timeout_s=self.config.startup_timeout_s, stop_grace_s=self.config.stop_grace_s,
@@ -64,6 +66,14 @@ class VLLMLauncher(SubprocessLauncher):
     def log_name(self, index: int) -> str:
         return f"vllm-server-{index}.log"
 
+    @property
+    def python(self) -> ResolvedPython:
+        """The servers' interpreter (``rollout.vllm.python`` resolved and
+        probed once: a missing or wrong environment is one ``ConfigError``)."""
+        if self._python is None:
+            self._python = resolve_python(self.config.python, "vllm", f"{self.settings_path}.python")
+        return self._python
+
     def check_launch(self, model_path: str, n_servers: int, devices_per_server: int) -> None:
         tp = self.config.tensor_parallel_size or max(1, devices_per_server)
         if devices_per_server and tp != devices_per_server:
@@ -72,13 +82,14 @@ class VLLMLauncher(SubprocessLauncher):
                 f"(the t*p of rollout.backend); make them agree"
             )
         self._tp = tp
+        self.python  # resolved before any server starts
 
     # -- command and environment -------------------------------------------------
     def command(self, model_path: str, port: int, index: int = 0, device_ids: list[int] | None = None) -> list[str]:
         c = self.config
         tp = self._tp
         cmd = [
-            sys.executable, "-m", SERVER_MODULE,
+            self.python.python, "-m", SERVER_MODULE,
             "--model", model_path,
             "--host", self.host_for(index),
             "--port", str(port),
@@ -123,6 +134,8 @@ class VLLMLauncher(SubprocessLauncher):
         # made visible through the platform layer (CUDA_VISIBLE_DEVICES,
         # ASCEND_RT_VISIBLE_DEVICES, ...).
         env = super().environment(index, n_servers, device_ids)
+        # vLLM in its own environment: the kernel and this plugin reach it on PYTHONPATH.
+        self.server_pythonpath(env, self.python.python, self.python.foreign)
         # The RL routes (/pause, /resume, weight transfer, /collective_rpc,
         # /update_weight_version) are only mounted in dev mode.
         env["VLLM_SERVER_DEV_MODE"] = "1"

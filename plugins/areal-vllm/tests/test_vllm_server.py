@@ -86,6 +86,31 @@ def contract_alt_model_dir(smollm2_alt):
     return smollm2_alt
 
 
+def test_the_servers_run_from_vllms_own_environment_and_this_process_has_no_vllm(vllm_server):
+    """The layout `make install` builds: vLLM only in the managed environment
+    ``vllm`` (``areal env create vllm``), never in the trainer's. The server
+    processes run that interpreter (``rollout.vllm.python`` unset resolves
+    to it) with the kernel and this plugin linked on their PYTHONPATH; this
+    process (the trainer's side) cannot import vLLM at all."""
+    import importlib.util
+    import sys
+
+    from areal_kernel.environments import managed_python
+
+    assert importlib.util.find_spec("vllm") is None and not [m for m in sys.modules if m.split(".")[0] == "vllm"]
+    python = managed_python("vllm")
+    assert python is not None
+    group = live_processes(lambda p: p.pgid == vllm_server.pid)
+    # The parent guard runs from this interpreter; the API server, engine core and worker from vLLM's.
+    apis = [p for p in group if p.argv[:3] == (python, "-m", "vllm.entrypoints.openai.api_server")]
+    assert len(apis) == 1, group
+    api = apis[0]
+    with open(f"/proc/{api.pid}/environ", "rb") as f:
+        env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+    (path,) = env[b"PYTHONPATH"].decode().split(os.pathsep)
+    assert sorted(os.listdir(path))[:2] == ["areal_kernel", "areal_vllm"], os.listdir(path)
+
+
 class TestVLLMContract(InferenceEngineContract):
     def generations_running(self, engine):
         return sum(_running(s.address) for s in engine.servers)
