@@ -298,6 +298,23 @@ def cmd_doctor(args: argparse.Namespace) -> int:
             problems.append(f"plugin '{name}' {r.status}: {(r.error or '').strip().splitlines()[0]}")
     if report["OMP_NUM_THREADS"] is None:
         problems.append("OMP_NUM_THREADS is not set; on small CPUs set it to 1 in every process")
+    # Managed environments (`areal env`): which exist, and whether each still
+    # holds what its plugin needs (a probe per environment, metadata only).
+    from areal_kernel import environments
+
+    registered = pm.registry.names("environment")
+    report["environments"] = {}
+    for entry in environments.listing():
+        name = entry["name"]
+        if not entry["complete"]:
+            report["environments"][name] = "incomplete"
+            problems.append(f"managed environment '{name}' is incomplete; areal env create {name} --force")
+        elif name in registered:
+            bad, _ = environments.check(name)
+            report["environments"][name] = "ok" if not bad else "broken"
+            problems += bad
+        else:
+            report["environments"][name] = "ready (no plugin registers it now)"
     report["problems"] = problems
     if args.json:
         print(json.dumps(report, indent=2))
@@ -342,6 +359,8 @@ def _doctor_lines(report: dict[str, Any]) -> list[tuple[str, str]]:
         lines.append(("device software", ", ".join(f"{k} {v}" for k, v in sw.items()) or "none beside torch"))
     plugins = report.get("plugins") or {}
     lines.append(("plugins", ", ".join(f"{k} ({v})" for k, v in plugins.items()) or "none"))
+    envs = report.get("environments") or {}
+    lines.append(("environments", ", ".join(f"{k} ({v})" for k, v in envs.items()) or "none (areal env list)"))
     return lines
 
 

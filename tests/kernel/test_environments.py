@@ -122,6 +122,14 @@ def test_create_fails_on_a_spec_pip_cannot_satisfy_and_leaves_no_usable_env(envs
     assert E.managed_python(NAME) is None
     problems, _ = E.check(NAME)
     assert problems == [f"managed environment '{NAME}' is incomplete (an interrupted create); run `areal env create {NAME}`"]
+    # `areal doctor` lists it as a problem.
+    from areal_kernel.cli import main
+
+    capsys.readouterr()
+    assert main(["doctor", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["environments"] == {NAME: "incomplete"}
+    assert f"managed environment '{NAME}' is incomplete; areal env create {NAME} --force" in report["problems"]
 
 
 def test_resolve_python_names_the_setting_and_what_is_missing(envs, tmp_path):
