@@ -87,6 +87,9 @@ class RankedTrainEngine(TrainEngine):
     # a checkpoint's model, optimizer and RNG shards.
     save_state_command: ClassVar[str]
     load_state_command: ClassVar[str]
+    # The rank module answers ``weight_sample(positions)`` (rank 0: the
+    # sampled elements of the full HF tensors), for the weight-delivery check.
+    rank_weight_sample: ClassVar[bool] = False
 
     config: RankedEngineSettings
 
@@ -424,6 +427,17 @@ class RankedTrainEngine(TrainEngine):
         """The transfer list as ``{"name", "shape", "dtype"}`` dicts (copies)."""
         self.require_initialized()
         return [dict(m) for m in self._transfer_meta]
+
+    def weight_sample(self, positions: dict[str, list[int]]) -> dict[str, Any]:
+        """The weight-delivery check's sample, taken in the ranks (the rank
+        module's ``weight_sample`` command: rank 0 answers with the sampled
+        elements of the full HF tensors; the others help gather). A rank
+        module without the command (``rank_weight_sample`` false) makes the
+        check skip itself with a note."""
+        self.require_initialized()
+        if not self.rank_weight_sample:
+            raise NotImplementedError(f"the {self.engine_name} engine's ranks do not sample their weights")
+        return dict(self.call_ranks("weight_sample", {"positions": dict(positions)})[0])
 
     def full_weights(self) -> dict[str, Any]:
         """Every weight as HF tensors in this process (small models, tests)."""

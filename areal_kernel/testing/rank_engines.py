@@ -449,6 +449,19 @@ class _WeightUpdateBase(_RankEngineSuite):
 
         return asyncio.run(go())
 
+    @staticmethod
+    def delivery(engine: Any, client: Any, version: int) -> dict[str, float]:
+        """The weight-delivery check (``monitor.weights``) over every tensor of
+        the tiny model: the engine's ranks sample what they hold, the server
+        fingerprints what it loaded. Returns the check's metrics."""
+        from areal_kernel.monitor.weights import WeightsMonitor
+
+        said: list[str] = []
+        monitor = WeightsMonitor(action="warn", tensors_per_update=10_000, warn=said.append)
+        metrics = monitor.check(version, engine, client)
+        assert monitor.skipped is None and metrics["weights_checked"] > 0, said
+        return metrics
+
     def transport(self, mode: str, engine: Any, client: Any, run_dir: str, bucket_bytes: int) -> tuple[str, Any]:
         """The transport the kernel's hook selects for ``mode`` on cpu, built
         from the registry as ``areal train`` builds it."""
@@ -494,7 +507,9 @@ class RankEngineWeightUpdateSuite(_WeightUpdateBase):
     """The in-memory broadcast from the ranks (asked for by name: the kernel
     default on cpu is disk) in many 16 KB buckets: the server computes what
     the ranks hold; after training the server has not moved by itself; the
-    update brings it to the trained weights.
+    update brings it to the trained weights. The weight-delivery check
+    (sampled in the ranks) is clean after each update and finds the stale
+    server in between.
 
     Class attribute ``ENGINE_NAME``. Fixtures: ``update_engine`` (an
     initialized engine of the plugin on ``tiny_model_dir``, lr about 1e-3;
@@ -513,11 +528,15 @@ class RankEngineWeightUpdateSuite(_WeightUpdateBase):
             first = self.greedy(client)
             assert set(first.output_versions) == {v1}
             self.check_agree(engine, first)
+            # The weight-delivery check, sampled in the ranks, finds what was sent.
+            assert self.delivery(engine, client, v1)["weights_mismatch"] == 0
             # (2) Train: the engine moves away from what the server serves.
             self.train_steps(engine, range(3), [6, 8, 7, 9])
             assert self.disagreement(engine, first) > 1e-3
             # The server did not move by itself.
             assert self.greedy(client).output_logprobs == first.output_logprobs
+            # The check's negative control: the server is stale against the ranks.
+            assert self.delivery(engine, client, v1 + 1)["weights_mismatch"] > 0
             # (3) The in-memory update brings the server to the trained weights.
             v2 = v1 + 1
             transport.update(v2)
@@ -525,6 +544,7 @@ class RankEngineWeightUpdateSuite(_WeightUpdateBase):
             assert client.get_version() == v2 and set(second.output_versions) == {v2}
             self.check_agree(engine, second)
             assert second.output_logprobs != first.output_logprobs
+            assert self.delivery(engine, client, v2)["weights_mismatch"] == 0
         finally:
             transport.close()
 

@@ -72,6 +72,7 @@ class FSDPTrainEngine(RankedTrainEngine):
     rank_module = "areal_fsdp.rank"
     save_state_command = "dcp_save"  # torch.distributed.checkpoint: any rank count can load it (DCP reshards)
     load_state_command = "dcp_load"
+    rank_weight_sample = True  # the weight-delivery check samples in the ranks
 
     config: FSDPEngineConfig
 

@@ -490,6 +490,15 @@ class FSDPRankEngine:
         current_platform().synchronize()
         return {"buckets": n_buckets}
 
+    def weight_sample(self, positions: dict[str, list[int]]) -> dict[str, Any] | None:
+        """The weight-delivery check's sample (rank 0; None elsewhere): only
+        the sampled tensors are gathered, the elements taken on rank 0."""
+        from areal_kernel.utils.tensor_sample import sample_named
+
+        names = [m["name"] for m in self.transfer_meta if m["name"] in positions]
+        named = self._gather_group(self._named_sharded(), names)
+        return sample_named(named, positions) if self.rank == 0 else None
+
     def full_weights(self) -> list[tuple[str, Any]] | None:
         """The gathered weights (rank 0; None elsewhere): for tests and small models."""
         named = self._gather_group(self._named_sharded(), [m["name"] for m in self.transfer_meta])

@@ -50,6 +50,7 @@ class MegatronTrainEngine(RankedTrainEngine):
     # megatron-core's dist_checkpointing; the optimizer needs the same t and p layout to load.
     save_state_command = "dist_save"
     load_state_command = "dist_load"
+    rank_weight_sample = True  # the weight-delivery check samples in the ranks
 
     config: MegatronEngineConfig
 

@@ -549,6 +549,16 @@ class MegatronRankEngine:
         dist.all_reduce(vec, op=dist.ReduceOp.MAX)
         return [int(x) for x in vec.tolist()]
 
+    def weight_sample(self, positions: dict[str, list[int]]) -> dict[str, Any] | None:
+        """The weight-delivery check's sample (rank 0; None elsewhere). The
+        HF tensors come out of ``iter_hf``, a collective walk over every
+        tensor (the gathers of one tensor involve its owners), so the walk
+        is whole; only the sampled tensors' elements are kept."""
+        from areal_kernel.utils.tensor_sample import sample_named
+
+        picked = [(n, t.clone()) for n, t in self.iter_hf() if self.rank == 0 and n in positions]
+        return sample_named(picked, positions) if self.rank == 0 else None
+
     def full_weights(self) -> list[tuple[str, Any]] | None:
         named = [(n, t.clone()) for n, t in self.iter_hf()]
         return named if self.rank == 0 else None
