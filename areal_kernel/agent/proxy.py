@@ -509,7 +509,7 @@ class AgentProxy:
             id=f"{rid}/{index}", response_id=rid, turn=turn, index=index, messages=list(req.messages),
             tools=req.tools, prompt_ids=list(prompt), output_ids=list(resp.output_ids),
             output_logprobs=list(resp.output_logprobs), output_versions=list(resp.output_versions),
-            stop_reason=resp.stop_reason, reply=reply, finish_reason=finish, parent=parent,
+            stop_reason=resp.stop_reason, reply=reply, finish_reason=finish, parent=parent, server=resp.server,
         )  # fmt: skip
         session.completions.append(c)
         return c

@@ -35,7 +35,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from areal_kernel.api.io import GenerationConfig, StopReason, Trajectory
+from areal_kernel.api.io import SERVER_KEY, GenerationConfig, StopReason, Trajectory
 
 ExportFormat = Literal["trajectory", "turns"]
 
@@ -70,6 +70,7 @@ class Completion:
     finish_reason: str
     parent: "Completion | None" = None
     reward: float | None = None
+    server: str | None = None  # the address of the server that generated it (provenance)
 
     @property
     def tokens(self) -> list[int]:
@@ -156,8 +157,17 @@ class Session:
             reward=0.0 if reward is None else float(reward),
             group_id=self.group,
             sample_id=sample_id,
-            metadata={"session_id": self.id, "completions": [c.id for c in chain], **self.metadata},
+            metadata=self._metadata(chain),
         )
+
+    def _metadata(self, chain: list[Completion]) -> dict[str, Any]:
+        meta: dict[str, Any] = {"session_id": self.id, "completions": [c.id for c in chain], **self.metadata}
+        # Provenance: the servers that generated the row's turns, in order
+        # (samples.jsonl records it; `areal inspect` prints it).
+        servers = list(dict.fromkeys(c.server for c in chain if c.server))
+        if servers:
+            meta[SERVER_KEY] = ",".join(servers)
+        return meta
 
     def summary(self) -> dict[str, Any]:
         return {
@@ -182,6 +192,7 @@ def export_json(rows: list[tuple[Trajectory, float | None]]) -> list[dict[str, A
             "reward": reward,
             "sample_id": t.sample_id,
             "completions": t.metadata.get("completions", []),
+            "server": t.metadata.get(SERVER_KEY),
         }
         for t, reward in rows
     ]

@@ -81,3 +81,7 @@ def test_online_sessions_from_outside_are_trained_on(areal_tiny_chat_model_dir, 
     assert result["steps"] == 1 and result["samples"] == 2
     (step,) = [json.loads(line) for line in open(run_dir / "metrics.jsonl") if '"perf/step_s"' in line]
     assert step["reward/mean"] == 0.5 and step["batch/sequences"] == 2  # rewards 0 and 1, one row per session
+    # Provenance of the agents' samples: the run's one server generated both.
+    (trained,) = [json.loads(line) for line in open(run_dir / "samples.jsonl")]
+    servers = {s["server"] for s in trained["samples"]}
+    assert len(trained["samples"]) == 2 and len(servers) == 1 and servers.pop().startswith("127.0.0.1:"), trained

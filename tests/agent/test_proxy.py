@@ -88,6 +88,9 @@ def test_several_turns_reuse_the_exact_tokens_of_earlier_answers(proxy, recorder
         want_lp[s : s + len(r.output_ids)] = r.output_logprobs
     assert row["loss_mask"] == want_mask and row["logprobs"] == want_lp
     assert sum(row["loss_mask"]) == sum(len(r.output_ids) for _, r in calls)
+    # Provenance: the server that generated the answers (one here), as the trained sample records it.
+    servers = {r.server for _, r in calls}
+    assert len(servers) == 1 and None not in servers and row["server"] == servers.pop()
 
 
 def test_retokenising_model_output_would_drift_and_the_proxy_does_not(tokenizer):
