@@ -209,6 +209,9 @@ CASES: dict[str, tuple[list[str], dict[str, str], object]] = {
     # server, and both loaded the corrupted file.
     "weights_clean": ([*WEIGHTS_BASE, "trainer.max_steps=3"], {"AREAL_FAULT_CORRUPT": "none"}, None),
     "weights_corrupt": ([*WEIGHTS_BASE, "trainer.max_steps=4"], {"AREAL_FAULT_CORRUPT": f"2:{CORRUPTED}"}, None),
+    # The same transport; update 2 reaches only the first server, the second
+    # is told version 2 and keeps serving version 1's weights.
+    "weights_stale": ([*WEIGHTS_BASE, "trainer.max_steps=4"], {"AREAL_FAULT_STALE": "2"}, None),
     "server_exits": (["trainer.max_steps=2"], {}, _no_weights_model),
     # Python alone takes longer than 1 s to start the server: it is alive but
     # not yet answering /health when the launcher gives up and kills it.
@@ -481,6 +484,26 @@ def test_weight_check_names_the_tensor_corrupted_in_transit_in_that_update(run, 
     assert [s["monitor/weights_mismatch"] for s in clean.steps()[:2]] == [0.0, 0.0]
 
 
+def test_weight_check_names_the_server_left_on_old_weights(run, fault_runs):
+    """A weight sync that did not land on one server (it was told version 2,
+    kept version 1's weights): the check at update 2 names that server, and
+    only that one; the run stops there. The clean twin (same transport,
+    every update delivered) is the control."""
+    r = run
+    line = _one_line_error(r)
+    version, stale = (r.fault_dir / "stale.log").read_text().split()
+    assert version == "2"
+    assert f"weight delivery check failed at version 2: server {stale}: tensor '" in line, line
+    steps = r.steps()
+    assert [s["step"] for s in steps] == [1, 2], steps
+    # Every trained tensor differs on the stale server; the other server matches.
+    n_tensors = steps[0]["monitor/weights_checked"] / 2
+    assert steps[0]["monitor/weights_mismatch"] == 0 and 0 < steps[1]["monitor/weights_mismatch"] <= n_tensors, steps
+    assert not (r.run_dir / "result.json").exists()
+    clean = fault_runs["weights_clean"].result()
+    assert clean.returncode == 0 and not (clean.fault_dir / "stale.log").exists(), clean.explain()
+
+
 # -- inference servers --------------------------------------------------------
 
 
@@ -516,7 +539,7 @@ def test_server_never_healthy_within_startup_timeout(run):
 # Runs that a test of another case also reads: case -> those cases.
 ALSO_FOR = {
     "mismatch_clean": ("mismatch_cold",),  # the cold run's noise floor
-    "weights_clean": ("weights_corrupt",),  # the corrupted run's clean twin
+    "weights_clean": ("weights_corrupt", "weights_stale"),  # the faulted runs' clean twin
 }
 
 TEST_CASE = {
@@ -529,6 +552,7 @@ TEST_CASE = {
     test_mismatch_monitor_stops_a_run_whose_servers_sample_at_another_temperature.__name__: "mismatch_cold",
     test_weight_check_passes_every_update_of_a_clean_run.__name__: "weights_clean",
     test_weight_check_names_the_tensor_corrupted_in_transit_in_that_update.__name__: "weights_corrupt",
+    test_weight_check_names_the_server_left_on_old_weights.__name__: "weights_stale",
     test_server_that_exits_at_start_is_reported_with_its_log_tail.__name__: "server_exits",
     test_server_never_healthy_within_startup_timeout.__name__: "server_unhealthy",
 }

@@ -144,12 +144,42 @@ class CorruptingDiskTransport(DiskTransport):
     """The built-in disk transport with a fault between the trainer's write
     and the servers' load: ``AREAL_FAULT_CORRUPT=<version>:<tensor>`` changes
     that tensor of that version's update (``none``: a clean pass-through, the
-    negative control). Each corruption is logged to ``corrupted.log``."""
+    negative control). Each corruption is logged to ``corrupted.log``.
+    ``AREAL_FAULT_STALE=<version>``: at that update the last server is only
+    told the new version and keeps serving the weights it had (a weight
+    sync that did not land); logged to ``stale.log``."""
 
     name = "fault_corrupt_disk"
 
     def __init__(self, train_engine, infer_engine, run_dir, bucket_bytes=0):
-        super().__init__(_CorruptingSender(train_engine), infer_engine, run_dir, bucket_bytes)
+        super().__init__(_CorruptingSender(train_engine), _StaleServer(infer_engine), run_dir, bucket_bytes)
+
+
+class _StaleServer:
+    """The inference engine, except that the update of ``AREAL_FAULT_STALE``
+    reaches every server but the last, which gets only the version label."""
+
+    def __init__(self, engine):
+        self._engine = engine
+        spec = os.environ.get("AREAL_FAULT_STALE", "none")
+        self._version = None if spec == "none" else int(spec)
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    def update_weights(self, meta):
+        e = self._engine
+        if meta.version != self._version or meta.kind != "disk" or meta.adapter is not None:
+            return e.update_weights(meta)
+        *fresh, stale = [s.address for s in e.servers]
+        for address in fresh:
+            e.control(address, e.protocol.update_weights_from_disk(meta.path, meta.version))
+        e.control(stale, e.protocol.set_version(meta.version))
+        e.set_version(meta.version)
+        d = os.environ.get("AREAL_FAULT_DIR")
+        if d:
+            with open(os.path.join(d, "stale.log"), "a", encoding="utf-8") as f:
+                f.write(f"{meta.version} {stale}\n")
 
 
 class _CorruptingSender:

@@ -47,4 +47,4 @@ def areal_select_weight_transport(train_backend, inference_backend, platform, mo
     import os
 
     # Set (to a fault or to "none", the clean twin): every update goes through the wrapper.
-    return "fault_corrupt_disk" if os.environ.get("AREAL_FAULT_CORRUPT") else None
+    return "fault_corrupt_disk" if os.environ.get("AREAL_FAULT_CORRUPT") or os.environ.get("AREAL_FAULT_STALE") else None
