@@ -173,6 +173,7 @@ def _no_weights_model(tiny_model: str, workdir: Path) -> str:
 # the ones the alarm reads (docs/monitoring.md).
 MONITOR_BASE = ["reward.type=fault_spread", "monitor.mismatch.action=error", "monitor.mismatch.patience=2",
                 "rollout.max_staleness=0"]  # fmt: skip
+LORA = ["actor.torch.lora={rank: 4, alpha: 8, name: policy}"]
 WEIGHTS_BASE = ["reward.type=fault_spread", "monitor.weights.action=error", "rollout.backend=embedded:d2"]
 CORRUPTED = "model.layers.1.mlp.down_proj.weight"
 NAN_BASE = ["reward.type=fault_spread", "algorithm.loss=fault_nan_ppo", "checkpoint.save_every=1"]
@@ -212,6 +213,9 @@ CASES: dict[str, tuple[list[str], dict[str, str], object]] = {
     # The same transport; update 2 reaches only the first server, the second
     # is told version 2 and keeps serving version 1's weights.
     "weights_stale": ([*WEIGHTS_BASE, "trainer.max_steps=4"], {"AREAL_FAULT_STALE": "2"}, None),
+    # A LoRA run: adapter update 2 never reaches the second server.
+    "adapter_dropped": ([*WEIGHTS_BASE, *LORA, "trainer.max_steps=4"], {"AREAL_FAULT_STALE": "2"}, None),
+    "adapter_clean": ([*WEIGHTS_BASE, *LORA, "trainer.max_steps=3"], {"AREAL_FAULT_CORRUPT": "none"}, None),
     "server_exits": (["trainer.max_steps=2"], {}, _no_weights_model),
     # Python alone takes longer than 1 s to start the server: it is alive but
     # not yet answering /health when the launcher gives up and kills it.
@@ -504,6 +508,27 @@ def test_weight_check_names_the_server_left_on_old_weights(run, fault_runs):
     assert clean.returncode == 0 and not (clean.fault_dir / "stale.log").exists(), clean.explain()
 
 
+def test_weight_check_names_the_server_an_adapter_update_never_reached(run, fault_runs):
+    """LoRA: adapter update 2 is loaded by the first server only; the second
+    keeps serving version 1 of the adapter. The check (over the adapter's
+    tensors) stops the run at step 2 naming that server only; the clean
+    LoRA run through the same transport is the control."""
+    r = run
+    line = _one_line_error(r)
+    version, stale = (r.fault_dir / "stale.log").read_text().split()
+    assert version == "2"
+    assert f"weight delivery check failed at version 2: server {stale}: tensor '" in line, line
+    assert "lora" in line, line  # an adapter tensor
+    steps = r.steps()
+    assert [s["step"] for s in steps] == [1, 2], steps
+    assert steps[0]["monitor/weights_mismatch"] == 0 and steps[1]["monitor/weights_mismatch"] > 0, steps
+    clean = fault_runs["adapter_clean"].result()
+    assert clean.returncode == 0, clean.explain()
+    steps = clean.steps()
+    assert [s["step"] for s in steps] == [1, 2, 3] and all(s["monitor/weights_mismatch"] == 0 for s in steps)
+    assert all(s["monitor/weights_checked"] > 0 for s in steps), steps
+
+
 # -- inference servers --------------------------------------------------------
 
 
@@ -540,6 +565,7 @@ def test_server_never_healthy_within_startup_timeout(run):
 ALSO_FOR = {
     "mismatch_clean": ("mismatch_cold",),  # the cold run's noise floor
     "weights_clean": ("weights_corrupt", "weights_stale"),  # the faulted runs' clean twin
+    "adapter_clean": ("adapter_dropped",),  # the dropped adapter update's clean twin
 }
 
 TEST_CASE = {
@@ -553,6 +579,7 @@ TEST_CASE = {
     test_weight_check_passes_every_update_of_a_clean_run.__name__: "weights_clean",
     test_weight_check_names_the_tensor_corrupted_in_transit_in_that_update.__name__: "weights_corrupt",
     test_weight_check_names_the_server_left_on_old_weights.__name__: "weights_stale",
+    test_weight_check_names_the_server_an_adapter_update_never_reached.__name__: "adapter_dropped",
     test_server_that_exits_at_start_is_reported_with_its_log_tail.__name__: "server_exits",
     test_server_never_healthy_within_startup_timeout.__name__: "server_unhealthy",
 }

@@ -147,7 +147,8 @@ class CorruptingDiskTransport(DiskTransport):
     negative control). Each corruption is logged to ``corrupted.log``.
     ``AREAL_FAULT_STALE=<version>``: at that update the last server is only
     told the new version and keeps serving the weights it had (a weight
-    sync that did not land); logged to ``stale.log``."""
+    sync that did not land); with LoRA, the adapter update never reaches it
+    and it keeps the adapter's previous version. Logged to ``stale.log``."""
 
     name = "fault_corrupt_disk"
 
@@ -169,13 +170,20 @@ class _StaleServer:
 
     def update_weights(self, meta):
         e = self._engine
-        if meta.version != self._version or meta.kind != "disk" or meta.adapter is not None:
+        if meta.version != self._version or meta.kind != "disk":
             return e.update_weights(meta)
         *fresh, stale = [s.address for s in e.servers]
-        for address in fresh:
-            e.control(address, e.protocol.update_weights_from_disk(meta.path, meta.version))
-        e.control(stale, e.protocol.set_version(meta.version))
-        e.set_version(meta.version)
+        if meta.adapter is not None:
+            # An adapter update that never reaches the last server: it keeps
+            # serving the adapter's previous version.
+            for address in fresh:
+                e.control(address, e.protocol.load_adapter(meta.adapter, meta.path, meta.version, True))
+            e.set_version(meta.version)
+        else:
+            for address in fresh:
+                e.control(address, e.protocol.update_weights_from_disk(meta.path, meta.version))
+            e.control(stale, e.protocol.set_version(meta.version))
+            e.set_version(meta.version)
         d = os.environ.get("AREAL_FAULT_DIR")
         if d:
             with open(os.path.join(d, "stale.log"), "a", encoding="utf-8") as f:
