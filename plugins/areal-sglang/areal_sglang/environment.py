@@ -13,11 +13,14 @@ format with the trainer.
 from __future__ import annotations
 
 from areal_kernel.api.environment import EnvironmentContext, EnvironmentSpec
+from areal_kernel.environments import extra_requirements
 
 
 def sglang_environment(ctx: EnvironmentContext) -> EnvironmentSpec:
+    # What areal-sglang's extra for the platform pins (the cuda one elsewhere).
+    extra = "npu" if ctx.platform == "npu" else "cuda"
     return EnvironmentSpec(
-        requirements=("sglang==0.5.23",),
+        requirements=extra_requirements("areal-sglang", extra),
         needs=("sglang>=0.5.23,<0.6",),
         torch_matters=True,
         description="SGLang servers (rollout.backend: sglang)",

