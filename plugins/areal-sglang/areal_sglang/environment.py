@@ -16,11 +16,15 @@ from areal_kernel.api.environment import EnvironmentContext, EnvironmentSpec
 from areal_kernel.environments import extra_requirements
 
 
+# The extra of areal-sglang whose pins `areal env create sglang` installs,
+# per platform name (data: SGLang names its builds per device); the cuda
+# one elsewhere.
+EXTRA = {"npu": "npu"}
+
+
 def sglang_environment(ctx: EnvironmentContext) -> EnvironmentSpec:
-    # What areal-sglang's extra for the platform pins (the cuda one elsewhere).
-    extra = "npu" if ctx.platform == "npu" else "cuda"
     return EnvironmentSpec(
-        requirements=extra_requirements("areal-sglang", extra),
+        requirements=extra_requirements("areal-sglang", EXTRA.get(ctx.platform, "cuda")),
         needs=("sglang>=0.5.23,<0.6",),
         torch_matters=True,
         description="SGLang servers (rollout.backend: sglang)",
