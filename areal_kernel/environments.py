@@ -329,11 +329,15 @@ def in_memory_fallback(config: Any) -> str | None:
     ``None``. The trainer then updates through disk and says so."""
     for where, settings in role_settings(config):
         if where.startswith("rollout."):
-            resolved = resolve_python(settings.python, settings.environment, where)
-            why = in_memory_problem(settings.environment, resolved)
+            why = _fallback_reason(where, settings, resolve_python(settings.python, settings.environment, where))
             if why:
-                return f"{where} is {resolved.python} ({resolved.source}): {why}"
+                return why
     return None
+
+
+def _fallback_reason(where: str, settings: Any, resolved: ResolvedPython) -> str | None:
+    why = in_memory_problem(settings.environment, resolved)
+    return f"{where} is {resolved.python} ({resolved.source}): {why}" if why else None
 
 
 def check_config(config: Any) -> list[str]:
@@ -342,13 +346,16 @@ def check_config(config: Any) -> list[str]:
     line). Returns notes: which interpreter each role runs from, and an
     in-memory update that will go through disk instead."""
     notes = []
+    fallback = None
+    broadcast = getattr(getattr(config, "weight_update", None), "mode", None) == "broadcast"
     for where, settings in role_settings(config):
+        # One resolution (and one probe of the interpreter) per role, for both notes.
         resolved = resolve_python(settings.python, settings.environment, where)
         notes.append(f"{where}: {resolved.python} ({resolved.source})")
-    if getattr(getattr(config, "weight_update", None), "mode", None) == "broadcast":
-        why = in_memory_fallback(config)
-        if why:
-            notes.append(f"weight_update.mode=broadcast: updates go through disk instead ({why})")
+        if broadcast and where.startswith("rollout.") and fallback is None:
+            fallback = _fallback_reason(where, settings, resolved)
+    if fallback:
+        notes.append(f"weight_update.mode=broadcast: updates go through disk instead ({fallback})")
     return notes
 
 
