@@ -30,6 +30,7 @@ BENCHES = [
     "bench_weight_update.py",
     "bench_weight_check.py",
     "bench_mismatch.py",
+    "bench_mismatch_normal.py",
     "bench_lora.py",
     "bench_async_vs_sync.py",
     "bench_soak.py",

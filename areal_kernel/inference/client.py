@@ -65,6 +65,10 @@ class ServerUnreachable(ServerError):
 # The operation to run on every server: one for all, or built per server address.
 OpForServer = Union[ControlOp, Callable[[str], ControlOp]]
 
+# Directories per adapter the client remembers for the weight-delivery check
+# (a server left several updates behind still maps to its version).
+ADAPTER_DIRS_KEPT = 16
+
 DEFAULT_KEEPALIVE_S = 4.0  # below the 5 s of uvicorn (vLLM, SGLang) and aiohttp's 75 s (embedded)
 
 
@@ -152,6 +156,11 @@ class RemoteInferenceEngine(InferenceEngine):
         # LoRA adapters the servers serve: name -> (peft directory, version)
         # of its last disk load (None after an in-memory one); replayed on a restarted server.
         self._adapters: dict[str, tuple[str, int] | None] = {}
+        # The directories each adapter was loaded from lately, path -> version
+        # (the last ADAPTER_DIRS_KEPT): the weight-delivery check passes them
+        # to a protocol whose servers report only the directory they serve
+        # (SGLang), which maps it back to a version.
+        self._adapter_dirs: dict[str, dict[str, int]] = {}
         # The adapter requests use when their gconfig names none (the trainer
         # sets it to the adapter it trains).
         self.default_adapter: str | None = None
@@ -203,14 +212,26 @@ class RemoteInferenceEngine(InferenceEngine):
         ``name`` (replacing what it served under that name) as ``version``."""
         with self._weights_lock:
             replace = name in self._adapters
-            self._adapters[name] = (path, version)
+            self._record_adapter(name, path, version)
             self.control_all(lambda a: self.protocol.load_adapter(name, path, version, replace))
             if name == self.default_adapter or self.default_adapter is None:
                 self._version = version
 
+    def _record_adapter(self, name: str, path: str, version: int) -> None:
+        """Record that the servers are told to serve ``path`` as ``version`` of
+        adapter ``name`` (before the calls: a server the load misses is then
+        found by the weight-delivery check, not taken as the reference)."""
+        self._adapters[name] = (path, version)
+        dirs = self._adapter_dirs.setdefault(name, {})
+        dirs.pop(path, None)
+        dirs[path] = version
+        while len(dirs) > ADAPTER_DIRS_KEPT:
+            dirs.pop(next(iter(dirs)))
+
     def unload_adapter(self, name: str) -> None:
         with self._weights_lock:
             self._adapters.pop(name, None)
+            self._adapter_dirs.pop(name, None)
             self.control_all(lambda a: self.protocol.unload_adapter(name))
 
     def update_adapter_from_distributed_async(
@@ -224,6 +245,7 @@ class RemoteInferenceEngine(InferenceEngine):
     ) -> list[concurrent.futures.Future]:
         """Start an in-memory adapter update on every server (``protocol.adapter_broadcast``)."""
         self._adapters[name] = None
+        self._adapter_dirs.pop(name, None)
         return self.control_async(
             self.protocol.update_adapter_from_distributed(name, config, tensors, version, bucket_bytes, group_name)
         )
@@ -264,8 +286,16 @@ class RemoteInferenceEngine(InferenceEngine):
         address, errors by address)``. A held server (being restarted) is left
         out: its resync replays the update. ``NotImplementedError`` when the
         protocol has no such route, or when every server answered 404 (an
-        older server)."""
+        older server).
+
+        For an adapter loaded from a directory, the client adds to ``spec``
+        ``"adapter_dirs"``: ``{path: version}`` of the directories it told
+        the servers to load for that adapter lately (newest last), for a
+        protocol whose servers can report only the directory they serve."""
         servers = [s for s in self.servers if not s.held]
+        dirs = self._adapter_dirs.get(spec.get("adapter") or "")
+        if dirs:
+            spec = {**spec, "adapter_dirs": dict(dirs)}
         # One operation per server: a protocol may keep per-call state in it
         # (SGLang assembles the fingerprint from several replies).
         futures = [self._pool.submit(self.control, s.address, self.protocol.weight_fingerprint(spec)) for s in servers]

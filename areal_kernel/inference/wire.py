@@ -165,7 +165,16 @@ class ServerProtocol:
         holds in a form it cannot read back, e.g. repacked for its kernels;
         not compared and left out of later samples), over
         the tensors as loaded (after any dtype conversion, before any fusion
-        the trainer does not do). Without it the check is skipped."""
+        the trainer does not do). Without it the check is skipped.
+
+        A server that can tell which version it serves but cannot read the
+        tensors back answers ``{"version": <int or null>, "tensors": {},
+        "version_only": "<why, and what it serves>"}``: only the version is
+        compared. For an adapter loaded from a directory the client adds
+        ``spec["adapter_dirs"]`` (``{path: version}`` of the directories it
+        told the servers to load lately), so a protocol whose servers report
+        the directory they loaded (SGLang's ``/v1/models``) can map it back
+        to a version."""
         raise NotImplementedError
 
     # -- LoRA adapters (backends that serve adapters beside the base weights) --

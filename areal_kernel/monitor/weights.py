@@ -256,7 +256,10 @@ def fingerprint(
     it serves): ``{"version": <the weight version it serves>, "tensors":
     {name: checksum}, "missing": [names it does not have]}``. A position
     beyond a tensor's size is reported as ``{"numel": ...}`` alone (the
-    trainer sees the size mismatch)."""
+    trainer sees the size mismatch). A server that holds a tensor multiplied
+    by a factor (vLLM's LoRA ``lora_B``) adds ``"scale": factor`` to that
+    tensor's checksum; the trainer multiplies its values, in the server's
+    dtype, by it before comparing."""
     tensors: dict[str, Any] = {}
     missing: list[str] = []
     names: list[str] = []
@@ -300,14 +303,34 @@ def compare(
     """Compare one server's ``reply`` with the trainer's sampled values
     ``sent`` (name -> the values at ``spec.positions``, in the trainer's
     dtype); ``numels``: each tensor's size. Returns (tensors compared,
-    mismatches)."""
+    mismatches).
+
+    A reply with ``"version_only": "<why>"`` carries no checksums: the
+    server can report which weight version it serves but cannot read the
+    tensors back (SGLang's LoRA adapters). Then only its ``version`` is
+    compared (counted as one comparison; a missing or other version is a
+    mismatch with tensor ``*`` whose message ends with ``<why>``)."""
     from areal_kernel.weights.broadcast import parse_dtype
 
     v = spec.version
     if not isinstance(reply, dict) or not isinstance(reply.get("tensors"), dict):
         return 0, [TensorMismatch(server, "*", v, f"unreadable fingerprint reply {str(reply)[:200]}")]
-    out: list[TensorMismatch] = []
     served = reply.get("version")
+    only = reply.get("version_only")
+    if isinstance(only, str):
+        # The server can tell which version it serves but not read the
+        # tensors back (SGLang's LoRA adapters: it reports the directory it
+        # loaded, which the protocol mapped to a version): one comparison,
+        # the version; the reason stays in the message.
+        if served == v and isinstance(served, int):
+            return 1, []
+        said = (
+            f"the server reports serving weight version {served}"
+            if isinstance(served, int)
+            else f"the server does not report serving version {v}"
+        )
+        return 1, [TensorMismatch(server, "*", v, f"{said} ({only})")]
+    out: list[TensorMismatch] = []
     if isinstance(served, int) and served != v:
         out.append(TensorMismatch(server, "*", v, f"the server reports serving weight version {served}"))
     got = reply["tensors"]
@@ -332,7 +355,17 @@ def compare(
             out.append(TensorMismatch(server, name, v, f"the server reports an unknown dtype {r.get('dtype')!r}"))
             continue
         values = sent[name]
-        todo.append((name, r, values.to(dtype) if values.dtype != dtype else values))
+        mine = values.to(dtype) if values.dtype != dtype else values
+        scale = r.get("scale")
+        if scale is not None:
+            # The server holds the values multiplied by ``scale`` in its dtype
+            # (vLLM folds a LoRA adapter's scaling into lora_B): one rounded
+            # multiplication, the same here as there, so bits still compare.
+            if not isinstance(scale, (int, float)) or isinstance(scale, bool):
+                out.append(TensorMismatch(server, name, v, f"the server reports a non-numeric scale {scale!r}"))
+                continue
+            mine = mine * float(scale)
+        todo.append((name, r, mine))
     mine_all = checksums([t[2] for t in todo])
     for (name, r, _), mine in zip(todo, mine_all):
         values = sent[name]
@@ -399,6 +432,8 @@ class WeightsMonitor:
     warn: Callable[[str], None] = field(default=print)
     pending: str | None = None
     skipped: str | None = None  # why the check cannot run (said once)
+    # Said once: a server answered its version only (see compare's "version_only").
+    version_only_noted: bool = False
     mismatches: list[TensorMismatch] = field(default_factory=list)
     _numels: dict[str, int] | None = None
     _shapes: dict[str, list[int]] = field(default_factory=dict)
@@ -441,6 +476,7 @@ class WeightsMonitor:
         found: list[TensorMismatch] = []
         for server, reply in replies.items():
             self._note_unreadable(server, reply)
+            self._note_version_only(server, reply, spec)
             n, bad = compare(sent, self._numels, spec, server, reply)
             checked += n
             found.extend(bad)
@@ -466,6 +502,16 @@ class WeightsMonitor:
             "weights_servers": float(len(replies)),
             "weights_check_s": time.monotonic() - t0,
         }
+
+    def _note_version_only(self, server: str, reply: Any, spec: FingerprintSpec) -> None:
+        why = reply.get("version_only") if isinstance(reply, dict) else None
+        if not isinstance(why, str) or self.version_only_noted:
+            return
+        self.version_only_noted = True
+        what = f"adapter {spec.adapter!r}" if spec.adapter is not None else "the weights"
+        self.warn(
+            f"note: weight-delivery check: server {server} answers the version of {what} only, not its bytes ({why})"
+        )
 
     def _note_unreadable(self, server: str, reply: Any) -> None:
         names = reply.get("unreadable") if isinstance(reply, dict) else None

@@ -120,7 +120,9 @@ def test_steps_without_tokens_and_off_leave_no_trace():
 def test_config_section_names_bad_values():
     from areal_kernel.config.models import ExperimentConfig
 
-    assert ExperimentConfig.model_validate({"monitor": {"mismatch": {"action": False}}}).monitor.mismatch.action == "off"
+    assert (
+        ExperimentConfig.model_validate({"monitor": {"mismatch": {"action": False}}}).monitor.mismatch.action == "off"
+    )
     with pytest.raises(Exception, match="bound"):
         ExperimentConfig.model_validate({"monitor": {"mismatch": {"bound": 0}}})
     with pytest.raises(Exception, match="action"):

@@ -136,6 +136,33 @@ def test_server_holding_another_dtype_compares_exactly(served):
     assert [m.tensor for m in _check(trainer, server, spec)[1]] == [name]
 
 
+@pytest.mark.parametrize("factor", [2.0, 0.75, 1 / 3])
+def test_a_server_holding_scaled_values_compares_exactly_when_it_says_so(factor):
+    # vLLM holds a LoRA adapter's lora_B multiplied by its scaling (in place,
+    # in its dtype) and says so with "scale"; the trainer multiplies the same way.
+    trainer = _model()
+    server = {k: v.clone() for k, v in trainer.items()}
+    name = "model.layers.2.mlp.weight"
+    server[name] *= factor
+    spec = plan(_numels(trainer), 3, 100, 16)
+    sent = sample_named(trainer.items(), spec.positions)
+    numels = {n: t.numel() for n, t in trainer.items()}
+    reply = fingerprint(server, spec, 3)
+    # Control: without the server's word the scaled tensor differs.
+    assert [m.tensor for m in compare(sent, numels, spec, "srv", reply)[1]] == [name]
+    reply["tensors"][name]["scale"] = factor
+    checked, bad = compare(sent, numels, spec, "srv", reply)
+    assert checked == len(trainer) and bad == [], bad
+    # One ulp off in the scaled values is still a mismatch.
+    pos = spec.positions[name]
+    server[name].view(-1).view(torch.int32)[pos[0]] ^= 1
+    reply = fingerprint(server, spec, 3)
+    reply["tensors"][name]["scale"] = factor
+    assert [m.tensor for m in compare(sent, numels, spec, "srv", reply)[1]] == [name]
+    reply["tensors"][name]["scale"] = "2"
+    assert "non-numeric scale" in compare(sent, numels, spec, "srv", reply)[1][0].detail
+
+
 def test_missing_tensor_wrong_size_and_stale_version_are_named():
     trainer = _model()
     spec = plan(_numels(trainer), 7, 100, 4)

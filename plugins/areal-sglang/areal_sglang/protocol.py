@@ -8,6 +8,7 @@ so versions travel as ``str(int)`` and come back through ``int()``.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from areal_kernel.api.io import GenerationConfig, StopReason
@@ -228,9 +229,24 @@ class SGLangProtocol(ServerProtocol):
         is the HF name, ``truncate_size`` the leading rows to return), the
         fingerprint computed here from the values: the sampled positions lie
         in the first ``fingerprint_prefix`` elements. The last call's parse
-        returns the whole fingerprint (``areal_kernel.monitor.weights.fingerprint``'s shape)."""
+        returns the whole fingerprint (``areal_kernel.monitor.weights.fingerprint``'s shape).
+
+        An adapter: SGLang has no route that reads an adapter's weights, but
+        ``GET /v1/models`` lists every loaded adapter (``id``: its name,
+        ``root``: the path it was loaded from). The client passes the
+        directories it told the servers to load (``spec["adapter_dirs"]``,
+        path -> version); the reply is the version whose directory the server
+        serves, ``version_only`` (no bytes compared)."""
         if spec.get("adapter") is not None:
-            raise NotImplementedError("SGLang has no route that reads a LoRA adapter's weights")
+            dirs = spec.get("adapter_dirs")
+            if not dirs:
+                # In memory (load_lora_adapter_from_tensors; not used by this
+                # plugin) SGLang lists every adapter's root as "__tensor__".
+                raise NotImplementedError(
+                    f"SGLang reports only the directory an adapter was loaded from, and adapter {spec['adapter']!r} "
+                    "was not loaded from one"
+                )
+            return [HttpCall("GET", "/v1/models", None, parse=_AdapterServed(spec["adapter"], dirs))]
         if self.dtype is None:
             raise NotImplementedError(
                 "the SGLang servers' dtype is 'auto' (set rollout.sglang.dtype or model.dtype to compare weights)"
@@ -287,6 +303,37 @@ class SGLangProtocol(ServerProtocol):
         return HttpCall(
             "POST", "/resume_memory_occupation", {"tags": list(tags)} if tags else {}, timeout_s=WEIGHT_CALL_TIMEOUT_S
         )
+
+
+class _AdapterServed:
+    """Parses SGLang's ``/v1/models`` (an OpenAI model list: the base model,
+    then one card per loaded adapter with ``root`` = its ``lora_path``) into a
+    ``version_only`` fingerprint of adapter ``name``: the version whose
+    directory (``dirs``: path -> version) the server serves, or null."""
+
+    def __init__(self, name: str, dirs: dict[str, int]) -> None:
+        self.name = name
+        # Normalised, so "dir/" and "dir" are one directory.
+        self.dirs = {os.path.normpath(p): int(v) for p, v in dirs.items()}
+
+    def __call__(self, raw: bytes) -> dict[str, Any]:
+        import json
+
+        data = json.loads(raw)
+        cards = data.get("data") if isinstance(data, dict) else None
+        if not isinstance(cards, list):
+            raise ValueError("/v1/models answered without a 'data' list")
+        # Adapter cards name the base model as their parent; the base card has none.
+        roots = [c.get("root") for c in cards if isinstance(c, dict) and c.get("id") == self.name and c.get("parent")]
+        no_bytes = "SGLang cannot read an adapter's weights back, so the directory it loaded is compared"
+        if not roots or not isinstance(roots[0], str):
+            return {"version": None, "tensors": {}, "version_only": f"it serves no adapter {self.name!r}; {no_bytes}"}
+        version = self.dirs.get(os.path.normpath(roots[0]))
+        return {
+            "version": version,
+            "tensors": {},
+            "version_only": f"it serves adapter {self.name!r} from {roots[0]!r}; {no_bytes}",
+        }
 
 
 class _FingerprintPart:

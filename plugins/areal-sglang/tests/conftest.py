@@ -162,3 +162,39 @@ def sglang_env_python(tmp_path_factory) -> str:
     dists = [str(p) for d in ORACLE_SITE.split(os.pathsep) for p in Path(d).glob("sglang-*.dist-info")]
     assert dists, ORACLE_INSTALL_HINT
     return metadata_venv(str(tmp_path_factory.mktemp("sglang-env") / "venv"), {}, copy_dist_info=(dists[0],))
+
+
+@pytest.fixture(scope="session")
+def sglang_standin_env_python(tmp_path_factory) -> str:
+    """A STAND-IN SGLang environment whose servers start: a metadata venv as
+    ``sglang_env_python``'s (SGLang's real installed metadata, so the
+    kernel's probe accepts it) plus a ``sglang.launch_server`` module that
+    runs ``sglang_standin.py``, and a ``.pth`` that adds this interpreter's
+    site-packages (torch, transformers, aiohttp, the kernel: what the
+    stand-in imports). ``rollout.sglang.python`` set to it makes the real
+    launcher start stand-ins with ``python -m sglang.launch_server``."""
+    import sysconfig
+
+    from areal_kernel.testing.envs import metadata_venv
+
+    from sglang_testutil import STANDIN
+
+    dists = [str(p) for d in ORACLE_SITE.split(os.pathsep) for p in Path(d).glob("sglang-*.dist-info")]
+    assert dists, ORACLE_INSTALL_HINT
+    python = metadata_venv(str(tmp_path_factory.mktemp("sglang-standin-env") / "venv"), {}, copy_dist_info=(dists[0],))
+    site = subprocess.run(
+        [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True, text=True, check=True,
+    ).stdout.strip()  # fmt: skip
+    pkg = Path(site) / "sglang"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text(
+        '"""STAND-IN: not SGLang (tests/sglang_standin.py behind its launch command)."""\n'
+    )
+    (pkg / "launch_server.py").write_text(
+        f"import runpy, sys\nsys.argv[0] = {str(STANDIN)!r}\nrunpy.run_path({str(STANDIN)!r}, run_name='__main__')\n"
+    )
+    # addsitedir, not a bare path line: it also runs that site's own .pth files (the editable installs).
+    main_site = sysconfig.get_paths()["purelib"]
+    (Path(site) / "areal_standin_main_site.pth").write_text(f"import site; site.addsitedir({main_site!r})\n")
+    return python

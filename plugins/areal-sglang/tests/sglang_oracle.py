@@ -16,6 +16,11 @@ answers these questions:
   through the route's JSON contract gate, ``normalize_batch_and_arguments``
   and ``SamplingParams(**sampling_params).verify``, as the tokenizer manager does.
 
+- ``POST /check_response {"route": ..., "body": ...}``: does SGLang's response
+  class for that route (``/v1/models``: ``ModelList`` of ``ModelCard``) accept
+  this answer (pydantic), with no key it does not declare? For the stand-in's
+  answers that the plugin parses.
+
 - ``POST /sglang_weights/{init,receive,destroy}``: SGLang's own
   ``WeightUpdater`` joins a weight-update group and receives broadcast
   weights (``load_format`` as sent), answering with a sha256 per tensor
@@ -120,6 +125,7 @@ def import_sglang() -> dict[str, Any]:
     import pydantic
     import sglang
     from sglang.srt.entrypoints.api_contract import generate_contract_error
+    from sglang.srt.entrypoints.openai.protocol import ModelCard, ModelList
     from sglang.srt.managers import io_struct as io
     from sglang.srt.sampling.sampling_params import SamplingParams
     from sglang.srt.server_args import prepare_server_args
@@ -143,6 +149,7 @@ def import_sglang() -> dict[str, Any]:
         "/get_weights_by_name": io.GetWeightsByNameReqInput,
     }
     return {
+        "responses": {"/v1/models": (ModelList, {"data": ModelCard})},
         "version": getattr(sglang, "__version__", "?"),
         "msgspec": msgspec,
         "pydantic": pydantic,
@@ -182,6 +189,27 @@ def check_request(sg: dict[str, Any], route: str, body: Any) -> dict[str, Any]:
             sp.verify(vocab_size=1 << 20)
         except Exception as e:
             return {"ok": False, "error": f"{type(e).__name__}: {e}"}
+    return {"ok": True, "error": None, "class": f"{cls.__module__}.{cls.__qualname__}"}
+
+
+def check_response(sg: dict[str, Any], route: str, body: Any) -> dict[str, Any]:
+    known = sg["responses"].get(route)
+    if known is None:
+        return {"ok": False, "error": f"no response class known for {route}; known: {sorted(sg['responses'])}"}
+    cls, items = known
+    if not isinstance(body, dict):
+        return {"ok": False, "error": "body must be a JSON object"}
+    # Keys the classes do not declare (pydantic would drop them silently), at the top and in each list item.
+    unknown = sorted(set(body) - set(cls.model_fields))
+    for key, item_cls in items.items():
+        for i, x in enumerate(body.get(key) or []):
+            unknown += [f"{key}[{i}].{k}" for k in sorted(set(x) - set(item_cls.model_fields))]
+    if unknown:
+        return {"ok": False, "error": f"{cls.__name__} has no field(s) {unknown}"}
+    try:
+        cls.model_validate_json(json.dumps(body))
+    except Exception as e:
+        return {"ok": False, "error": f"{cls.__name__} rejected the answer: {e}"}
     return {"ok": True, "error": None, "class": f"{cls.__module__}.{cls.__qualname__}"}
 
 
@@ -324,6 +352,8 @@ def main() -> None:
                     self._send(200, check_argv(sg, req["argv"], tuple(req.get("fields", ()))))
                 elif self.path == "/check_request":
                     self._send(200, check_request(sg, req["route"], req.get("body")))
+                elif self.path == "/check_response":
+                    self._send(200, check_response(sg, req["route"], req.get("body")))
                 elif self.path.startswith("/sglang_weights/"):
                     self._send(200, receiver.handle(self.path, req))
                 else:

@@ -10,11 +10,23 @@ is set, its own argv and every request body are first checked by SGLang's
 real parser and request classes (tests/sglang_oracle.py); a rejected body is
 answered 422 like FastAPI would.
 
-The "model" is a toy: the next token is a hash of the loaded weight files
-and the last few tokens, so outputs are deterministic, change when other
-weights are loaded and come back when the old ones are reloaded. Tokens are
-produced one at a time with a small delay so that pauses land mid-generation.
-Test-only routes live under ``/_standin/``.
+The "model" is a toy by default: the next token is a hash of the loaded
+weight files (and of the LoRA adapter a request names) and the last few
+tokens, so outputs are deterministic, change when other weights are loaded
+and come back when the old ones are reloaded; its logprobs mean nothing.
+With ``AREAL_SGLANG_STANDIN_MODEL=hf`` in its environment (not a flag:
+SGLang's own parser checks the argv) it serves the real Hugging Face causal
+LM of ``--model-path`` instead (``HFModel``: CPU, the ``--dtype`` it is
+given), sampling token by token at the request's temperature and reporting
+each token's logprob as SGLang does; weight updates and LoRA adapters load
+into it. Tokens are produced one at a time with a small delay so that
+pauses land mid-generation. Test-only routes live under ``/_standin/``.
+
+LoRA (``--enable-lora``): ``/load_lora_adapter`` / ``/unload_lora_adapter``
+and ``GET /v1/models``, which lists the base model and one card per loaded
+adapter (``id`` its name, ``root`` the path it was loaded from, ``parent``
+the base model), as SGLang's ``available_models`` does; with the oracle,
+that answer is checked against SGLang's ``ModelList`` class.
 """
 
 from __future__ import annotations
@@ -60,8 +72,8 @@ def oracle(path: str, payload: dict) -> dict:
 
 
 class Req:
-    def __init__(self, rid: str, ids: list[int], sp: dict) -> None:
-        self.rid, self.ids, self.sp = rid, ids, sp
+    def __init__(self, rid: str, ids: list[int], sp: dict, adapter: str | None = None) -> None:
+        self.rid, self.ids, self.sp, self.adapter = rid, ids, sp, adapter
         self.out: list[int] = []
         self.lps: list[float] = []
         self.abort = False
@@ -94,12 +106,79 @@ def as_served(t: Any, dtype: str) -> Any:
     return t.to(getattr(torch, served))
 
 
+class HFModel:
+    """The opt-in real model (``AREAL_SGLANG_STANDIN_MODEL=hf``): the HF causal
+    LM of the model directory on CPU, in the server's dtype (float32 for
+    ``auto``). Each token is one full forward pass without a cache (the
+    stand-in serves tiny models; no cache means no cache bugs). LoRA adapters
+    are applied unmerged through the kernel's ``AdapterSet`` (the embedded
+    server's), selected per request."""
+
+    def __init__(self, path: str, dtype: str) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        from areal_kernel.inference.embedded.lora import AdapterSet
+
+        served = {"half": "float16", "float": "float32", "auto": "float32"}.get(dtype, dtype)
+        self.torch = torch
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, served)).eval()
+        self.adapters = AdapterSet(self.model)
+
+    def load(self, tensors: dict[str, Any]) -> None:
+        """Copy ``tensors`` (HF names) into the model; a name it does not have is an error."""
+        params = self.model.state_dict()
+        unknown = sorted(set(tensors) - set(params))
+        if unknown:
+            raise ValueError(f"the model has no parameter(s) {unknown[:3]}")
+        with self.torch.no_grad():
+            for n, t in tensors.items():
+                params[n].copy_(t)
+
+    def table(self) -> dict[str, Any]:
+        return self.model.state_dict()
+
+    def next_token(self, ids: list[int], sp: dict, rng: random.Random, adapter: str | None) -> tuple[int, float]:
+        """One sampled token and its logprob as SGLang reports it (sampler.py,
+        default path): temperature 0 is greedy with log_softmax(logits);
+        otherwise the token is drawn from softmax(logits / T) restricted by
+        top_k / top_p, and its logprob is log_softmax(logits / T), before
+        the top-k/top-p truncation."""
+        torch = self.torch
+        with torch.no_grad():
+            self.adapters.rows = [adapter]
+            logits = self.model(torch.tensor([ids]), use_cache=False).logits[0, -1].float()
+        temp = float(sp.get("temperature", 1.0))
+        if temp == 0.0:
+            tok = int(torch.argmax(logits))
+            return tok, float(torch.log_softmax(logits, -1)[tok])
+        lps = torch.log_softmax(logits / temp, -1)
+        probs = lps.exp()
+        top_k = int(sp.get("top_k", -1))
+        if 0 < top_k < probs.numel():
+            probs = torch.where(probs >= torch.topk(probs, top_k).values[-1], probs, torch.zeros_like(probs))
+        top_p = float(sp.get("top_p", 1.0))
+        if top_p < 1.0:
+            sorted_p, order = torch.sort(probs, descending=True)
+            drop = torch.cumsum(sorted_p, 0) - sorted_p > top_p
+            probs = probs.scatter(0, order[drop], 0.0)
+        cdf = torch.cumsum(probs.double(), 0)
+        tok = int(torch.searchsorted(cdf, rng.random() * float(cdf[-1]), right=True).clamp(max=probs.numel() - 1))
+        return tok, float(lps[tok])
+
+
 class State:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.digest = weights_digest(args.model_path)
         # The weights themselves, for /get_weights_by_name.
         self.tensors = load_tensors(args.model_path, args.dtype)
+        mode = os.environ.get("AREAL_SGLANG_STANDIN_MODEL", "toy")
+        if mode not in ("toy", "hf"):
+            raise SystemExit(f"AREAL_SGLANG_STANDIN_MODEL must be 'toy' or 'hf', got {mode!r}")
+        self.hf = HFModel(args.model_path, args.dtype) if mode == "hf" else None
+        # Loaded LoRA adapters, in load order: name -> {"path", "digest"} (as SGLang's registry keeps them).
+        self.adapters: dict[str, dict[str, str]] = {}
         self.version = args.weight_version
         self.paused: str | None = None  # None or the pause mode
         self.resumed = asyncio.Event()
@@ -113,10 +192,15 @@ class State:
         self.log: list[dict] = []  # every control call, in order
         self.fail_next = 0
         self.fail_status = 503
+        self.fail_route = "/generate"  # the route the injected failures hit
         self.token_delay = float(os.environ.get("AREAL_STANDIN_TOKEN_DELAY_S", "0.01"))
 
-    def next_token(self, ids: list[int], greedy: bool, rng: random.Random) -> tuple[int, float]:
-        h = hashlib.sha256(f"{self.digest}:{ids[-6:]}:{len(ids)}".encode()).digest()
+    def next_token(self, ids: list[int], sp: dict, rng: random.Random, adapter: str | None) -> tuple[int, float]:
+        if self.hf is not None:
+            return self.hf.next_token(ids, sp, rng, adapter)
+        greedy = float(sp.get("temperature", 1.0)) == 0.0
+        lora = self.adapters[adapter]["digest"] if adapter is not None else ""
+        h = hashlib.sha256(f"{self.digest}:{lora}:{ids[-6:]}:{len(ids)}".encode()).digest()
         tok = int.from_bytes(h[:4], "little") % VOCAB
         lp = -0.05 - (h[4] / 255.0) * 2.0
         if not greedy and rng.random() < 0.5:
@@ -127,7 +211,6 @@ class State:
 
 async def run_generation(st: State, r: Req) -> str:
     sp = r.sp
-    greedy = float(sp.get("temperature", 1.0)) == 0.0
     rng = random.Random(sp.get("sampling_seed"))
     stop = set(sp.get("stop_token_ids") or [])
     max_new = int(sp.get("max_new_tokens", 128))
@@ -140,7 +223,7 @@ async def run_generation(st: State, r: Req) -> str:
             continue
         if len(r.out) >= max_new or (ctx and len(r.ids) + len(r.out) >= ctx):
             return "length"
-        tok, lp = st.next_token(r.ids + r.out, greedy, rng)
+        tok, lp = st.next_token(r.ids + r.out, sp, rng, r.adapter)
         r.out.append(tok)
         r.lps.append(lp)
         if tok in stop:
@@ -260,7 +343,7 @@ def build_app(st: State) -> web.Application:
         body = await body_of(request)
         if (bad := check("/generate", body)) is not None:
             return bad
-        if st.fail_next > 0:
+        if st.fail_next > 0 and st.fail_route == "/generate":
             st.fail_next -= 1
             return web.json_response({"error": "injected failure (stand-in)"}, status=st.fail_status)
         if "weights" in st.released:
@@ -270,7 +353,13 @@ def build_app(st: State) -> web.Application:
         rid = body.get("rid") or os.urandom(8).hex()
         if rid in st.running:
             return web.json_response({"error": f"Duplicate request ID detected: {rid}"}, status=400)
-        r = Req(rid, list(body["input_ids"]), dict(body.get("sampling_params") or {}))
+        adapter = body.get("lora_path")
+        if adapter is not None and adapter not in st.adapters:
+            # SGLang's LoRARegistry.acquire refuses a name it has not loaded.
+            return web.json_response(
+                {"error": {"message": f"The following requested LoRA adapters are not loaded: {adapter}"}}, status=400
+            )
+        r = Req(rid, list(body["input_ids"]), dict(body.get("sampling_params") or {}), adapter)
         st.running[rid] = r
         t0 = time.monotonic()
         try:
@@ -303,6 +392,12 @@ def build_app(st: State) -> web.Application:
                 body = await body_of(request) if request.method == "POST" else {}
                 if route != "/flush_cache" and (bad := check(route, body)) is not None:
                     return bad
+                if st.fail_next > 0 and st.fail_route == route:
+                    # An injected refusal of this control call (the request changes nothing).
+                    st.fail_next -= 1
+                    return web.json_response(
+                        {"success": False, "message": "injected failure (stand-in)"}, status=st.fail_status
+                    )
                 st.log.append(
                     {
                         "route": route,
@@ -350,7 +445,9 @@ def build_app(st: State) -> web.Application:
         try:
             st.digest = weights_digest(body["model_path"])
             st.tensors = load_tensors(body["model_path"], st.args.dtype)
-        except OSError as e:
+            if st.hf is not None:
+                st.hf.load(st.tensors)
+        except (OSError, ValueError) as e:
             return web.json_response(
                 {"success": False, "message": f"Failed to load weights: {e}", "num_paused_requests": 0}, status=400
             )
@@ -444,7 +541,10 @@ def build_app(st: State) -> web.Application:
                 receive_weights, st.pgs[g], body["names"], body["dtypes"], body["shapes"], body.get("load_format"),
                 received,
             )  # fmt: skip
-            st.tensors.update({n: as_served(t, st.args.dtype) for n, t in received.items()})
+            served = {n: as_served(t, st.args.dtype) for n, t in received.items()}
+            st.tensors.update(served)
+            if st.hf is not None:
+                st.hf.load(served)
         except Exception as e:
             return web.json_response({"success": False, "message": f"Failed to receive weights: {e}"}, status=400)
         st.received.update(sums)
@@ -499,12 +599,14 @@ def build_app(st: State) -> web.Application:
                 "digest": st.digest,
                 "received": st.received,
                 "session": st.session,
+                "adapters": st.adapters,
             }
         )
 
     async def standin_fail(request: web.Request) -> web.Response:
         b = await body_of(request)
         st.fail_next, st.fail_status = int(b.get("n", 1)), int(b.get("status", 503))
+        st.fail_route = b.get("route", "/generate")
         return web.json_response({"ok": True})
 
     async def get_weights_by_name(request: web.Request) -> web.Response:
@@ -515,12 +617,71 @@ def build_app(st: State) -> web.Application:
         if (bad := check("/get_weights_by_name", body)) is not None:
             return bad
         st.log.append({"route": "/get_weights_by_name", "body": body, "paused": st.paused})
-        t = st.tensors.get(body["name"])
+        # The real model's parameters when there is one (what it generates with).
+        t = (st.hf.table() if st.hf is not None else st.tensors).get(body["name"])
         if t is None:
             return web.json_response({"error": {"message": "Get parameter by name failed"}}, status=400)
         import torch
 
         return web.json_response(t.to(torch.float32).tolist()[: int(body.get("truncate_size", 100))])
+
+    def lora_result(success: bool, error: str | None = None) -> web.Response:
+        # LoRAUpdateOutput: loaded_adapters maps every loaded name to its path.
+        loaded = {n: a["path"] for n, a in st.adapters.items()}
+        return web.json_response(
+            {"success": success, "error_message": error, "loaded_adapters": loaded}, status=200 if success else 400
+        )
+
+    @control("/load_lora_adapter")
+    async def load_lora(body: dict) -> web.Response:
+        name, path = body["lora_name"], body["lora_path"]
+        if not st.args.enable_lora:
+            return lora_result(False, "LoRA is not enabled. Please set `--enable-lora` to enable LoRA.")
+        if name in st.adapters:
+            return lora_result(False, f"Failed to load LoRA adapter {name} because it is already loaded")
+        try:
+            digest = weights_digest(path)
+            if st.hf is not None:
+                from areal_kernel.engine.lora import read_adapter_dir
+
+                config, tensors = read_adapter_dir(path)
+                st.hf.adapters.load(name, config, sorted(tensors.items()), 0)
+        except Exception as e:  # what SGLang's loader says goes into error_message
+            return lora_result(False, f"Failed to load LoRA adapter {name} from {path}: {e}")
+        st.adapters[name] = {"path": path, "digest": digest}
+        return lora_result(True)
+
+    @control("/unload_lora_adapter")
+    async def unload_lora(body: dict) -> web.Response:
+        name = body["lora_name"]
+        if name not in st.adapters:
+            return lora_result(False, f"LoRA with name {name} does not exist. Loaded LoRAs: {list(st.adapters)}")
+        del st.adapters[name]
+        if st.hf is not None:
+            st.hf.adapters.unload(name)
+        return lora_result(True)
+
+    async def models(request: web.Request) -> web.Response:
+        # SGLang's available_models: the base model's card (id and root: the
+        # served model name, by default the model path), then one per adapter.
+        base = st.args.served_model_name or st.args.model_path
+        cards: list[dict[str, Any]] = [
+            {"id": base, "object": "model", "created": int(time.time()), "owned_by": "sglang", "root": base,
+             "parent": None, "max_model_len": st.args.context_length or 2048}
+        ]  # fmt: skip
+        if st.args.enable_lora:
+            cards += [
+                {"id": n, "object": "model", "created": int(time.time()), "owned_by": "sglang", "root": a["path"],
+                 "parent": base, "max_model_len": None}
+                for n, a in st.adapters.items()
+            ]  # fmt: skip
+        body = {"object": "list", "data": cards}
+        res = oracle("/check_response", {"route": "/v1/models", "body": body})
+        if not res.get("ok"):
+            return web.json_response(
+                {"error": f"stand-in answer rejected by SGLang's class: {res.get('error')}"}, status=500
+            )
+        return web.json_response(body)
 
     app = web.Application(middlewares=[auth], client_max_size=64 << 20)
     app.router.add_get("/health", health)
@@ -539,10 +700,13 @@ def build_app(st: State) -> web.Application:
         ("/abort_request", abort),
         ("/release_memory_occupation", release),
         ("/resume_memory_occupation", resume_mem),
+        ("/load_lora_adapter", load_lora),
+        ("/unload_lora_adapter", unload_lora),
     ]:
         app.router.add_post(path, h)
     app.router.add_route("*", "/flush_cache", flush)
     app.router.add_route("*", "/get_weights_by_name", get_weights_by_name)
+    app.router.add_get("/v1/models", models)
     app.router.add_get("/_standin/state", standin_state)
     app.router.add_post("/_standin/fail_next", standin_fail)
     return app
@@ -557,6 +721,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--api-key", default=None)
     p.add_argument("--context-length", type=int, default=None)
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--enable-lora", action="store_true")
     args, _rest = p.parse_known_args(argv)  # the other flags only matter to a real SGLang
     return args
 

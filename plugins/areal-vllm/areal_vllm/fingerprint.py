@@ -24,6 +24,16 @@ remain readable (norms, embeddings; every tensor on accelerators, where the
 plain weights stay). Only tensor-parallel size 1 is covered (a shard holds
 a slice of each tensor); the protocol refuses more.
 
+LoRA adapters (``worker_adapter_fingerprints``) are read from the CPU copy
+vLLM's LoRA manager keeps of each loaded adapter (the ``LoRAModel``: one
+``lora_a`` / ``lora_b`` per module, q/k/v and gate/up packed as lists in the
+fused module's entry). vLLM folds the adapter's scaling into ``lora_b`` in
+place when it registers the adapter (``LoRALayerWeights.optimize``); the
+reply gives that factor (``"scale"``) and the trainer multiplies its own
+values by it before comparing, so the comparison stays exact. A worker does
+not know adapter names, only vLLM's integer ids: it answers for every
+adapter it holds and the protocol picks one (``protocol._pick_adapter``).
+
 torch is imported by the caller's process only (this module does not import vLLM)."""
 
 from __future__ import annotations
@@ -103,6 +113,71 @@ def _locate(
                 sizes = rows[fused]
                 return target, sum(sizes[:idx]), sizes[idx]
     return None, 0, None
+
+
+def _adapter_tensor(lora_model: Any, name: str) -> tuple["torch.Tensor | None", float]:
+    """(the tensor vLLM holds for the peft file name ``name`` of an adapter,
+    the factor it was multiplied by) or (None, 1.0) when the adapter has none.
+    peft names look like ``base_model.model.<module>.lora_A.weight``."""
+    stem = name.removeprefix("base_model.model.")
+    for kind in ("lora_A", "lora_B"):
+        suffix = f".{kind}.weight"
+        if stem.endswith(suffix):
+            module = stem[: -len(suffix)]
+            break
+    else:
+        return None, 1.0
+    loras = getattr(lora_model, "loras", {})
+    layer, idx = loras.get(module), None
+    if layer is None:
+        parent, _, leaf = module.rpartition(".")
+        if leaf in PACKED:
+            fused, idx = PACKED[leaf]
+            layer = loras.get(f"{parent}.{fused}" if parent else fused)
+    if layer is None:
+        return None, 1.0
+    if idx is None:
+        a, b, alpha = layer.lora_a, layer.lora_b, layer.lora_alpha
+    else:
+        a, b, alpha = layer.lora_a[idx], layer.lora_b[idx], layer.lora_alphas[idx]
+    if kind == "lora_A":
+        return a, 1.0
+    # ``optimize`` multiplied lora_b by alpha / rank (and set scaling to 1).
+    return b, (float(alpha) / float(layer.rank) if b is not None else 1.0)
+
+
+def worker_adapter_fingerprints(lora_manager: Any, spec_json: str) -> dict[str, Any]:
+    """``{"adapters": {str(vLLM adapter id): fingerprint reply}}`` over every
+    adapter this worker holds, for the adapter tensors named in
+    ``spec_json``; each tensor's reply carries ``"scale"`` when vLLM holds it
+    multiplied by a factor (``compare`` in ``areal_kernel.monitor.weights``)."""
+    import json
+
+    from areal_kernel.monitor.weights import FingerprintSpec, fingerprint
+
+    spec = FingerprintSpec.from_json(json.loads(spec_json))
+    if lora_manager is None:
+        raise ValueError("this vLLM server runs without LoRA (--enable-lora): it holds no adapter")
+    # The worker's LoRA manager keeps the loaded adapters in its model
+    # manager; vLLM exposes no public accessor for a loaded adapter's tensors.
+    manager = lora_manager._adapter_manager
+    out: dict[str, Any] = {}
+    for adapter_id in sorted(manager.list_adapters()):
+        lora_model = manager.get_adapter(adapter_id)
+        table: dict[str, Any] = {}
+        scales: dict[str, float] = {}
+        for name in spec.positions:
+            t, scale = _adapter_tensor(lora_model, name)
+            if t is not None:
+                table[name] = t
+                if scale != 1.0:
+                    scales[name] = scale
+        reply = fingerprint(table, spec, None)
+        for name, scale in scales.items():
+            if name in reply["tensors"]:
+                reply["tensors"][name]["scale"] = scale
+        out[str(adapter_id)] = reply
+    return {"adapters": out}
 
 
 def worker_fingerprint(model: Any, hf_config: Any, tied: bool, spec_json: str) -> dict[str, Any]:

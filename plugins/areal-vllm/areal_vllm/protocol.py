@@ -232,8 +232,6 @@ class VLLMProtocol(ServerProtocol):
         ``/collective_rpc`` (see ``areal_vllm.fingerprint``), then
         ``/weight_info`` for the version the server labels its weights with;
         the last call's parse returns both in one reply."""
-        if spec.get("adapter") is not None:
-            raise NotImplementedError("the vLLM fingerprint reads base weights only, not LoRA adapters")
         if self.tp_size > 1:
             raise NotImplementedError(
                 f"the vLLM fingerprint covers tensor-parallel size 1 (these servers run {self.tp_size} shards)"
@@ -242,6 +240,21 @@ class VLLMProtocol(ServerProtocol):
             # vLLM names a vision-language model's towers its own way per model class; unmapped.
             raise NotImplementedError("the vLLM fingerprint maps text models' tensor names only")
         acc: dict[str, Any] = {}
+        adapter = spec.get("adapter")
+        if adapter is not None:
+            # Workers know adapters by vLLM's integer id only; /v1/models
+            # lists the names in the order those ids were given out.
+            return [
+                HttpCall("GET", "/v1/models", parse=lambda raw: _adapter_names(acc, raw)),
+                HttpCall(
+                    "POST",
+                    "/collective_rpc",
+                    {"method": "areal_adapter_fingerprints", "args": [json.dumps(spec)]},
+                    timeout_s=_LOAD_TIMEOUT_S,
+                    parse=lambda raw: _pick_adapter(acc, adapter, raw),
+                ),
+                HttpCall("GET", "/weight_info", parse=lambda raw: _with_version(acc, raw)),
+            ]
         return [
             HttpCall(
                 "POST",
@@ -263,6 +276,48 @@ def _worker_reply(acc: dict[str, Any], raw: bytes) -> dict[str, Any]:
         raise ServerError(f"vLLM /collective_rpc areal_weight_fingerprint: unexpected reply {str(data)[:300]}")
     acc.clear()
     acc.update(results[0])
+    return acc
+
+
+def _adapter_names(acc: dict[str, Any], raw: bytes) -> dict[str, Any]:
+    """The LoRA adapters a vLLM server serves, in ``/v1/models`` order (its
+    cards with a ``parent``: the base model's own card has none)."""
+    data = json.loads(raw) if raw else None
+    cards = data.get("data") if isinstance(data, dict) else None
+    if not isinstance(cards, list):
+        raise ServerError(f"vLLM /v1/models: unexpected reply {str(data)[:300]}")
+    acc["adapter_names"] = [c.get("id") for c in cards if isinstance(c, dict) and c.get("parent")]
+    return acc
+
+
+def _pick_adapter(acc: dict[str, Any], adapter: str, raw: bytes) -> dict[str, Any]:
+    """The fingerprint of ``adapter`` among the worker's per-id replies.
+
+    vLLM gives each new adapter name the next integer id, keeps the id when
+    an adapter is replaced in place, and lists names in ``/v1/models`` in
+    the order they were first loaded (unloaded names leave both), so the
+    k-th listed name is the k-th smallest id the worker holds, as long as the
+    worker holds each listed adapter once. When the counts differ (the
+    worker's adapter cache evicted one) the server is reported as not
+    answering rather than compared against a guess."""
+    data = json.loads(raw) if raw else None
+    results = data.get("results") if isinstance(data, dict) else None
+    one = results[0] if isinstance(results, list) and len(results) == 1 else None
+    replies = one.get("adapters") if isinstance(one, dict) else None
+    if not isinstance(replies, dict):
+        raise ServerError(f"vLLM /collective_rpc areal_adapter_fingerprints: unexpected reply {str(data)[:300]}")
+    names = acc.get("adapter_names") or []
+    if adapter not in names:
+        acc.clear()
+        acc.update({"version": None, "tensors": {}, "missing": []})  # every sampled tensor: absent
+        return acc
+    ids = sorted(replies, key=int)
+    if len(ids) != len(names):
+        raise ServerError(
+            f"vLLM lists {len(names)} adapter(s) but its worker holds {len(ids)}: cannot tell which is {adapter!r}"
+        )
+    acc.clear()
+    acc.update(replies[ids[names.index(adapter)]])
     return acc
 
 

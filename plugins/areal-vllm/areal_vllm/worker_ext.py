@@ -51,3 +51,12 @@ class AReaLWorkerExtension:
         hf = model_config.hf_config
         text = getattr(hf, "get_text_config", lambda: hf)()
         return worker_fingerprint(runner.get_model(), text, is_tied(model_config), spec_json)
+
+    def areal_adapter_fingerprints(self, spec_json: str) -> dict[str, Any]:
+        """The weight-delivery check over the LoRA adapters this worker holds
+        (every one, keyed by vLLM's adapter id: workers do not know adapter
+        names); see ``areal_vllm.fingerprint.worker_adapter_fingerprints``."""
+        from areal_vllm.fingerprint import worker_adapter_fingerprints
+
+        runner: Any = getattr(self, "model_runner")
+        return worker_adapter_fingerprints(getattr(runner, "lora_manager", None), spec_json)

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
+from areal_kernel.errors import ServerError
 from areal_kernel.monitor.weights import compare, plan, sample_named
-from areal_vllm.fingerprint import hf_views, worker_fingerprint
+from areal_vllm.fingerprint import hf_views, worker_adapter_fingerprints, worker_fingerprint
 
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
@@ -109,3 +111,123 @@ def test_fingerprint_round_trip_clean_perturbed_and_repacked():
     params = _vllm_layout(hf)
     del params["model.norm.weight"]
     assert reply(params)["missing"] == ["model.norm.weight"]
+
+
+# -- LoRA adapters ---------------------------------------------------------------------
+
+
+class _Layer:
+    """Shaped like vLLM's ``LoRALayerWeights`` after registration: one
+    module's lora_a / lora_b, lora_b already multiplied by alpha / rank."""
+
+    def __init__(self, a, b, alpha, rank):
+        self.lora_a, self.lora_b, self.lora_alpha, self.rank = a, b * (alpha / rank), alpha, rank
+
+
+class _Packed:
+    """Shaped like vLLM's ``PackedLoRALayerWeights``: the fused module's
+    members as lists, each lora_b multiplied by its own alpha / rank."""
+
+    def __init__(self, members, alpha, rank):
+        self.lora_a = [a for a, _ in members]
+        self.lora_b = [b * (alpha / rank) for _, b in members]
+        self.lora_alphas, self.rank = [alpha] * len(members), rank
+
+
+class _Manager:
+    """Shaped like the worker's LoRA manager: ``_adapter_manager`` lists the
+    registered adapters (``LoRAModel``: ``.loras`` by module) by integer id."""
+
+    def __init__(self, adapters):
+        class Inner:
+            def list_adapters(self_inner):
+                return dict(adapters)
+
+            def get_adapter(self_inner, i):
+                return adapters[i]
+
+        self._adapter_manager = Inner()
+
+
+def _peft_adapter(seed: int, rank: int = 4):
+    """peft file names and tensors of an adapter on q/k/v/o and gate/up/down
+    of a 2-layer model (hidden 32, kv 16, intermediate 48)."""
+    g = torch.Generator().manual_seed(seed)
+    dims = {"self_attn.q_proj": (32, 32), "self_attn.k_proj": (32, 16), "self_attn.v_proj": (32, 16),
+            "self_attn.o_proj": (32, 32), "mlp.gate_proj": (32, 48), "mlp.up_proj": (32, 48),
+            "mlp.down_proj": (48, 32)}  # fmt: skip
+    out = {}
+    for layer in range(2):
+        for mod, (i, o) in dims.items():
+            stem = f"base_model.model.model.layers.{layer}.{mod}"
+            out[f"{stem}.lora_A.weight"] = torch.randn(rank, i, generator=g)
+            out[f"{stem}.lora_B.weight"] = torch.randn(o, rank, generator=g)
+    return out
+
+
+def _as_vllm(peft: dict[str, torch.Tensor], alpha: int = 8, rank: int = 4):
+    class LoRAModel:
+        loras: dict = {}
+
+    model = LoRAModel()
+    model.loras = {}
+    for layer in range(2):
+        stem = f"model.layers.{layer}"
+
+        def ab(mod):
+            return peft[f"base_model.model.{stem}.{mod}.lora_A.weight"], peft[
+                f"base_model.model.{stem}.{mod}.lora_B.weight"
+            ]
+
+        model.loras[f"{stem}.self_attn.qkv_proj"] = _Packed(
+            [ab(f"self_attn.{m}") for m in ("q_proj", "k_proj", "v_proj")], alpha, rank
+        )
+        model.loras[f"{stem}.mlp.gate_up_proj"] = _Packed(
+            [ab(f"mlp.{m}") for m in ("gate_proj", "up_proj")], alpha, rank
+        )
+        for mod in ("self_attn.o_proj", "mlp.down_proj"):
+            model.loras[f"{stem}.{mod}"] = _Layer(*ab(mod), alpha, rank)
+    return model
+
+
+def test_adapter_tensors_map_onto_vllms_packed_lora_layout_with_their_scale():
+    """Without a server: peft names read as vLLM's packed LoRA entries, lora_B
+    compared through the scale the reply gives, each adapter id answered; the
+    protocol picks the k-th listed adapter name as the k-th smallest id (the
+    real server: test_vllm_server.py::test_weight_delivery_check_reads_lora_
+    adapters_and_names_a_dropped_update)."""
+    from areal_vllm.protocol import _adapter_names, _pick_adapter
+
+    a, b = _peft_adapter(1), _peft_adapter(2)
+    numels = {n: t.numel() for n, t in a.items()}
+    spec = plan(list(numels.items()), 5, len(a), 8, adapter="task-a")
+    sent = sample_named(a.items(), spec.positions)
+    out = worker_adapter_fingerprints(_Manager({3: _as_vllm(a), 7: _as_vllm(b)}), json.dumps(spec.to_json()))
+    assert set(out["adapters"]) == {"3", "7"}
+    scales = {n: r.get("scale") for n, r in out["adapters"]["3"]["tensors"].items()}
+    assert {s for n, s in scales.items() if ".lora_B." in n} == {2.0}
+    assert {s for n, s in scales.items() if ".lora_A." in n} == {None}
+    checked, bad = compare(sent, numels, spec, "srv", out["adapters"]["3"])
+    assert checked == len(a) and bad == [], bad
+    # The other adapter differs in every tensor.
+    assert len(compare(sent, numels, spec, "srv", out["adapters"]["7"])[1]) == len(a)
+
+    raw = json.dumps({"results": [out]}).encode()
+    models = json.dumps({"data": [{"id": "base", "parent": None}, {"id": "task-a", "parent": "base"},
+                                  {"id": "task-b", "parent": "base"}]}).encode()  # fmt: skip
+    acc: dict = {}
+    _adapter_names(acc, models)
+    assert compare(sent, numels, spec, "srv", _pick_adapter(acc, "task-a", raw)) == (len(a), [])
+    acc = {}
+    _adapter_names(acc, models)
+    assert len(compare(sent, numels, spec, "srv", _pick_adapter(acc, "task-b", raw))[1]) == len(a)
+    # A name the server does not list: every sampled tensor is absent.
+    acc = {}
+    _adapter_names(acc, models)
+    _, bad = compare(sent, numels, spec, "srv", _pick_adapter(acc, "task-c", raw))
+    assert len(bad) == len(a) and all("no tensor" in m.detail for m in bad)
+    # Listed names and held adapters differ in number: no guess, the server "did not answer".
+    acc = {}
+    _adapter_names(acc, json.dumps({"data": [{"id": "task-a", "parent": "base"}]}).encode())
+    with pytest.raises(ServerError, match="lists 1 adapter"):
+        _pick_adapter(acc, "task-a", raw)

@@ -5,7 +5,11 @@
 - logprobs from token ids equal the kernel train engine's recompute (< 1e-3),
   greedy and sampled (temperature-scaled, the kernel's convention);
 - pause in keep and abort modes and resume, through vLLM's own routes;
-- the weight-delivery check (``monitor.weights``) over what the server loaded;
+- the weight-delivery check (``monitor.weights``) over what the server loaded:
+  a tensor corrupted in transit and a LoRA adapter update that never loaded
+  are named, their clean twins pass;
+- the train/inference mismatch alarm on vLLM's logprobs: quiet at the run's
+  temperature, fired by samples drawn at another one;
 - in-memory weight updates through the kernel's broadcast transport and the
   kernel's torch train engine (gloo, vLLM's weight-transfer routes) change the
   outputs to exactly the disk-loaded ones and restore them;
@@ -367,14 +371,17 @@ def test_in_memory_update_through_the_kernel_transport(inference_engine, smollm2
         _load_disk(inference_engine, smollm2_fp32, 0)
 
 
-def test_weight_delivery_check_reads_what_the_server_loaded(inference_engine, smollm2_fp32, smollm2_alt):
+def test_weight_delivery_check_reads_what_the_server_loaded(inference_engine, smollm2_fp32, smollm2_alt, tmp_path):
     """monitor.weights through our worker extension (``/collective_rpc``):
     after a disk load of the perturbed weights, every tensor the server can
     read back equals what a trainer holding them would send; the same
     server put back on the original weights under the next version is named
-    with a tensor. On CPU vLLM repacks linear weights and frees the plain
-    tensors: those are reported unreadable, the others are compared."""
+    with a tensor; through the kernel's disk transport, one tensor corrupted
+    by one ulp in transit is named alone, and the next intact update is
+    clean. On CPU vLLM repacks linear weights and frees the plain tensors:
+    those are reported unreadable, the others are compared."""
     from areal_kernel.monitor.weights import WeightDeliveryError, WeightsMonitor
+    from areal_kernel.trainer.weight_sync import DiskTransport
 
     train = _train_engine(smollm2_alt)
     said: list[str] = []
@@ -397,9 +404,175 @@ def test_weight_delivery_check_reads_what_the_server_loaded(inference_engine, sm
         assert bad["weights_mismatch"] == bad["weights_checked"] > 0
         with pytest.raises(WeightDeliveryError, match=rf"at version 2: server {inference_engine.servers[0].address}"):
             mon.raise_if_alarmed()
+        # The kernel's disk transport, one tensor flipped by one ulp between
+        # the trainer's write and the server's load: that tensor alone is
+        # named, in that update; the next update, delivered intact, is clean.
+        corrupt = "model.layers.3.input_layernorm.weight"
+        mon.mismatches.clear()
+        DiskTransport(train, _CorruptBeforeLoad(inference_engine, corrupt), str(tmp_path / "t")).update(3)
+        bad = mon.check(3, train, inference_engine)
+        assert bad["weights_mismatch"] == 1 and [m.tensor for m in mon.mismatches] == [corrupt], mon.mismatches
+        with pytest.raises(WeightDeliveryError, match=rf"at version 3: server .*: tensor '{corrupt}' at version 3"):
+            mon.raise_if_alarmed()
+        DiskTransport(train, inference_engine, str(tmp_path / "t")).update(4)
+        assert mon.check(4, train, inference_engine)["weights_mismatch"] == 0
+        mon.raise_if_alarmed()
     finally:
         train.destroy()
         _load_disk(inference_engine, smollm2_fp32, 0)
+
+
+class _CorruptBeforeLoad:
+    """The inference client, except that one tensor of each disk update is
+    changed by one ulp in the file before the servers load it."""
+
+    def __init__(self, engine: Any, tensor: str) -> None:
+        self._engine, self._tensor = engine, tensor
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+    def update_weights(self, meta: WeightUpdateMeta) -> None:
+        import torch
+        from safetensors import safe_open
+        from safetensors.torch import save_file
+
+        from areal_kernel.weights.disk import list_safetensors_files
+
+        for path in list_safetensors_files(meta.path):
+            with safe_open(path, framework="pt") as f:
+                if self._tensor not in f.keys():
+                    continue
+                meta_data = f.metadata()
+                tensors = {k: f.get_tensor(k) for k in f.keys()}
+            t = tensors[self._tensor].contiguous()
+            tensors[self._tensor] = (t.view(torch.int32) ^ 1).view(t.dtype)  # float32: the lowest mantissa bit
+            save_file(tensors, path, metadata=meta_data)
+        self._engine.update_weights(meta)
+
+
+def _mismatch_step(train: Any, engine: Any, prompts: list[list[int]], temperature: float) -> dict[str, float]:
+    """One step's mismatch metrics (``areal_kernel.monitor.mismatch``, what
+    the trainer logs) for samples vLLM drew at ``temperature`` and scored by
+    ``train`` (which holds the run's temperature) on the same weights."""
+    import torch
+
+    from areal_kernel.monitor.mismatch import finish, measure
+
+    trainer, server, mask = [], [], []
+    for p, r in zip(prompts, _generate(engine, prompts, max_new_tokens=16, temperature=temperature)):
+        trainer += [0.0] * len(p) + _recompute(train, p, r.output_ids)
+        server += [0.0] * len(p) + list(r.output_logprobs)
+        mask += [0] * len(p) + [1] * r.output_len
+    data = {
+        "old_logprobs": torch.tensor(server),
+        "loss_mask": torch.tensor(mask, dtype=torch.float32),
+        "versions": torch.tensor([0 if m else -1 for m in mask]),
+    }
+    return finish(measure(torch.tensor(trainer), data, version=0, token_threshold=0.5))
+
+
+def test_mismatch_alarm_fires_when_vllm_samples_at_another_temperature(inference_engine, smollm2_fp32):
+    """The train/inference mismatch monitor on vLLM's own logprobs: samples
+    drawn at the run's temperature (0.7) stay far under the default bound for
+    three steps; samples drawn at a quarter of it (a workflow sending its own
+    temperature) trip the alarm at its second step, with what to check. The
+    clean steps are the noise floor (measured here: docs/monitoring.md)."""
+    from areal_kernel.monitor.mismatch import MismatchAlarm, MismatchMonitor
+
+    prompts = [_chat_prompt(smollm2_fp32, q) for q in ("What is 6 x 7?", "Name a river.", "Count to five.")]
+    train = _train_engine(smollm2_fp32, temperature=0.7)
+    try:
+        clean_mon = MismatchMonitor(bound=0.01, patience=2, action="error")
+        clean = [_mismatch_step(train, inference_engine, prompts, 0.7) for _ in range(3)]
+        for step, m in enumerate(clean, 1):
+            assert clean_mon.observe(step, m)["mismatch_alarm"] == 0.0
+        clean_mon.raise_if_alarmed()
+        hot_mon = MismatchMonitor(bound=0.01, patience=2, action="error")
+        hot = [_mismatch_step(train, inference_engine, prompts, 0.7 * 0.25) for _ in range(2)]
+        assert [hot_mon.observe(step, m)["mismatch_alarm"] for step, m in enumerate(hot, 1)] == [0.0, 1.0]
+        with pytest.raises(MismatchAlarm, match=r"mismatch at step 2: .*temperature"):
+            hot_mon.raise_if_alarmed()
+    finally:
+        train.destroy()
+    floor = max(m["fresh_k3"] for m in clean)
+    print("\nvLLM fp32 SmolLM2, clean k3 / abs_max:", [(f"{m['k3']:.2g}", f"{m['abs_max']:.2g}") for m in clean],
+          "| at 0.25x temperature:", [(f"{m['k3']:.2g}", f"{m['abs_max']:.2g}") for m in hot])  # fmt: skip
+    assert all(m["tokens"] == m["fresh_tokens"] > 0 for m in clean + hot)
+    assert min(m["fresh_k3"] for m in hot) > 0.01 > floor
+    assert min(m["fresh_k3"] for m in hot) > 100 * floor, (hot, floor)
+
+
+class _DroppedAdapterUpdate:
+    """The inference client, except that adapter updates are not loaded: the
+    server is only told the new version (an update lost in transit)."""
+
+    def __init__(self, engine: Any) -> None:
+        self._engine = engine
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+    def update_weights(self, meta: WeightUpdateMeta) -> None:
+        assert meta.adapter is not None
+        self._engine.set_version(meta.version)
+
+
+def test_weight_delivery_check_reads_lora_adapters_and_names_a_dropped_update(inference_engine, smollm2_fp32, tmp_path):
+    """monitor.weights over LoRA adapters served by vLLM (our worker
+    extension reads the adapter vLLM's LoRA manager holds; lora_B is held
+    multiplied by alpha / rank, which the reply says): two adapters loaded,
+    each compares equal over every one of its tensors (so each name was
+    matched to its own adapter); an update of one adapter that never loaded
+    (the server told the new version only) is named with an adapter tensor
+    and the version; the next delivered update compares equal again."""
+    from areal_kernel.monitor.weights import WeightDeliveryError, WeightsMonitor
+    from areal_kernel.trainer.weight_sync import DiskTransport
+
+    a = _lora_engine(smollm2_fp32, "task-a", seed=4)
+    b = _lora_engine(smollm2_fp32, "task-b", seed=5)
+    ta = DiskTransport(a, inference_engine, str(tmp_path / "a"))
+    tb = DiskTransport(b, inference_engine, str(tmp_path / "b"))
+    ta.setup()
+    tb.setup()
+    said: list[str] = []
+    mon_a = WeightsMonitor(action="error", tensors_per_update=1000, elements_per_tensor=64, warn=said.append)
+    mon_b = WeightsMonitor(action="error", tensors_per_update=1000, elements_per_tensor=64, warn=said.append)
+    n_tensors = len(a.named_weights_for_transfer())
+    try:
+        ta.update(1)
+        tb.update(1)
+        for mon, eng in ((mon_a, a), (mon_b, b)):
+            out = mon.check(1, eng, inference_engine)
+            mon.raise_if_alarmed()
+            assert out["weights_mismatch"] == 0 and out["weights_checked"] == n_tensors, (out, said)
+        assert not mon_a.unreadable and not said, said
+        # lora_B comes back scaled by alpha / rank = 2 (the reply says so).
+        k_b = "base_model.model.model.layers.0.self_attn.k_proj.lora_B.weight"
+        spec = {"version": 1, "adapter": "task-a", "tensors": [{"name": k_b, "positions": [0, 1]}]}
+        replies, errors = inference_engine.weight_fingerprints(spec)
+        assert not errors and [r["tensors"][k_b].get("scale") for r in replies.values()] == [2.0], (replies, errors)
+
+        # Update 2 of task-a is lost: the server keeps version 1's adapter.
+        _perturb_adapter(a, seed=6)
+        DiskTransport(a, _DroppedAdapterUpdate(inference_engine), str(tmp_path / "a2")).update(2)
+        bad = mon_a.check(2, a, inference_engine)
+        assert bad["weights_mismatch"] > 0, bad
+        addr = inference_engine.servers[0].address
+        with pytest.raises(WeightDeliveryError, match=rf"at version 2: server {addr}: tensor '.*lora_B"):
+            mon_a.raise_if_alarmed()
+        # task-b was not touched: still equal.
+        assert mon_b.check(2, b, inference_engine)["weights_mismatch"] == 0
+        mon_b.raise_if_alarmed()
+        # Delivered this time.
+        ta.update(3)
+        assert mon_a.check(3, a, inference_engine)["weights_mismatch"] == 0
+        mon_a.raise_if_alarmed()
+    finally:
+        for name in ("task-a", "task-b"):
+            inference_engine.unload_adapter(name)
+        a.destroy()
+        b.destroy()
 
 
 def test_generation_interrupted_by_an_update_holds_two_versions(

@@ -7,6 +7,7 @@ test can count what the kernel should have counted. ``hang_first_reward``
 claims the first ``AREAL_FAULT_HANGS`` calls with marker files created with
 O_EXCL (atomic across worker processes and restarts).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -175,7 +176,10 @@ class _StaleServer:
         *fresh, stale = [s.address for s in e.servers]
         if meta.adapter is not None:
             # An adapter update that never reaches the last server: it keeps
-            # serving the adapter's previous version.
+            # serving the adapter's previous version. The client records what
+            # it sent, as its own load_adapter does (a check that reads which
+            # directory a server serves, SGLang's, compares with that record).
+            e._record_adapter(meta.adapter, meta.path, meta.version)
             for address in fresh:
                 e.control(address, e.protocol.load_adapter(meta.adapter, meta.path, meta.version, True))
             e.set_version(meta.version)
