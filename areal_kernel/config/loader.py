@@ -15,6 +15,32 @@ from areal_kernel.config.sections import format_validation_error
 from areal_kernel.errors import ConfigError
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses a key written twice in one mapping:
+    plain YAML loading keeps the last one silently, so a section or a
+    setting repeated by mistake (two ``rollout:`` blocks, a policy name
+    used twice) would drop what the user wrote first without a word."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, Any] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)  # type: ignore[no-untyped-call]
+            try:
+                first = seen.get(key)
+            except TypeError:  # an unhashable key: the base class says so
+                break
+            if first is not None:
+                raise yaml.constructor.ConstructorError(
+                    None,
+                    None,
+                    f"duplicate key {key!r} (first written at line {first.line + 1}); each key may appear once "
+                    "in a mapping",
+                    key_node.start_mark,
+                )
+            seen[key] = key_node.start_mark
+        return super().construct_mapping(node, deep=deep)
+
+
 def read_yaml(path: str) -> dict[str, Any]:
     if not os.path.exists(path):
         raise ConfigError(f"{path}: config file not found")
@@ -22,7 +48,7 @@ def read_yaml(path: str) -> dict[str, Any]:
         raise ConfigError(f"{path}: is a directory; expected a YAML file")
     try:
         with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f)
+            data = yaml.load(f, Loader=_UniqueKeyLoader)  # noqa: S506 -- a SafeLoader subclass
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else path

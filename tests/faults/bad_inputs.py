@@ -271,6 +271,10 @@ CASES: list[Case] = [
     Case("algorithm-type-unknown", "`algorithm.type` naming no registered trainer (a loss's name)",
          _v("algorithm.type=ppo"), ("algorithm.type", "no trainer named 'ppo'", "Available: dpo, grpo, ipo, rm, sft",
                                     "algorithm.loss: ppo")),
+    # Plain YAML keeps the second of two equal keys silently: the first block would be lost.
+    Case("yaml-duplicate-key", "YAML with a section written twice (`rollout:` at lines 1 and 5)",
+         _yaml("rollout:\n  max_staleness: 1\ntrainer:\n  batch_size: 2\nrollout:\n  max_staleness: 3\n"),
+         ("c.yaml:5:1", "duplicate key 'rollout'", "first written at line 1")),
 ]
 
 
