@@ -308,7 +308,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         name = entry["name"]
         if not entry["complete"]:
             report["environments"][name] = "incomplete"
-            problems.append(f"managed environment '{name}' is incomplete; areal env create {name} --force")
+            problems.append(environments.incomplete_problem(name))
         elif name in registered:
             bad, _ = environments.check(name)
             report["environments"][name] = "ok" if not bad else "broken"

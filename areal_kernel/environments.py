@@ -247,6 +247,12 @@ def _install_hint(name: str) -> str:
     return f"run `areal env create {name}`"
 
 
+def incomplete_problem(name: str) -> str:
+    """The one line for a managed environment whose create never finished
+    (no marker): ``areal env check`` and ``areal doctor`` both say it."""
+    return f"managed environment {name!r} is incomplete (an interrupted create); {_install_hint(name)}"
+
+
 def resolve_python(setting: str | None, name: str, where: str) -> ResolvedPython:
     """Resolve a role's ``python`` setting (``where``: its config path, for
     messages) against the registered environment ``name``: the interpreter
@@ -508,8 +514,9 @@ def check(name: str) -> tuple[list[str], list[str]]:
     spec = spec_for(name)
     python = managed_python(name)
     if python is None:
-        state = "is incomplete (an interrupted create)" if os.path.isdir(env_dir(name)) else "does not exist"
-        return [f"managed environment {name!r} {state}; {_install_hint(name)}"], []
+        if os.path.isdir(env_dir(name)):
+            return [incomplete_problem(name)], []
+        return [f"managed environment {name!r} does not exist; {_install_hint(name)}"], []
     found = probe(python, _distributions(spec))
     problems = [f"{name}: lacks {m}" for m in unmet(spec, found.versions)]
     notes = []

@@ -25,7 +25,7 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from areal_kernel.api.engine import ServerInfo, ServerLauncher
 from areal_kernel.api.scheduler import ROLLOUT, Placement, ProcessHandle, spawn_local
@@ -33,6 +33,9 @@ from areal_kernel.errors import ServerError
 from areal_kernel.inference.admin_auth import admin_token_for, bearer_header
 from areal_kernel.inference.guard import EXEC_FAILED_EXIT, guarded_command
 from areal_kernel.utils.network import find_free_port, is_loopback, port_is_free
+
+if TYPE_CHECKING:
+    from areal_kernel.environments import ResolvedPython
 from areal_kernel.utils.procs import tail_file  # noqa: F401  (a stable name of this module: docs/api.md)
 
 # Exit code a server may use to say "my port is taken" (the embedded server
@@ -157,6 +160,32 @@ class SubprocessLauncher(ServerLauncher):
         env["OMP_NUM_THREADS"] = "1"
         env.update(current_platform().visible_devices_env_for(device_ids))
         return env
+
+    # The backend's settings section when its servers may run from their own
+    # Python environment (a ``config.sections.RoleEnvironment``: ``python``
+    # and the registered environment's name); set by the backend's __init__.
+    role_environment: Any = None
+
+    @property
+    def python(self) -> "ResolvedPython | None":
+        """The servers' interpreter: ``role_environment.python`` resolved and
+        probed once (``environments.resolve_python``; a missing or wrong one
+        is one ``ConfigError`` naming ``<settings_path>.python``), or ``None``
+        for a backend without a role environment."""
+        if self.role_environment is None:
+            return None
+        if self.resolved_python is None:
+            from areal_kernel.environments import resolve_python
+
+            section = self.role_environment
+            self._resolved_python = resolve_python(section.python, section.environment, f"{self.settings_path}.python")
+        return self._resolved_python
+
+    @property
+    def resolved_python(self) -> "ResolvedPython | None":
+        """``python`` if it was resolved already (by ``check_launch``), else
+        ``None``: for code that must not start a probe (a bare ``command``)."""
+        return getattr(self, "_resolved_python", None)
 
     def server_pythonpath(self, env: dict[str, str], python: str, foreign: bool) -> dict[str, str]:
         """Set ``env``'s PYTHONPATH for a server run by ``python``. The same

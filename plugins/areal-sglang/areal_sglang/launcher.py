@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 
-from areal_kernel.environments import ResolvedPython, resolve_python
+from areal_kernel.environments import ResolvedPython
 from areal_kernel.errors import ServerError
 from areal_kernel.inference.launcher import SubprocessLauncher
 
@@ -100,7 +100,7 @@ class SGLangLauncher(SubprocessLauncher):
         self.seed = self.config.seed if self.config.seed is not None else seed
         self.launch_prefix = launch_prefix
         self._tp = self.config.tp_size or 1
-        self._python: ResolvedPython | None = None
+        self.role_environment = self.config  # rollout.sglang.python: the servers' interpreter
         super().__init__(
             run_dir, host=self.config.host,
             startup_timeout_s=self.config.startup_timeout_s, stop_grace_s=self.config.stop_grace_s,
@@ -112,14 +112,10 @@ class SGLangLauncher(SubprocessLauncher):
 
     @property
     def python(self) -> ResolvedPython | None:
-        """The servers' interpreter (``rollout.sglang.python`` resolved and
-        probed once; a missing or wrong one is one ``ConfigError``), or
-        ``None`` when ``launch_prefix`` replaces the command (tests' stand-in)."""
-        if self.launch_prefix is not None:
-            return None
-        if self._python is None:
-            self._python = resolve_python(self.config.python, "sglang", f"{self.settings_path}.python")
-        return self._python
+        """The servers' interpreter (``rollout.sglang.python``, resolved and
+        probed once by the base class), or ``None`` when ``launch_prefix``
+        replaces the command (tests' stand-in)."""
+        return None if self.launch_prefix is not None else super().python
 
     def check_launch(self, model_path: str, n_servers: int, devices_per_server: int) -> None:
         tp = self.config.tp_size or max(1, devices_per_server)
@@ -144,13 +140,14 @@ class SGLangLauncher(SubprocessLauncher):
             # The kernel's token rule: api_key, else generated beyond loopback.
             api_key=self.admin_token,
             # Resolved by check_launch (every launch); a bare command() keeps the setting as written.
-            python=self._python.python if self._python is not None else None,
+            python=self.resolved_python.python if self.resolved_python is not None else None,
         )
 
     def environment(self, index: int, n_servers: int, device_ids: list[int]) -> dict[str, str]:
         # Each server sees only its own devices, numbered from 0 (so no --base-gpu-id).
         env = super().environment(index, n_servers, device_ids)
-        if self._python is not None:
-            self.server_pythonpath(env, self._python.python, self._python.foreign)
+        resolved = self.resolved_python
+        if resolved is not None:
+            self.server_pythonpath(env, resolved.python, resolved.foreign)
         env.update(self.config.extra_env)
         return env

@@ -17,7 +17,7 @@ import re
 import shutil
 import tempfile
 
-from areal_kernel.environments import ResolvedPython, resolve_python
+from areal_kernel.environments import ResolvedPython
 from areal_kernel.errors import ServerError
 from areal_kernel.inference.admin_auth import ADMIN_MIDDLEWARE, ADMIN_TOKEN_ENV
 from areal_kernel.inference.launcher import SubprocessLauncher
@@ -56,7 +56,7 @@ class VLLMLauncher(SubprocessLauncher):
         self.config = config or VLLMServerConfig()
         self._tmpdirs: list[str] = []
         self._tp = self.config.tensor_parallel_size or 1
-        self._python: ResolvedPython | None = None
+        self.role_environment = self.config  # rollout.vllm.python: the servers' interpreter
         super().__init__(
             run_dir, host=self.config.host,
             startup_timeout_s=self.config.startup_timeout_s, stop_grace_s=self.config.stop_grace_s,
@@ -68,11 +68,11 @@ class VLLMLauncher(SubprocessLauncher):
 
     @property
     def python(self) -> ResolvedPython:
-        """The servers' interpreter (``rollout.vllm.python`` resolved and
-        probed once: a missing or wrong environment is one ``ConfigError``)."""
-        if self._python is None:
-            self._python = resolve_python(self.config.python, "vllm", f"{self.settings_path}.python")
-        return self._python
+        """The servers' interpreter (``rollout.vllm.python``, resolved and
+        probed once by the base class); vLLM always has one."""
+        resolved = super().python
+        assert resolved is not None  # role_environment is set in __init__
+        return resolved
 
     def check_launch(self, model_path: str, n_servers: int, devices_per_server: int) -> None:
         tp = self.config.tensor_parallel_size or max(1, devices_per_server)
