@@ -1,6 +1,6 @@
 """The N-D train engines on CPU: training tokens/s of megatron t2, d2 and p2
-and areal-fsdp d2 and t2 (DTensor tensor parallel) against the kernel's
-single-process torch engine, on the same batches.
+and areal-fsdp d2, t2 (DTensor tensor parallel) and p2 (torch.distributed.pipelining,
+1F1B) against the kernel's single-process torch engine, on the same batches.
 
     .venv/bin/python bench/bench_megatron.py [--steps 3] [--layers 30]
 
@@ -50,6 +50,7 @@ def main() -> None:
         "torch (1 process)": lambda: TorchTrainEngine(cfg),
         "fsdp d2": lambda: FSDPTrainEngine(cfg, world_size=2),
         "fsdp t2": lambda: FSDPTrainEngine(cfg, "fsdp:t2"),
+        "fsdp p2": lambda: FSDPTrainEngine(cfg, "fsdp:p2"),
         "megatron d2": lambda: MegatronTrainEngine(cfg, "megatron:d2"),
         "megatron t2": lambda: MegatronTrainEngine(cfg, "megatron:t2"),
         "megatron p2": lambda: MegatronTrainEngine(cfg, "megatron:p2"),
@@ -80,7 +81,7 @@ def main() -> None:
         vf = f"{tps / fsdp_tps:.2f}" if fsdp_tps else "-"
         print(f"| {name} | {s:.2f} | {tps:.0f} | {vt} | {vf} |")
     for name, _, tps in rows:
-        if (name.startswith("megatron") or name == "fsdp t2") and fsdp_tps:
+        if (name.startswith("megatron") or name in ("fsdp t2", "fsdp p2")) and fsdp_tps:
             report(f"{name} / fsdp d2 tokens/s", tps / fsdp_tps)
 
 

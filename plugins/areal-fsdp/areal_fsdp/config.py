@@ -34,12 +34,12 @@ class MixedPrecisionConfig(BaseModel):
 class FSDPEngineConfig(TorchEngineConfig):
     """Settings of the ``fsdp`` train engine (``actor.fsdp: {...}``). The rank
     layout is not here: it comes from the allocation (``actor.backend: fsdp:d2``,
-    ``fsdp:t2``, ``fsdp:d2t2``; see ``areal_fsdp.layout``)."""
+    ``fsdp:t2``, ``fsdp:d2t2``, ``fsdp:p2``; see ``areal_fsdp.layout``)."""
 
     @classmethod
     def check_allocation(cls, allocation: Any, where: str = "actor.backend") -> None:
         """Called by the kernel when it validates ``actor.backend``: one
-        ConfigError for dims this engine cannot run (p, c, e)."""
+        ConfigError for dims this engine cannot run (c, e; p combined with d or t)."""
         from areal_fsdp.layout import layout_of
 
         layout_of(allocation, where)
@@ -60,6 +60,12 @@ class FSDPEngineConfig(TorchEngineConfig):
     )
     dist_timeout_s: float = Field(1800.0, gt=0, description="timeout of collectives between ranks")
     startup_timeout_s: float = Field(300.0, gt=0, description="how long rank processes may take to start and connect")
+    pipeline_schedule: Literal["1f1b", "interleaved_1f1b"] = Field(
+        "1f1b",
+        description="with a p dim (fsdp:p2): the torch.distributed.pipelining schedule. '1f1b': one stage per rank; "
+        "'interleaved_1f1b': two stages per rank, placed round-robin (needs at least 2*p decoder layers); "
+        "ignored without p",
+    )
     export_shard_mb: int = Field(
         1024, ge=1, description="HF export: rank 0 gathers and writes at most this many MB per safetensors file"
     )

@@ -29,6 +29,12 @@ the same micro-batches in lockstep (their collectives pair up), and tensor
 rank 0 of each replica reports the part's answer (the others computed the
 same numbers).
 
+Pipeline parallelism (``fsdp:p2``; ``areal_fsdp.pipeline``): every rank
+receives the whole batch and runs its stages of the
+``torch.distributed.pipelining`` schedule (``actor.fsdp.pipeline_schedule``);
+the rank holding the last stage answers (the loss, stats, logprobs and
+entropies are computed there), the others answer None.
+
 Failure handling: a rank that raises reports its traceback; if the other
 ranks also answer, the engine stays usable and the error is re-raised
 (same type for kernel errors). If a rank dies or the others hang in a
@@ -91,7 +97,7 @@ class FSDPTrainEngine(RankedTrainEngine):
             allocation = f"fsdp:d{int(world_size)}"
         self.layout: Layout = layout_of(allocation)
         check_layout_settings(self.layout, settings)
-        self.allocation = Allocation(backend="fsdp", d=self.layout.dp, t=self.layout.tp)
+        self.allocation = Allocation(backend="fsdp", d=self.layout.dp, t=self.layout.tp, p=self.layout.pp)
         super().__init__(
             settings,
             self.layout.world_size,
@@ -107,14 +113,21 @@ class FSDPTrainEngine(RankedTrainEngine):
         return self.layout.dp
 
     def create_kwargs(self) -> dict[str, Any]:
-        return {"config": self.config.model_dump(), "tp": self.layout.tp}
+        return {"config": self.config.model_dump(), "tp": self.layout.tp, "pp": self.layout.pp}
 
     def on_initialized(self, answers: list[Any]) -> None:
         self._adapter_config = answers[0].get("adapter_config")
+        # Pipeline stages: which (stage index, first layer, end layer) each rank runs,
+        # and the parameter bytes each rank holds.
+        self.rank_stages: list[list[list[int]]] = [a.get("stages", []) for a in answers]
+        self.rank_param_bytes: list[int] = [int(a.get("param_bytes", 0)) for a in answers]
+        parallel = self.layout.tp > 1 or self.layout.pp > 1
         log.info(
             "fsdp engine ready", layout=str(self.layout), logs=self.log_dir,
             wrapped_blocks=answers[0]["wrapped_blocks"], tp_layers=answers[0].get("tp_layers", 0),
-            rank_coords={r: self.layout.coords(r) for r in range(self.world_size)} if self.layout.tp > 1 else None,
+            rank_coords={r: self.layout.rank_coords(r) for r in range(self.world_size)} if parallel else None,
+            stages={r: st for r, st in enumerate(self.rank_stages)} if self.layout.pp > 1 else None,
+            schedule=self.config.pipeline_schedule if self.layout.pp > 1 else None,
         )  # fmt: skip
 
     def call_parts(
@@ -124,13 +137,16 @@ class FSDPTrainEngine(RankedTrainEngine):
         per_part: list[dict[str, Any]],
         common: dict[str, Any],
     ) -> list[Any]:
-        """Rank ``r`` gets part ``r // t`` (its replica's); tensor rank 0 of
-        each replica answers for it."""
-        tp = self.layout.tp
+        """Rank ``r`` gets part ``r // (t*p)`` (its replica's); tensor rank 0
+        of each replica answers for it; with pipeline stages the rank of the
+        last stage answers (the others answer None)."""
+        inner = self.layout.tp * self.layout.pp
         answers = self.call_ranks(
-            cmd, [{"part": parts[r // tp], **per_part[r // tp], **common} for r in range(self.world_size)]
+            cmd, [{"part": parts[r // inner], **per_part[r // inner], **common} for r in range(self.world_size)]
         )
-        return answers[::tp]
+        if self.layout.pp > 1:
+            return [a for a in answers if a is not None]
+        return answers[::inner]
 
     def state_meta(self) -> dict[str, Any]:
         return {"world_size": self.world_size, "layout": str(self.layout)}

@@ -8,8 +8,14 @@ mesh, so the ranks of one tensor group are neighbours). What the engine runs:
 - d (data): FSDP2 ``fully_shard`` over the replicas' axis;
 - t (tensor): DTensor tensor parallelism inside each replica, for the model
   families ``areal_fsdp.tensor_parallel`` has a plan for;
-- p, c, e (pipeline, context, expert): not implemented in this engine;
-  refused with the allocation named (the megatron engine runs p).
+- p (pipeline): ``torch.distributed.pipelining`` stages, one rank per
+  pipeline rank (``areal_fsdp.pipeline``), on its own for now (``fsdp:p2``,
+  ``fsdp:p4``): combined with d or t it is refused with one line;
+- c, e (context, expert): not implemented in this engine; refused with the
+  allocation named.
+
+The pipeline helpers here (``split_layers``, ``stage_rank``) are pure
+arithmetic, shared by the rank processes and the tests.
 """
 
 from __future__ import annotations
@@ -20,25 +26,47 @@ from typing import Any
 from areal_kernel.config.allocation import Allocation, allocation_at
 from areal_kernel.errors import ConfigError
 
-EXAMPLES = "'fsdp:d2', 'fsdp:t2' or 'fsdp:d2t2'"
+EXAMPLES = "'fsdp:d2', 'fsdp:t2', 'fsdp:d2t2' or 'fsdp:p2'"
+
+# actor.fsdp.pipeline_schedule -> (torch.distributed.pipelining schedule class,
+# stages per rank). A schedule with more than one stage per rank places them
+# round-robin ("loop"): stage s on pipeline rank s % p.
+PIPELINE_SCHEDULES: dict[str, tuple[str, int]] = {
+    "1f1b": ("Schedule1F1B", 1),
+    "interleaved_1f1b": ("ScheduleInterleaved1F1B", 2),
+}
 
 
 @dataclass(frozen=True)
 class Layout:
-    """Sizes of the two mesh dimensions (both >= 1)."""
+    """Sizes of the mesh dimensions (all >= 1; ``pp > 1`` only with ``dp == tp == 1``)."""
 
     dp: int
     tp: int
+    pp: int = 1
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp
+        return self.dp * self.tp * self.pp
 
     def coords(self, rank: int) -> tuple[int, int]:
-        """``(data-parallel index, tensor-parallel index)`` of a global rank."""
-        return rank // self.tp, rank % self.tp
+        """``(data-parallel index, tensor-parallel index)`` of a global rank;
+        with pipeline parallelism ``(data-parallel index, pipeline rank)``
+        (``coord_names`` says which)."""
+        inner = self.pp if self.pp > 1 else self.tp
+        return rank // inner, rank % inner
+
+    @property
+    def coord_names(self) -> str:
+        return "dp" if self.pp > 1 else "dt"
+
+    def rank_coords(self, rank: int) -> dict[str, int]:
+        """``{"d": .., "t": ..}`` or ``{"d": .., "p": ..}`` of a global rank (what the engine logs)."""
+        return dict(zip(self.coord_names, self.coords(rank)))
 
     def __str__(self) -> str:
+        if self.pp > 1:
+            return f"fsdp:d{self.dp}p{self.pp}"
         return f"fsdp:d{self.dp}t{self.tp}"
 
 
@@ -48,30 +76,74 @@ def layout_of(allocation: Allocation | str | None, where: str = "actor.backend")
     if allocation is None:
         allocation = "fsdp"
     a = allocation_at(allocation, where)
-    extra = [f"{k}{getattr(a, k)}" for k in ("p", "c", "e") if getattr(a, k) != 1]
+    extra = [f"{k}{getattr(a, k)}" for k in ("c", "e") if getattr(a, k) != 1]
     if extra:
         raise ConfigError(
-            f"{where}: {a} asks for pipeline/context/expert parallelism ({', '.join(extra)}), which the fsdp "
-            f"engine does not do; valid dims are d (data) and t (tensor), e.g. {EXAMPLES}"
+            f"{where}: {a} asks for context/expert parallelism ({', '.join(extra)}), which the fsdp "
+            f"engine does not do; valid dims are d (data), t (tensor) and p (pipeline, alone), e.g. {EXAMPLES}"
         )
-    return Layout(dp=a.d, tp=a.t)
+    if a.p > 1 and (a.d > 1 or a.t > 1):
+        others = "".join(f"{k}{getattr(a, k)}" for k in ("d", "t") if getattr(a, k) > 1)
+        raise ConfigError(
+            f"{where}: {a} combines pipeline parallelism (p{a.p}) with {others}, which the fsdp engine does not "
+            f"do yet; valid: p alone ('fsdp:p{a.p}') or d/t without p ('fsdp:d{a.d}t{a.t}')"
+        )
+    return Layout(dp=a.d, tp=a.t, pp=a.p)
 
 
 def check_layout_settings(layout: Layout, settings: Any, where: str = "actor.backend") -> None:
-    """Settings the tensor-parallel path does not support yet: one
-    ``ConfigError`` naming the allocation and the setting (never a run that
-    would silently compute something else)."""
-    if layout.tp == 1:
+    """Settings the tensor- and pipeline-parallel paths do not support yet:
+    one ``ConfigError`` naming the allocation and the setting (never a run
+    that would silently compute something else)."""
+    if layout.tp == 1 and layout.pp == 1:
         return
+    kind, dim = ("tensor parallelism", f"t{layout.tp}") if layout.pp == 1 else ("pipeline parallelism", f"p{layout.pp}")
     refused = {
-        "lora": "LoRA adapters are not sharded by the tensor-parallel plan",
-        "gradient_checkpointing": "activation recomputation is not validated with tensor parallelism",
-        "cpu_offload": "offloading is not validated with tensor parallelism",
+        "lora": f"LoRA adapters are not split by {kind} yet",
+        "gradient_checkpointing": f"activation recomputation is not validated with {kind}",
+        "cpu_offload": f"offloading is not validated with {kind}",
     }
+    if layout.pp > 1:
+        # The stages are plain modules (no FSDP unit): FSDP's mixed-precision
+        # policy would silently not apply, and bf16 autocast changes the dtype
+        # the stages send each other (not validated).
+        refused["autocast_bf16"] = "bf16 autocast is not validated with pipeline parallelism"
     for field, why in refused.items():
         value = getattr(settings, field, None)
         if value not in (None, False):
             raise ConfigError(
-                f"{where}: {layout} (t{layout.tp}) with actor.fsdp.{field} is not supported ({why}); "
+                f"{where}: {layout} ({dim}) with actor.fsdp.{field} is not supported ({why}); "
                 f"drop {field} or use data parallelism only, e.g. 'fsdp:d{layout.world_size}'"
             )
+    mp = getattr(settings, "mixed_precision", None)
+    if (
+        layout.pp > 1
+        and mp is not None
+        and any(v is not None for v in (mp.param_dtype, mp.reduce_dtype, mp.output_dtype))
+    ):
+        raise ConfigError(
+            f"{where}: {layout} ({dim}) with actor.fsdp.mixed_precision is not supported (pipeline stages are not "
+            "FSDP units, so the policy would not apply); drop mixed_precision or use 'fsdp:d"
+            f"{layout.world_size}'"
+        )
+
+
+def split_layers(n_layers: int, n_stages: int) -> list[range]:
+    """Decoder layers ``[0, n_layers)`` split by count into ``n_stages``
+    consecutive ranges, as even as possible; when they do not divide, the
+    earlier stages take one layer more (the last stage also runs the final
+    norm and the LM head). ``ValueError`` when a stage would get none."""
+    if n_stages < 1 or n_layers < n_stages:
+        raise ValueError(f"{n_layers} decoder layers cannot fill {n_stages} pipeline stages")
+    base, extra = divmod(n_layers, n_stages)
+    out, start = [], 0
+    for s in range(n_stages):
+        n = base + (1 if s < extra else 0)
+        out.append(range(start, start + n))
+        start += n
+    return out
+
+
+def stage_rank(stage: int, pp: int) -> int:
+    """Pipeline rank that holds ``stage`` (round-robin: stage ``s`` on ``s % pp``)."""
+    return stage % pp

@@ -17,6 +17,11 @@ shared-prompt plan, the forward, the micro-batch loop and the stats rules),
 and grad norm), summed instead of averaged gradients, gathered exports and
 DCP checkpoints, and with ``t > 1`` the 2-D (data, tensor) mesh and the
 tensor-parallel plan (``areal_fsdp.tensor_parallel``) applied before FSDP.
+With ``p > 1`` the rank keeps only its pipeline stages
+(``areal_fsdp.pipeline``): no FSDP, a schedule of
+``torch.distributed.pipelining`` instead of the micro-batch loop, weights
+sent point-to-point from their owner to rank 0 for exports, and the tied
+embedding's two copies kept equal.
 
 A rank exits when its control connection closes or when the controller (its
 parent) disappears, so no rank outlives the run that started it.
@@ -101,8 +106,17 @@ class RankSync(MicroBatchHooks):
 
     lockstep = True
 
-    def __init__(self, world_size: int = 1) -> None:
+    def __init__(self, world_size: int = 1, plain_replicas: int | None = None, counted_elsewhere: Any = ()) -> None:
         self.world_size = world_size
+        # How many ranks hold the same plain (non-DTensor) tensor: every rank
+        # for a replicated model, 1 for pipeline stages (each holds its own layers).
+        self.plain_replicas = world_size if plain_replicas is None else plain_replicas
+        # Parameters whose gradient another rank counts in the norm (the last
+        # pipeline stage's copy of a tied embedding): clipped, not counted.
+        self.counted_elsewhere = {id(p) for p in counted_elsewhere}
+
+    def _replicas(self, g: Any) -> int:
+        return replicas(g, self.world_size) if hasattr(g, "device_mesh") else self.plain_replicas
 
     def micro_batch_count(self, local: int) -> int:
         return int(_all_reduce([float(local)], "max")[0])
@@ -118,11 +132,10 @@ class RankSync(MicroBatchHooks):
         import torch
 
         grads = [p.grad for p in params]
+        counted = [p.grad for p in params if id(p) not in self.counted_elsewhere]
         local = 0.0
-        if grads:
-            sq = torch.stack(
-                [_local(g).detach().float().pow(2).sum() / replicas(g, self.world_size) for g in grads]
-            ).sum()
+        if counted:
+            sq = torch.stack([_local(g).detach().float().pow(2).sum() / self._replicas(g) for g in counted]).sum()
             local = float(sq)
         total = math.sqrt(_all_reduce([local], "sum")[0])
         if max_norm is not None and max_norm > 0 and math.isfinite(total):
@@ -138,14 +151,16 @@ class FSDPRankEngine:
     """The model shard and optimizer of one rank."""
 
     def __init__(
-        self, config: FSDPEngineConfig | dict[str, Any] | None, rank: int, world_size: int, tp: int = 1
+        self, config: FSDPEngineConfig | dict[str, Any] | None, rank: int, world_size: int, tp: int = 1, pp: int = 1
     ) -> None:
         self.config = FSDPEngineConfig.parse(config)
         self.rank = rank
         self.world_size = world_size
-        if tp < 1 or world_size % tp:
-            raise ConfigError(f"fsdp rank: tensor-parallel size {tp} does not divide the world size {world_size}")
-        self.layout = Layout(dp=world_size // tp, tp=tp)
+        if tp < 1 or pp < 1 or world_size % (tp * pp):
+            raise ConfigError(
+                f"fsdp rank: tensor x pipeline size {tp}x{pp} does not divide the world size {world_size}"
+            )
+        self.layout = Layout(dp=world_size // (tp * pp), tp=tp, pp=pp)
         check_layout_settings(self.layout, self.config)
         self.model: Any = None
         self.optimizer: Any = None
@@ -165,6 +180,12 @@ class FSDPRankEngine:
         # gradients are partial sums over it (areal_fsdp.tensor_parallel.per_head_params).
         self.tp_group: Any = None
         self.tp_partial_params: list[Any] = []
+        # Pipeline parallelism (areal_fsdp.pipeline): this rank's stages, which
+        # rank holds each transfer weight, and the tied embedding's two copies.
+        self.pipeline: Any = None
+        self.owner: dict[str, int] = {}
+        self.tie_group: Any = None
+        self.tied_param: Any = None
 
     @property
     def device(self) -> Any:
@@ -218,6 +239,13 @@ class FSDPRankEngine:
             self.live_names = {n: n for n, _ in named}
             self.transfer_meta = tensor_meta(named)
         del named
+        if self.layout.pp > 1:
+            if vision_model:
+                raise ConfigError(
+                    f"actor.backend: {self.layout}: pipeline stages are not cut for vision-language models; "
+                    f"use 'fsdp:d{self.world_size}'"
+                )
+            return self._initialize_pipeline(model, model_path, total_train_steps)
         if cfg.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
@@ -302,6 +330,60 @@ class FSDPRankEngine:
             "adapter_config": self.adapter_config,
         }
 
+    def _initialize_pipeline(self, model: Any, model_path: str, total_train_steps: int) -> dict[str, Any]:
+        """``fsdp:pN``: cut this rank's stages out of the whole model
+        (``areal_fsdp.pipeline``), find which rank holds each weight, and pair
+        the tied embedding's two copies."""
+        import torch.distributed as dist
+
+        from areal_fsdp.pipeline import make_pipeline
+
+        cfg = self.config
+        # Plain packing: a shared-prompt tree row needs its 4-D mask sent along
+        # the pipeline, which the stages do not do yet (see areal_fsdp.pipeline).
+        runner = MicroBatchRunner(
+            model, cfg.model_copy(update={"share_prompts": False}), self.device, split_head=False,
+        )  # fmt: skip
+        self.pipeline, info = make_pipeline(model, runner, self.layout, cfg.pipeline_schedule, self.rank)
+        model.train()
+        self.model = model
+        # Every rank sends the names it holds; a weight's owner is the (one) rank holding it.
+        held: list[Any] = [None] * self.world_size
+        dist.all_gather_object(held, sorted(model.state_dict()))
+        for r in reversed(range(self.world_size)):
+            for name in held[r]:
+                self.owner[name] = r
+        missing = [m["name"] for m in self.transfer_meta if m["name"] not in self.owner]
+        if missing:
+            raise ArealError(f"fsdp rank: no pipeline stage holds {missing[:3]}")
+        counted_elsewhere = []
+        if info["tie_split"]:
+            from areal_fsdp.layout import PIPELINE_SCHEDULES, stage_rank
+
+            n_stages = self.layout.pp * PIPELINE_SCHEDULES[cfg.pipeline_schedule][1]
+            pair = sorted({stage_rank(0, self.layout.pp), stage_rank(n_stages - 1, self.layout.pp)})
+            self.tie_group = dist.new_group(pair)  # every rank must take part in new_group
+            if info["first"]:
+                self.tied_param = model.model.embed_tokens.weight
+            elif info["last"]:
+                self.tied_param = model.lm_head.weight
+                counted_elsewhere = [self.tied_param]  # the first stage counts the matrix in the norm
+        runner.hooks = RankSync(self.world_size, plain_replicas=1, counted_elsewhere=counted_elsewhere)
+        self.runner = runner
+        self.model_path = os.path.abspath(model_path)
+        self.total_train_steps = int(total_train_steps)
+        self.optimizer = make_optimizer([p for p in model.parameters() if p.requires_grad], cfg)
+        self.step = 0
+        self.set_lr()
+        return {
+            "transfer_meta": self.transfer_meta,
+            "wrapped_blocks": 0,
+            "tp_layers": 0,
+            "adapter_config": None,
+            "stages": [[s, r.start, r.stop] for s, r in info["stages"]],
+            "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+        }
+
     def set_lr(self) -> float:
         return set_lr(self.optimizer, scheduled_lr(self.config, self.step, self.total_train_steps))
 
@@ -316,8 +398,17 @@ class FSDPRankEngine:
         dist.barrier()
 
     # ---------------------------------------------------------------- scoring
-    def score_part(self, part: TrajectoryBatch, only_loss_tokens: bool, with_entropy: bool) -> tuple[list, list | None]:
-        lp, ent = self._runner().score(part, only_loss_tokens)
+    def score_part(
+        self, part: TrajectoryBatch, only_loss_tokens: bool, with_entropy: bool
+    ) -> tuple[list, list | None] | None:
+        """This rank's part's logprobs (and entropies); with pipeline
+        parallelism only the rank of the last stage answers (others: None)."""
+        if self.pipeline is not None:
+            lp, ent = self.pipeline.score(part, only_loss_tokens)
+            if not self.pipeline.last:
+                return None
+        else:
+            lp, ent = self._runner().score(part, only_loss_tokens)
         return lp, (ent if with_entropy else None)
 
     # --------------------------------------------------------------- training
@@ -329,24 +420,30 @@ class FSDPRankEngine:
         extra: dict[str, list[list[float]]] | None,
         batch_loss_tokens: int,
         batch_n_seqs: int,
-    ) -> dict[str, Any]:
+    ) -> dict[str, Any] | None:
         """This rank's share of one optimizer step. ``part`` holds the
         trajectories ``global_index`` of the batch; the loss normalisers are
         the whole batch's, so summing every rank's gradients gives the
-        single-process gradient."""
+        single-process gradient. With pipeline parallelism every rank runs
+        its stages on the whole part and only the last stage's rank answers
+        (the loss and stats are measured there; others return None)."""
         runner = self._runner()
         t0 = time.perf_counter()
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         lr = self.set_lr()
-        acc = runner.accumulate(
+        worker: Any = self.pipeline if self.pipeline is not None else runner
+        acc = worker.accumulate(
             part, loss_fn, extra, batch_loss_tokens=batch_loss_tokens, batch_n_seqs=batch_n_seqs,
             seq_index=global_index,
         )  # fmt: skip
         self._sum_partial_grads()
+        self._sum_tied_grads()
         grad_norm, applied = runner.apply_gradients(self.optimizer, acc.finite, self.config.max_grad_norm)
         self.step += 1
         current_platform().synchronize()
+        if self.pipeline is not None and not self.pipeline.last:
+            return None
         return {
             "loss": acc.loss,
             "entropy_sum": acc.entropy_sum,
@@ -369,18 +466,61 @@ class FSDPRankEngine:
             if p.grad is not None:
                 dist.all_reduce(_local(p.grad), group=self.tp_group)
 
+    def _sum_tied_grads(self) -> None:
+        """Pipeline stages on two ranks holding one tied matrix each (embedding
+        on the first, LM head on the last): add the two gradients, so both
+        copies get the single-process gradient and stay equal."""
+        import torch
+        import torch.distributed as dist
+
+        p = self.tied_param
+        if p is None:
+            return
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        dist.all_reduce(p.grad, group=self.tie_group)
+
     # ---------------------------------------------------------------- weights
     def _named_sharded(self) -> dict[str, Any]:
         return dict(self.model.state_dict())
 
     def _gather_group(self, sd: dict[str, Any], names: list[str]) -> list[tuple[str, Any]]:
-        """All-gather ``names`` (collective); only rank 0 keeps the results."""
+        """All-gather ``names`` (collective); only rank 0 keeps the results.
+        Pipeline stages: the rank holding each weight sends it to rank 0."""
+        if self.pipeline is not None:
+            return self._gather_from_owners(sd, names)
         out = []
         for name in names:
             full = _full(sd[self.live_names.get(name, name)]).detach()
             if self.rank == 0:
                 out.append((name, full.to("cpu")))  # no copy when it is a host tensor already
             del full
+        return out
+
+    def _gather_from_owners(self, sd: dict[str, Any], names: list[str]) -> list[tuple[str, Any]]:
+        """Pipeline stages: each weight of ``names`` travels from its owner to
+        rank 0 (point-to-point, in ``names`` order, so the pairs match)."""
+        import torch
+        import torch.distributed as dist
+
+        from areal_fsdp.pipeline import comm_device
+        from areal_kernel.weights.broadcast import parse_dtype
+
+        meta = {m["name"]: m for m in self.transfer_meta}
+        dev = comm_device()
+        out = []
+        for name in names:
+            owner = self.owner[name]
+            if owner == self.rank:
+                t = sd[name].detach()
+                if self.rank == 0:
+                    out.append((name, t.to("cpu")))
+                else:
+                    dist.send(t.to(dev).contiguous(), dst=0)
+            elif self.rank == 0:
+                buf = torch.empty(meta[name]["shape"], dtype=parse_dtype(meta[name]["dtype"]), device=dev)
+                dist.recv(buf, src=owner)
+                out.append((name, buf.to("cpu")))
         return out
 
     def export_hf(self, tmp_dir: str, shard_bytes: int, lora_export: str | None = None) -> dict[str, Any]:
@@ -511,7 +651,7 @@ class FSDPRankEngine:
 
         msd, osd = get_state_dict(self.model, self.optimizer, options=self._state_dict_options())
         msd = self._trained_only(msd)
-        dcp.save({"model": msd, "optim": osd}, checkpoint_id=os.path.join(tmp_dir, "dcp"))
+        dcp.save({"model": msd, "optim": self._optim_entry(osd)}, checkpoint_id=os.path.join(tmp_dir, "dcp"))
         save_rng_state(os.path.join(tmp_dir, f"rng-rank{self.rank}.safetensors"))
         self.barrier()
 
@@ -521,10 +661,11 @@ class FSDPRankEngine:
 
         opts = self._state_dict_options()
         msd, osd = get_state_dict(self.model, self.optimizer, options=opts)
-        state: dict[str, Any] = {"model": self._trained_only(msd), "optim": osd}
+        state: dict[str, Any] = {"model": self._trained_only(msd), "optim": self._optim_entry(osd)}
         dcp.load(state, checkpoint_id=os.path.join(path, "dcp"))
+        optim = state["optim"][f"stage_rank{self.rank}"] if self.pipeline is not None else state["optim"]
         set_state_dict(
-            self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=opts
+            self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=optim, options=opts
         )
         rng_path = os.path.join(path, f"rng-rank{self.rank}.safetensors")
         if os.path.isfile(rng_path):  # absent when resuming with more ranks than were saved
@@ -532,6 +673,14 @@ class FSDPRankEngine:
         self.step = int(step)
         self.set_lr()
         self.barrier()
+
+    def _optim_entry(self, osd: dict[str, Any]) -> dict[str, Any]:
+        """The checkpoint's optimizer entry. Pipeline stages: under this rank's
+        own key, because each rank's optimizer has other parameter groups and
+        DCP would keep one rank's copy of an entry every rank writes. (The
+        model entry needs no key of its own: the stages keep the HF names, and
+        each name is held by one rank.)"""
+        return {f"stage_rank{self.rank}": osd} if self.pipeline is not None else osd
 
     def _state_dict_options(self) -> Any:
         """With LoRA a checkpoint holds the adapter and its optimizer state
@@ -555,6 +704,7 @@ class FSDPRankEngine:
     def destroy(self) -> None:
         self.model = None
         self.runner = None
+        self.pipeline = None
         self.optimizer = None
         self.weight_group = None
 
@@ -575,7 +725,9 @@ def device_mesh(world_size: int, tp: int = 1) -> Any:
 def main(argv: list[str] | None = None) -> int:
     """The rank process: the kernel's rank loop (``areal_kernel.engine.ranks``)
     serving an ``FSDPRankEngine``."""
-    return rank_main(lambda rank, world_size, config, tp=1: FSDPRankEngine(config, rank, world_size, tp), "fsdp", argv)
+    return rank_main(
+        lambda rank, world_size, config, tp=1, pp=1: FSDPRankEngine(config, rank, world_size, tp, pp), "fsdp", argv
+    )
 
 
 if __name__ == "__main__":

@@ -51,16 +51,72 @@ def test_torch_settings_under_fsdp_backend_point_to_the_right_section():
         _cfg({"backend": "fsdp:d2", "torch": {"lr": 1e-5}})
 
 
-@pytest.mark.parametrize("alloc, dims", [("fsdp:d2p2", "p2"), ("fsdp:t2c2", "c2"), ("fsdp:d2e2", "e2")])
-def test_pipeline_context_expert_dims_are_refused(alloc, dims):
+@pytest.mark.parametrize("alloc, dims", [("fsdp:t2c2", "c2"), ("fsdp:d2e2", "e2")])
+def test_context_expert_dims_are_refused(alloc, dims):
     """One line naming the allocation, the dims it cannot run and what is
     valid: from the engine and from `areal validate` (the kernel's check)."""
     from areal_fsdp.engine import FSDPTrainEngine
 
-    with pytest.raises(ConfigError, match=rf"{alloc} asks for .*\({dims}\).*valid dims are d \(data\) and t"):
+    with pytest.raises(
+        ConfigError, match=rf"{alloc} asks for .*\({dims}\).*valid dims are d \(data\), t \(tensor\) and p"
+    ):
         FSDPTrainEngine({}, allocation=alloc)
     with pytest.raises(ConfigError, match=rf"actor.backend: {alloc} asks for"):
         _cfg({"backend": alloc})
+
+
+@pytest.mark.parametrize("alloc, others", [("fsdp:d2p2", "d2"), ("fsdp:t2p2", "t2"), ("fsdp:d2t2p2", "d2t2")])
+def test_pipeline_with_other_dims_is_refused(alloc, others):
+    """p runs alone for now: one line naming the allocation, what it combines
+    and what is valid, from the engine and from `areal validate`."""
+    from areal_fsdp.engine import FSDPTrainEngine
+
+    line = rf"actor.backend: {alloc} combines pipeline parallelism \(p2\) with {others}, .*valid: p alone \('fsdp:p2'\)"
+    with pytest.raises(ConfigError, match=line):
+        FSDPTrainEngine({}, allocation=alloc)
+    with pytest.raises(ConfigError, match=line):
+        _cfg({"backend": alloc})
+
+
+def test_pipeline_layout_and_schedule_setting():
+    from areal_fsdp.engine import FSDPTrainEngine
+    from areal_fsdp.layout import split_layers, stage_rank
+
+    p2 = FSDPTrainEngine({}, allocation="fsdp:p2")
+    assert (p2.world_size, p2.data_parallel_size, str(p2.layout), str(p2.allocation)) == (2, 1, "fsdp:d1p2", "fsdp:p2")
+    assert [p2.layout.rank_coords(r) for r in range(2)] == [{"d": 0, "p": 0}, {"d": 0, "p": 1}]
+    assert p2.create_kwargs()["pp"] == 2 and p2.config.pipeline_schedule == "1f1b"
+    assert _cfg({"backend": "fsdp:p4"}).actor.allocation.world_size == 4
+    # Layers by count, the earlier stages taking the remainder; stages round-robin over the ranks.
+    assert split_layers(30, 2) == [range(0, 15), range(15, 30)]
+    assert split_layers(5, 4) == [range(0, 2), range(2, 3), range(3, 4), range(4, 5)]
+    with pytest.raises(ValueError, match="3 decoder layers cannot fill 4 pipeline stages"):
+        split_layers(3, 4)
+    assert [stage_rank(s, 2) for s in range(4)] == [0, 1, 0, 1]
+    cfg = _cfg({"backend": "fsdp:p2", "fsdp": {"pipeline_schedule": "interleaved_1f1b"}})
+    assert cfg.actor.plugin_config.pipeline_schedule == "interleaved_1f1b"
+    with pytest.raises(ConfigError) as e:
+        _cfg({"backend": "fsdp:p2", "fsdp": {"pipeline_schedule": "zero_bubble"}})
+    assert "actor.fsdp.pipeline_schedule" in str(e.value) and "'1f1b'" in str(e.value)
+    print(e.value)
+
+
+@pytest.mark.parametrize(
+    "section, field",
+    [
+        ({"lora": {"rank": 4}}, "lora"),
+        ({"gradient_checkpointing": True}, "gradient_checkpointing"),
+        ({"cpu_offload": True}, "cpu_offload"),
+        ({"autocast_bf16": True}, "autocast_bf16"),
+        ({"mixed_precision": {"param_dtype": "bfloat16"}}, "mixed_precision"),
+    ],
+)
+def test_settings_pipeline_parallelism_does_not_support_are_refused(section, field):
+    from areal_fsdp.engine import FSDPTrainEngine
+
+    with pytest.raises(ConfigError, match=rf"fsdp:d1p2 \(p2\) with actor.fsdp.{field} is not supported"):
+        FSDPTrainEngine(section, allocation="fsdp:p2")
+    FSDPTrainEngine(section, allocation="fsdp:d2")  # data parallelism alone keeps them
 
 
 def test_data_and_tensor_dims_are_accepted():
@@ -161,3 +217,5 @@ def test_local_scheduler_plans_one_process_per_rank():
     assert LocalScheduler(_cfg({"backend": "fsdp:d2"})).device_plan()["actor"] == [[], []]
     # A tensor rank is a process too: d2t2 is 4.
     assert LocalScheduler(_cfg({"backend": "fsdp:d2t2"})).device_plan()["actor"] == [[], [], [], []]
+    # So is a pipeline rank: p2 is 2 (their (d, p) coordinates are the engine's, logged when it is ready).
+    assert LocalScheduler(_cfg({"backend": "fsdp:p2"})).device_plan()["actor"] == [[], []]
