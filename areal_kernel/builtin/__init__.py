@@ -25,7 +25,7 @@ def areal_register_train_engines(register: Any) -> None:
         config_model="areal_kernel.engine.config:TorchEngineConfig",
         # critic / reward_model: the kernel's scalar-head models (TorchCriticEngine,
         # ScalarHeadEngine) are built from this engine's settings section.
-        capabilities=["packing", "disk_export", "broadcast_export", "critic", "reward_model"],
+        capabilities=["packing", "disk_export", "broadcast_export", "critic", "reward_model", "policies"],
         description="single-process PyTorch + transformers",
     )
 
@@ -227,8 +227,9 @@ def areal_register_trainers(register: Any) -> None:
     t = "areal_kernel.trainer"
     register(
         "grpo",
-        f"{t}.run:RLTrainer",
-        capabilities=["rollout"],
+        f"{t}.multi_policy:GRPOTrainer",
+        # "policies": it also trains several policies in one run (policies:).
+        capabilities=["rollout", "policies"],
         description="asynchronous RL on inference servers; the estimator and loss (GRPO, PPO, DAPO, ...) "
         "are algorithm.advantage / algorithm.loss",
     )

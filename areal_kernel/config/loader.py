@@ -10,6 +10,7 @@ from pydantic import ValidationError
 
 from areal_kernel.config.models import ExperimentConfig
 from areal_kernel.config.overrides import apply_overrides
+from areal_kernel.config.policies import adapter_settings, policy_config_data
 from areal_kernel.config.resolve import PluginLookup, resolve
 from areal_kernel.config.sections import format_validation_error
 from areal_kernel.errors import ConfigError
@@ -75,7 +76,12 @@ def validate_config(
         config = ExperimentConfig.model_validate(data)
     except ValidationError as e:
         raise ConfigError(f"{source} is invalid:\n" + format_validation_error(e, model=ExperimentConfig)) from None
-    return config if registry is None else resolve(config, registry, source)
+    if registry is None:
+        return config
+    resolve(config, registry, source)
+    if config.policies:
+        check_policies(config, registry)
+    return config
 
 
 def load_config(
@@ -166,3 +172,43 @@ def _plugin_section_classes():
     from areal_kernel.config import models
 
     return [models.ActorConfig, models.RolloutConfig, models.DatasetConfig, models.WorkflowConfig, models.RewardConfig]
+
+
+def check_policies(cfg: ExperimentConfig, registry: PluginLookup) -> dict[str, ExperimentConfig]:
+    """Every policy's config, validated and resolved (``policies.<name>``
+    heads its errors), after the adapters' engine settings; ``{}`` for a
+    one-policy run."""
+    if not cfg.policies:
+        return {}
+    trainer = registry.get("trainer", cfg.algorithm.type)
+    if "policies" not in trainer.capabilities:
+        able = sorted(s.name for s in registry.specs("trainer") if "policies" in s.capabilities)
+        raise ConfigError(
+            f"policies: algorithm.type {cfg.algorithm.type!r} trains one policy; trainers that train several "
+            f"(capability 'policies'): {', '.join(able) or 'none installed'}"
+        )
+    backend = cfg.actor.allocation.backend
+    engine = registry.get("train_engine", backend)
+    if "policies" not in engine.capabilities:
+        able = sorted(s.name for s in registry.specs("train_engine") if "policies" in s.capabilities)
+        raise ConfigError(
+            f"policies: actor.backend {backend!r} does not hold one adapter per policy (capability 'policies'); "
+            f"train engines that do: {', '.join(able) or 'none installed'}"
+        )
+    adapter_settings(cfg)
+    out = {}
+    for name in cfg.policies:
+        try:
+            pcfg = validate_config(policy_config_data(cfg, name), source=f"policies.{name}", registry=registry)
+        except ConfigError as e:
+            text = str(e)
+            # Errors of plugin sections name the field only: say whose field it is.
+            raise ConfigError(text if text.startswith(f"policies.{name}") else f"policies.{name}: {text}") from None
+        a = pcfg.algorithm
+        if a.kl_coef > 0:
+            raise ConfigError(
+                f"policies.{name}.algorithm.kl_coef: a reference model per policy is not supported in "
+                "multi-policy runs yet; set it to 0"
+            )
+        out[name] = pcfg
+    return out

@@ -402,6 +402,36 @@ class SchedulerConfig(StrictModel):
         return self._sections.get(name)
 
 
+class PolicyConfig(StrictModel):
+    """One policy of a multi-policy run (``policies.<name>``): a LoRA adapter
+    on the shared base model with its own data, reward and knobs. Sections
+    given here replace or extend the run's own: a section that names another
+    ``type`` than the run's replaces it, otherwise its keys are merged over
+    the run's (``policy_config_data``). ``model``, ``actor``, ``rollout``
+    (servers) and ``logging`` stay shared."""
+
+    lora: dict[str, Any] = Field(
+        default_factory=dict,
+        description="The adapter's settings: the actor engine's lora fields (rank, alpha, target_modules, ...) "
+        "without name, which is the policy's name.",
+    )
+    dataset: dict[str, Any] = Field(default_factory=dict, description="This policy's dataset section (see above).")
+    workflow: dict[str, Any] = Field(default_factory=dict, description="This policy's workflow section.")
+    reward: dict[str, Any] = Field(default_factory=dict, description="This policy's reward section.")
+    algorithm: dict[str, Any] = Field(
+        default_factory=dict, description="This policy's algorithm knobs (eps_clip, loss settings, ...)."
+    )
+    batch_size: int | None = Field(
+        None, ge=1, description="Prompts per step of this policy; unset: trainer.batch_size."
+    )
+    max_staleness: int | None = Field(
+        None, ge=0, description="This policy's staleness bound; unset: rollout.max_staleness."
+    )
+    weight: float = Field(
+        1.0, gt=0, description="Steps are taken in proportion to the policies' weights (docs/multi-policy.md)."
+    )
+
+
 class ExperimentConfig(StrictModel):
     experiment_name: str = "areal-run"
     seed: int = 1
@@ -420,6 +450,11 @@ class ExperimentConfig(StrictModel):
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     monitor: MonitorConfig = Field(
         default_factory=MonitorConfig, description="Checks that watch the run for silent failures (docs/monitoring.md)."
+    )
+    policies: dict[str, PolicyConfig] = Field(
+        default_factory=dict,
+        description="Several policies in one run, each a LoRA adapter on the shared base (docs/multi-policy.md); "
+        "empty: one policy, the run's own sections.",
     )
     recover: Literal["auto", "off"] = Field(
         "auto",
@@ -442,6 +477,15 @@ class ExperimentConfig(StrictModel):
     def _name_is_path_safe(cls, v: str) -> str:
         if not v or any(c in v for c in "/\\") or v in {".", ".."}:
             raise ValueError("must be a non-empty name without '/' (it names the run directory)")
+        return v
+
+    @field_validator("policies")
+    @classmethod
+    def _policy_names(cls, v: dict[str, PolicyConfig]) -> dict[str, PolicyConfig]:
+        for name in v:
+            # The name is the adapter's on the servers and a directory name in run_dir.
+            if not name or not all(c.isalnum() or c in "-_." for c in name) or name in {".", ".."}:
+                raise ValueError(f"policy name {name!r}: use letters, digits, '-', '_' or '.' (it names an adapter)")
         return v
 
     @model_validator(mode="after")

@@ -136,6 +136,29 @@ class AccumulateResult:
     n_model_tokens: int = 0  # tokens the model ran on (fewer than the batch's when prompts are shared)
 
 
+def per_token_fields(
+    batch: TrajectoryBatch, extra: dict[str, list[list[float]]] | None = None
+) -> tuple[list[list[int]], dict[str, list[list[float]]], dict[str, list[list[int]]]]:
+    """The per-token inputs of a training pass over ``batch``: token ids per
+    sequence, the float fields the loss reads (``loss_mask``,
+    ``old_logprobs``, ``rewards``, ``seq_loss_tokens``, plus ``extra``) and
+    the integer ones (``versions``), one list per sequence. Shared by every
+    engine that packs rows (``MicroBatchRunner.accumulate``, the FSDP
+    plugin's pipeline stages), so a new field reaches them all."""
+    trajs = batch.trajectories
+    loss_tokens = [int(sum(1 for m in t.loss_mask if m)) for t in trajs]
+    ids = [list(t.input_ids) for t in trajs]
+    float_fields: dict[str, list[list[float]]] = {
+        "loss_mask": [[1.0 if m else 0.0 for m in t.loss_mask] for t in trajs],
+        "old_logprobs": [list(t.logprobs) for t in trajs],
+        "rewards": [[float(t.reward)] * len(t.input_ids) for t in trajs],
+        "seq_loss_tokens": [[float(max(c, 1))] * len(t.input_ids) for c, t in zip(loss_tokens, trajs)],
+    }
+    float_fields.update(extra or {})
+    long_fields = {"versions": [list(t.versions) for t in trajs]}
+    return ids, float_fields, long_fields
+
+
 class MicroBatchRunner:
     """Runs ``model`` over batches in micro-batches of at most
     ``config.max_tokens_per_mb`` tokens (``TorchEngineConfig`` fields:
@@ -377,17 +400,7 @@ class MicroBatchRunner:
         ``seq_index[i]``: the batch index of ``batch``'s trajectory ``i``."""
         import torch
 
-        trajs = batch.trajectories
-        loss_tokens = [int(sum(1 for m in t.loss_mask if m)) for t in trajs]
-        ids = [t.input_ids for t in trajs]
-        float_fields: dict[str, list[list[float]]] = {
-            "loss_mask": [[1.0 if m else 0.0 for m in t.loss_mask] for t in trajs],
-            "old_logprobs": [list(t.logprobs) for t in trajs],
-            "rewards": [[float(t.reward)] * len(t.input_ids) for t in trajs],
-            "seq_loss_tokens": [[float(max(c, 1))] * len(t.input_ids) for c, t in zip(loss_tokens, trajs)],
-        }
-        float_fields.update(extra or {})
-        long_fields = {"versions": [list(t.versions) for t in trajs]}
+        ids, float_fields, long_fields = per_token_fields(batch, extra)
         dev = self.device
         batch_scalars = {
             "batch_loss_tokens": torch.tensor(float(batch_loss_tokens), device=dev),

@@ -33,6 +33,7 @@ def make_tiny_llama(
     kv_heads: int = 2,
     tie_word_embeddings: bool = True,
     max_position_embeddings: int = 2048,
+    init_std: float | None = None,
 ) -> str:
     """Write a random-init Llama (from a real ``LlamaConfig``) to ``path``.
 
@@ -40,7 +41,11 @@ def make_tiny_llama(
     tokenizer files are copied and the vocab defaults to that tokenizer's size
     (49152 for SmolLM2), so prompts can be tokenised for real. Without it no
     tokenizer is written and the vocab defaults to 256. Same ``seed`` -> same
-    weights; the global torch RNG is left untouched.
+    weights; the global torch RNG is left untouched. ``init_std``: the
+    weights' initial standard deviation (``initializer_range``; default
+    transformers' 0.02, whose tiny logits leave the next-token distribution
+    nearly uniform: a LoRA adapter, which cannot grow the embedding, then
+    hardly moves it).
     """
     import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
@@ -79,6 +84,7 @@ def make_tiny_llama(
         bos_token_id=bos,
         eos_token_id=eos,
         pad_token_id=pad,
+        **({} if init_std is None else {"initializer_range": init_std}),
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

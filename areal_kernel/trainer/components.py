@@ -8,6 +8,7 @@ engines with ``build_train_engine``.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Sequence
@@ -201,6 +202,12 @@ class Rollout:
     _reward: Reward | None = field(default=None, init=False, repr=False)
     _reward_pool: "RewardPool | None" = field(default=None, init=False, repr=False)
     _stopped: bool = field(default=False, init=False, repr=False)
+    # The LoRA adapter this rollout's workflow samples with (a multi-policy
+    # run: the policy's); None: the client's default adapter.
+    adapter: str | None = None
+    # Built by ``attach``: the servers, client and scheduler are another
+    # rollout's, which stops them; this one stops only its workflow and reward pool.
+    _attached: bool = field(default=False, init=False, repr=False)
 
     @staticmethod
     def _started(part: Any, name: str) -> Any:
@@ -252,19 +259,42 @@ class Rollout:
         from areal_kernel.inference.supervisor import start_supervisor
 
         self.supervisor = start_supervisor(backend, engine, cfg.rollout, recovery_hint=self.recovery_hint)
+        self._build_workflow()
+        return self
+
+    def _build_workflow(self) -> None:
+        cfg = self.cfg
         self._reward = reward = build_reward(cfg)
         self._reward_pool = pool = make_reward_pool(cfg, reward)
+        gconfig = generation_config(cfg)
+        if self.adapter is not None:
+            gconfig = dataclasses.replace(gconfig, adapter=self.adapter)
         context = WorkflowContext(
             name=cfg.workflow.type,
             tokenizer=self.tokenizer,
-            gconfig=generation_config(cfg),
+            gconfig=gconfig,
             reward=reward,
             reward_pool=pool,
             settings=cfg.workflow.plugin_config,
             config=cfg,
         )
-        self._workflow = reg.build("workflow", cfg.workflow.type, context)
-        return self
+        self._workflow = get_registry().build("workflow", cfg.workflow.type, context)
+
+    def attach(self, cfg: ExperimentConfig, adapter: str | None) -> "Rollout":
+        """Another workflow (``cfg``'s workflow, reward and reward pool,
+        sampling with ``adapter``) on this started rollout's servers and
+        client: a multi-policy run's policy. Its ``stop`` closes only what it
+        built; this rollout's ``stop`` ends the servers."""
+        other = Rollout(cfg, self.run_dir, self.model_dir, self.tokenizer, adapter=adapter)
+        other._backend, other._scheduler, other._engine = self.backend, self.scheduler, self.engine
+        other.addresses = list(self.addresses)
+        other._attached = True
+        try:
+            other._build_workflow()
+        except BaseException:
+            other.stop()
+            raise
+        return other
 
     def __enter__(self) -> "Rollout":
         return self
@@ -311,6 +341,13 @@ class Rollout:
         if self._stopped:
             return
         self._stopped = True
+        if self._attached:
+            close_wf = getattr(self._workflow, "close", None)
+            if close_wf is not None:
+                close_wf()
+            if self._reward_pool is not None:
+                self._reward_pool.close()
+            return
         # The supervisor first: servers stopped below must not be restarted.
         if self.supervisor is not None:
             self.supervisor.stop()

@@ -149,12 +149,12 @@ class RLTrainer(Trainer):
         # which plugin trainers use too.
         ctx = self.context
         if getattr(cfg.actor.plugin_config, "adapters", None):
-            # The engine trains several policies (engine.policy(name)); this
-            # trainer has one rollout, reward and step per run so far.
+            # Several policies are declared under policies: (their data, reward
+            # and knobs); the engine's adapters list is built from them.
             raise ConfigError(
-                f"{cfg.actor.where}.{cfg.actor.selected_name}.adapters: several policies in one run are not "
-                f"trained by 'areal train' yet (the train engine's per-policy views are, for code that drives "
-                f"them); for one adapter use {cfg.actor.where}.{cfg.actor.selected_name}.lora"
+                f"{cfg.actor.where}.{cfg.actor.selected_name}.adapters: declare several policies under policies: "
+                f"{{<name>: {{lora: {{...}}, dataset: ..., reward: ...}}}} (docs/multi-policy.md); for one adapter "
+                f"use {cfg.actor.where}.{cfg.actor.selected_name}.lora"
             )
         self.needs_critic = needs_critic(cfg)
         self.model = resolve_model(ctx)

@@ -183,6 +183,7 @@ def start_rollout(
     model: ResolvedModel,
     *,
     recovery_hint: Callable[[], str | None] | None = None,
+    adapter: str | None = None,
 ) -> Rollout:
     """Start the inference servers of ``rollout:`` on ``model`` and build what
     talks to them; returns the started ``Rollout``:
@@ -203,9 +204,15 @@ def start_rollout(
       your trainer's ``close``).
 
     ``recovery_hint``: called when a server is lost for good, for the path
-    of the newest checkpoint to quote in the error. If starting fails
-    half-way, what was started is stopped before the error propagates."""
-    rollout = Rollout(ctx.config, ctx.run_dir, model.path, model.tokenizer, recovery_hint=recovery_hint)
+    of the newest checkpoint to quote in the error. ``adapter``: the LoRA
+    adapter the workflow samples with (unset: the client's default).
+    ``rollout.attach(config, adapter)`` builds another workflow, reward and
+    reward pool on the same servers (a multi-policy run's other policies).
+    If starting fails half-way, what was started is stopped before the
+    error propagates."""
+    rollout = Rollout(
+        ctx.config, ctx.run_dir, model.path, model.tokenizer, recovery_hint=recovery_hint, adapter=adapter
+    )
     try:
         return rollout.start()
     except BaseException:

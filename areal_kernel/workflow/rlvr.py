@@ -138,6 +138,8 @@ class RLVRWorkflow(ChatWorkflow[RLVRConfig]):
             greedy=True,
             temperature=1.0,
             stop_token_ids=list(self.gconfig.stop_token_ids),
+            # The adapter the workflow samples with (a multi-policy run's policy).
+            adapter=self.gconfig.adapter,
         )
         input_ids, images = self.prompt(record)
         resp = await engine.agenerate(ModelRequest(input_ids=input_ids, gconfig=gconfig, images=images))

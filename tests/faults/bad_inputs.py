@@ -257,10 +257,10 @@ CASES: list[Case] = [
          ("rollout.embedded.port", "already in use", "leave it unset")),
     Case("existing-run-bad-data", "`areal train` into a run dir holding a checkpoint and metrics, with a missing dataset",
          _existing_run, ("gone.jsonl", "does not exist")),
-    Case("multi-policy-run", "`actor.torch.adapters` (several policies) in `areal train`, which trains one so far",
+    Case("multi-policy-run", "`actor.torch.adapters` set by hand in `areal train` (several policies come from `policies:`)",
          lambda ctx: ["train", "/dev/null", "run_dir=run", "actor.torch.adapters=[{name: a}, {name: b}]",
                       "trainer.max_steps=1"],
-         ("actor.torch.adapters", "not trained by 'areal train' yet", "actor.torch.lora")),
+         ("actor.torch.adapters", "declare several policies under policies:", "actor.torch.lora")),
     # -- role environments
     Case("vllm-python-missing", "`rollout.vllm.python` naming no interpreter",
          _v("rollout.backend=vllm", "rollout.vllm.python=/nope/bin/python"),
@@ -275,6 +275,13 @@ CASES: list[Case] = [
     Case("yaml-duplicate-key", "YAML with a section written twice (`rollout:` at lines 1 and 5)",
          _yaml("rollout:\n  max_staleness: 1\ntrainer:\n  batch_size: 2\nrollout:\n  max_staleness: 3\n"),
          ("c.yaml:5:1", "duplicate key 'rollout'", "first written at line 1")),
+    # Several policies (docs/multi-policy.md): caught before any server starts.
+    Case("policy-weight-zero", "a policy of `policies:` with `weight: 0`",
+         _v("policies={add: {}, sub: {weight: 0}}"), ("policies.sub.weight", "greater than 0")),
+    Case("policy-target-missing", "a policy's adapter on a module the model does not have",
+         lambda ctx: ["train", "/dev/null", "run_dir=run", "trainer.max_steps=1",
+                      "policies={add: {}, sub: {lora: {target_modules: [nope_proj]}}}"],
+         ("policies.sub.lora.target_modules", "nope_proj")),
 ]
 
 

@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from areal_kernel.api.io import TrajectoryBatch
-from areal_kernel.engine.microbatch import MicroBatchRunner, merge_stats
+from areal_kernel.engine.microbatch import MicroBatchRunner, merge_stats, per_token_fields
 from areal_kernel.engine.packing import pack_row
 from areal_kernel.errors import ConfigError
 from areal_kernel.platforms import current_platform
@@ -376,17 +376,7 @@ class PipelineRunner:
 
         import torch
 
-        trajs = batch.trajectories
-        loss_tokens = [int(sum(1 for m in t.loss_mask if m)) for t in trajs]
-        ids = [t.input_ids for t in trajs]
-        float_fields: dict[str, list[list[float]]] = {
-            "loss_mask": [[1.0 if m else 0.0 for m in t.loss_mask] for t in trajs],
-            "old_logprobs": [list(t.logprobs) for t in trajs],
-            "rewards": [[float(t.reward)] * len(t.input_ids) for t in trajs],
-            "seq_loss_tokens": [[float(max(c, 1))] * len(t.input_ids) for c, t in zip(loss_tokens, trajs)],
-        }
-        float_fields.update(extra or {})
-        long_fields = {"versions": [list(t.versions) for t in trajs]}
+        ids, float_fields, long_fields = per_token_fields(batch, extra)
         dev = self.device
         batch_scalars = {
             "batch_loss_tokens": torch.tensor(float(batch_loss_tokens), device=dev),

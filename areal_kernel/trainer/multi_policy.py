@@ -1,0 +1,369 @@
+"""Several policies in one run (``policies:``; docs/multi-policy.md).
+
+One train engine holds a LoRA adapter per policy on one frozen base
+(``actor.torch`` with ``adapters``; ``engine.policy(name)`` is a policy's
+``TrainEngine`` view: its own optimizer, lr schedule, version and weight
+updates). One set of inference servers serves every adapter beside the base;
+each policy has its own dataset, workflow, reward and reward workers
+(``Rollout.attach``), its own rollout executor under its own staleness bound,
+and its own weight transport, which sends its adapter only.
+
+The loop: at each global step the policy furthest behind its share (fewest
+steps done per unit of ``weight``; ties in the order written) takes one RL
+step on its own batch, then its adapter is sent to the servers and checked
+there (``monitor.weights``). The other policies' executors keep sampling
+meanwhile. A policy whose steps are done stops; the run ends when all are.
+Metrics of a step go under ``policy/<name>/...`` (the single-policy names,
+prefixed), with ``policy/<name>/step``.
+
+Not yet: recovery checkpoints (a multi-policy run that stops starts over;
+said at start), a reference model (``kl_coef``) or a critic per policy, and
+weight-ordered scheduling that skips a policy whose batch is not ready.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+from areal_kernel.api.advantage_estimator import AdvantageEstimatorContext
+from areal_kernel.api.io import TrajectoryBatch
+from areal_kernel.api.loss import LossContext
+from areal_kernel.api.trainer import Trainer, TrainerContext
+from areal_kernel.config.models import ExperimentConfig
+from areal_kernel.config.loader import check_policies
+from areal_kernel.config.policies import adapter_settings
+from areal_kernel.errors import ArealError, ConfigError
+from areal_kernel.logging import get_logger
+from areal_kernel.monitor.mismatch import MismatchMonitor
+from areal_kernel.monitor.weights import WeightsMonitor
+from areal_kernel.plugins import get_plugin_manager, get_registry
+from areal_kernel.rollout.executor import RolloutExecutor, staleness_histogram
+from areal_kernel.trainer.common import INTERRUPT, SETUP_FIRST, RecordStream, save_hf_checkpoint, write_run_config
+from areal_kernel.trainer.recovery import SAMPLES_FILE, SamplesLog, provenance, set_aside_logs
+from areal_kernel.trainer.toolkit import (
+    MetricSinks,
+    Rollout,
+    build_weight_transport,
+    evaluate_held_out,
+    finetune_spec,
+    load_datasets,
+    open_metric_sinks,
+    resolve_model,
+    start_rollout,
+    start_train_engine,
+)
+
+log = get_logger(__name__)
+
+
+class GRPOTrainer(Trainer):
+    """``algorithm.type: grpo``: the multi-policy trainer when the config
+    declares ``policies``, else the single-policy ``RLTrainer``; every call
+    goes to the one chosen (``impl``), attributes too."""
+
+    def __init__(self, context: TrainerContext) -> None:
+        super().__init__(context)
+        from areal_kernel.trainer.run import RLTrainer
+
+        self.impl: Trainer = MultiPolicyTrainer(context) if context.config.policies else RLTrainer(context)
+
+    def setup(self) -> None:
+        self.impl.setup()
+
+    def train(self) -> dict[str, Any]:
+        return self.impl.train()
+
+    def close(self, status: str) -> None:
+        self.impl.close(status)
+
+    def __getattr__(self, name: str) -> Any:
+        # Only reached for names this wrapper lacks (the chosen trainer's parts).
+        if name == "impl":
+            raise AttributeError(name)
+        return getattr(self.impl, name)
+
+
+@dataclasses.dataclass
+class Policy:
+    """One policy's parts and counters (built by ``MultiPolicyTrainer.setup``)."""
+
+    name: str
+    cfg: ExperimentConfig
+    ctx: TrainerContext
+    weight: float
+    train_records: list[Any]
+    eval_records: list[Any]
+    total_steps: int
+    rl_cfg: Any = None
+    estimator: Any = None
+    loss: Any = None
+    engine: Any = None  # the train engine's view of this policy
+    rollout: Rollout | None = None
+    transport: Any = None
+    executor: RolloutExecutor | None = None
+    stream: RecordStream | None = None
+    mismatch: MismatchMonitor | None = None
+    weights_monitor: WeightsMonitor | None = None
+    version: int = 0
+    steps: int = 0
+    trained_samples: int = 0
+    before: dict[str, Any] | None = None
+
+    def share(self) -> float:
+        """Steps done per unit of weight: the scheduler serves the smallest."""
+        return self.steps / self.weight
+
+
+class MultiPolicyTrainer(Trainer):
+    """``algorithm.type: grpo`` with ``policies:`` (see the module docstring)."""
+
+    def __init__(self, context: TrainerContext) -> None:
+        super().__init__(context)
+        self.hook = get_plugin_manager().hook
+        self.policies: list[Policy] = []
+        self.train_engine: Any = None
+        self.rollout: Rollout | None = None  # the servers' owner (the first policy's rollout)
+        self.sinks = MetricSinks([])
+        self.samples_log: SamplesLog | None = None
+        self.step = 0
+
+    # -- set-up ---------------------------------------------------------------
+    def setup(self) -> None:
+        cfg, reg = self.cfg, get_registry()
+        # Everything that can fail on the user's input comes first: every
+        # policy's config and data, then the engine with every adapter (a
+        # target module the model lacks), before any server starts.
+        configs = check_policies(cfg, reg)
+        model = resolve_model(self.context)
+        for name, pcfg in configs.items():
+            est = reg.get("advantage_estimator", pcfg.algorithm.advantage, platform="")
+            if "needs_values" in est.capabilities:
+                raise ConfigError(
+                    f"policies.{name}.algorithm.advantage={pcfg.algorithm.advantage!r} needs a critic, which "
+                    "multi-policy runs do not train yet; use an estimator without values (grpo, rloo, ...)"
+                )
+            pctx = dataclasses.replace(self.context, config=pcfg)
+            try:
+                data = load_datasets(pctx)
+            except ArealError as e:
+                raise type(e)(f"policies.{name}: {e}") from None
+            ft = finetune_spec(pctx, len(data.train))
+            self.policies.append(
+                Policy(
+                    name=name, cfg=pcfg, ctx=pctx, weight=cfg.policies[name].weight,
+                    train_records=list(data.train), eval_records=list(data.held_out),
+                    total_steps=ft.total_train_steps,
+                )
+            )  # fmt: skip
+        settings = adapter_settings(cfg)
+        if hasattr(settings, "temperature"):
+            # Logprob ratios must compare the distribution the sampler used.
+            settings = settings.model_copy(update={"temperature": cfg.rollout.gconfig.temperature})
+        opt_steps = max(p.total_steps * p.cfg.algorithm.ppo_n_minibatches for p in self.policies)
+        try:
+            self.train_engine = start_train_engine(self.context, model, opt_steps, settings=settings)
+        except ConfigError as e:
+            # The engine names an adapter by its place in its own list; the user wrote policies.<name>.lora.
+            text = str(e)
+            where = f"{cfg.actor.where}.{cfg.actor.selected_name}.adapters"
+            for i, p in enumerate(self.policies):
+                text = text.replace(f"{where}[{i}] (name {p.name!r})", f"policies.{p.name}.lora")
+            raise ConfigError(text) from None
+        if not hasattr(self.train_engine, "policy"):
+            raise ConfigError(
+                f"policies: actor.backend {cfg.actor.allocation.backend!r} does not hand out per-policy views "
+                "(engine.policy(name)); use actor.backend: torch"
+            )
+        moved = set_aside_logs(self.run_dir, ("metrics.jsonl", SAMPLES_FILE, "result.json"))
+        note = f"; metrics of the earlier run kept in {', '.join(n + '.prev' for n in moved)}" if moved else ""
+        print(
+            f"starting at step 0: {len(self.policies)} policies ({', '.join(p.name for p in self.policies)}); "
+            f"multi-policy runs write no recovery checkpoints yet, so a stopped run starts over{note}",
+            flush=True,
+        )
+        write_run_config(cfg, self.run_dir)
+        total = sum(p.total_steps for p in self.policies)
+        self.sinks = open_metric_sinks(self.context, total)
+        self.hook.areal_on_run_start(config=cfg, run_dir=self.run_dir)
+        first = self.policies[0]
+        log.info("starting inference servers", backend=str(cfg.rollout.allocation), model=model.path)
+        self.rollout = start_rollout(dataclasses.replace(self.context, config=first.cfg), model, adapter=first.name)
+        # The servers hold every adapter; requests name theirs (no default).
+        self.rollout.engine.default_adapter = None
+        from areal_kernel.algo.rl import RLConfig
+        from areal_kernel.trainer.run import _keep_group
+
+        for p in self.policies:
+            p.rollout = self.rollout if p is first else self.rollout.attach(p.cfg, p.name)
+            p.rl_cfg = RLConfig.from_config(p.cfg)
+            a = p.cfg.algorithm
+            p.estimator = reg.build(
+                "advantage_estimator", a.advantage, AdvantageEstimatorContext(a.advantage, a.advantage_settings),
+                platform="",
+            )  # fmt: skip
+            p.loss = reg.build("loss", a.loss, LossContext(a.loss, a.loss_settings), platform="")
+            mm, wm = p.cfg.monitor.mismatch, p.cfg.monitor.weights
+            p.mismatch = MismatchMonitor(bound=mm.bound, patience=mm.patience, action=mm.action)
+            p.weights_monitor = WeightsMonitor(
+                action=wm.action, tensors_per_update=wm.tensors_per_update,
+                elements_per_tensor=wm.elements_per_tensor, seed=p.cfg.seed, warn=lambda m: print(m, flush=True),
+            )  # fmt: skip
+            p.engine = self.train_engine.policy(p.name)
+            p.transport = build_weight_transport(p.ctx, p.engine, p.rollout)
+            p.transport.setup()
+            # Version 0 of the adapter (peft starts it as a no-op): the servers learn its name.
+            p.transport.update(0)
+            p.weights_monitor.check(0, p.engine, p.rollout.engine)
+            p.weights_monitor.raise_if_alarmed()
+            p.stream = RecordStream(
+                p.train_records, p.cfg.trainer.total_train_epochs, p.cfg.seed, p.cfg.dataset.shuffle, tag=True
+            )
+            p.executor = RolloutExecutor(
+                p.rollout.engine, p.rollout.workflow, p.stream,
+                batch_size=p.cfg.trainer.batch_size, max_staleness=p.cfg.rollout.max_staleness,
+                max_concurrent=p.cfg.rollout.max_concurrent_rollouts,
+                keep=_keep_group(p.rl_cfg) if a.dynamic_filter else None, retry_budget=a.filter_retry_budget,
+            )  # fmt: skip
+            log.info("policy ready", policy=p.name, steps=p.total_steps, weight=p.weight)
+        self.samples_log = SamplesLog(self.run_dir)
+
+    # -- the loop ---------------------------------------------------------------
+    def _evaluate(self, p: Policy) -> dict[str, Any]:
+        assert p.rollout is not None, SETUP_FIRST
+        return evaluate_held_out(p.ctx, p.rollout, p.eval_records)
+
+    def train(self) -> dict[str, Any]:
+        assert self.rollout is not None and self.samples_log is not None, SETUP_FIRST
+        for p in self.policies:
+            p.before = self._evaluate(p)
+            if p.eval_records:
+                self.sinks.log(0, {f"policy/{p.name}/{k}": p.before[k] for k in ("eval/accuracy", "eval/reward")})
+                print(
+                    f"{p.name}: held-out greedy accuracy before training: {p.before['eval/accuracy']:.3f}", flush=True
+                )
+        for p in self.policies:
+            assert p.executor is not None
+            p.executor.start()
+        t_run = time.monotonic()
+        with INTERRUPT.armed():
+            while True:
+                if INTERRUPT.requested.is_set():
+                    print(f"interrupted at step {self.step}: multi-policy runs write no recovery checkpoint yet")
+                    raise KeyboardInterrupt(INTERRUPT.signal_name)
+                todo = [p for p in self.policies if p.steps < p.total_steps]
+                if not todo:
+                    break
+                p = min(todo, key=lambda q: q.share())  # min() keeps the first of equals: the order written
+                self._policy_step(p, t_run)
+        for p in self.policies:
+            assert p.executor is not None
+            p.executor.stop()
+        result: dict[str, Any] = {"steps": self.step, "train_seconds": time.monotonic() - t_run, "policies": {}}
+        for p in self.policies:
+            after = self._evaluate(p)
+            if p.eval_records:
+                self.sinks.log(self.step, {f"policy/{p.name}/{k}": after[k] for k in ("eval/accuracy", "eval/reward")})
+            final = save_hf_checkpoint(
+                p.engine, self.run_dir, f"final-{p.name}", self.cfg.checkpoint.keep_last, p.version
+            )
+            assert p.before is not None
+            print(
+                f"{p.name}: held-out greedy accuracy before {p.before['eval/accuracy']:.3f} -> after "
+                f"{after['eval/accuracy']:.3f} (n={after['eval/n']}; {p.steps} steps, {p.trained_samples} samples); "
+                f"final adapter: {final}",
+                flush=True,
+            )
+            result["policies"][p.name] = {
+                "before": p.before["eval/accuracy"], "after": after["eval/accuracy"],
+                "reward_before": p.before.get("eval/reward"), "reward_after": after.get("eval/reward"),
+                "steps": p.steps, "samples": p.trained_samples, "checkpoint": final,
+            }  # fmt: skip
+        return result
+
+    def _policy_step(self, p: Policy, t_run: float) -> None:
+        from areal_kernel.algo.rl import rl_train_step
+        from areal_kernel.trainer.run import _batch_metrics
+
+        assert self.rollout is not None and self.samples_log is not None, SETUP_FIRST
+        assert p.executor is not None and p.rollout is not None and p.mismatch is not None, SETUP_FIRST
+        assert p.weights_monitor is not None, SETUP_FIRST
+        self.rollout.check()  # a server that could not be restarted stops the run here
+        t0 = time.monotonic()
+        groups = p.executor.get_batch(p.cfg.trainer.batch_size, stop=INTERRUPT.requested)
+        if not groups:  # interrupted while waiting
+            raise KeyboardInterrupt(INTERRUPT.signal_name)
+        t_wait = time.monotonic() - t0
+        batch = TrajectoryBatch.from_groups(groups)
+        metrics = _batch_metrics(batch, p.version)
+        hist = staleness_histogram(groups, p.version)
+        t1 = time.monotonic()
+        stats = rl_train_step(
+            batch, p.engine, p.rl_cfg, estimator=p.estimator, loss=p.loss,
+            mismatch_threshold=p.cfg.monitor.mismatch.token_threshold,
+        )  # fmt: skip
+        t2 = time.monotonic()
+        p.version += 1
+        upd = p.transport.update(p.version)
+        p.engine.set_version(p.version)
+        p.executor.set_version(p.version)
+        delivery = p.weights_monitor.check(p.version, p.engine, p.rollout.engine)
+        self.step += 1
+        p.steps += 1
+        p.trained_samples += len(batch)
+        samples = provenance(groups)
+        for entry in samples:
+            entry.setdefault("adapter", p.name)  # every request of this policy's workflow named its adapter
+        self.samples_log.log(self.step, p.version, [g.sample_uid for g in groups], samples)
+        metrics.update({f"train/{k}": v for k, v in stats.items() if isinstance(v, (int, float))})
+        mismatch = stats.get("mismatch") or {}
+        metrics.update({f"mismatch/{k}": v for k, v in mismatch.items()})
+        metrics.update({f"monitor/{k}": v for k, v in p.mismatch.observe(self.step, mismatch).items()})
+        metrics.update({f"monitor/{k}": v for k, v in delivery.items()})
+        metrics.update({f"rollout/staleness_hist/{k}": float(n) for k, n in hist.items()})
+        metrics.update(upd)
+        metrics.update(p.executor.stats.snapshot_and_reset())
+        metrics.update(
+            {
+                "perf/step_s": time.monotonic() - t0,
+                "perf/wait_rollout_s": t_wait,
+                "perf/train_s": t2 - t1,
+                "perf/train_tokens_per_s": batch.n_tokens / max(t2 - t1, 1e-9),
+                "version": p.version,
+                "step": p.steps,
+            }
+        )
+        out = {f"policy/{p.name}/{k}": v for k, v in metrics.items()}
+        out.update(self.rollout.server_stats())
+        self.sinks.log(self.step, out)
+        self.hook.areal_on_train_step(step=self.step, metrics=out)
+        p.weights_monitor.raise_if_alarmed()
+        p.mismatch.raise_if_alarmed()
+
+    def close(self, status: str) -> None:
+        for p in self.policies:
+            if p.executor is not None:
+                p.executor.stop()
+        if self.train_engine is not None:
+            self.train_engine.destroy()
+        # The attached policies' workflows and reward pools, then the servers.
+        for p in self.policies:
+            if p.rollout is not None and p.rollout is not self.rollout:
+                p.rollout.stop()
+        if self.rollout is not None:
+            self.rollout.stop()
+        for p in self.policies:
+            close_transport = getattr(p.transport, "close", None)
+            if close_transport is not None:
+                try:
+                    close_transport()
+                except Exception as e:  # the sinks below must still close
+                    log.warning("weight transport close failed", policy=p.name, error=repr(e))
+        self.sinks.close()
+        if self.samples_log is not None:
+            self.samples_log.close()
+        self.hook.areal_on_run_end(status=status, run_dir=self.run_dir)
+
+
+__all__ = ["GRPOTrainer", "MultiPolicyTrainer", "Policy"]

@@ -1,0 +1,123 @@
+"""Two policies in one ``areal train`` run (``policies:``, docs/multi-policy.md):
+two LoRA adapters on one tiny random Llama with a byte-level tokenizer, served
+by one embedded server, trained by one torch engine; one policy is rewarded
+for lowercase letters, the other for digits (``char_share`` with other
+``chars``). Each policy's sampling reward rises (``TINY_POLICY_RISE``: the
+mean over its steps 13-16 minus its steps 1-4), and the same run with
+``lr=0`` (the negative control, its own case) does not.
+
+Also checked on the learning run: the policies alternate step for step
+(equal weights), each policy's adapter version counts its own steps, every
+update reached the server intact (``monitor.weights``), every trained sample
+records its policy's adapter, and each policy's adapter is exported.
+
+Numbers (``areal_kernel.testing.learning``, next to the check): measured
+with these settings: seeds 1-4 with lr, seeds 1-6 with lr=0."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from areal_kernel.testing.learning import (
+    TINY_POLICY_CHARS,
+    TINY_POLICY_LR,
+    TINY_POLICY_MODEL,
+    TINY_POLICY_RISE,
+    TINY_POLICY_STEPS,
+    TINY_POLICY_TARGETS,
+    frozen_overrides,
+    policy_rows,
+)
+
+from e2e_paths import EXAMPLE
+
+pytestmark = pytest.mark.slow
+
+
+def _policies() -> str:
+    lora = "{rank: 8, alpha: 16, target_modules: [" + ", ".join(TINY_POLICY_TARGETS) + "]}"
+    parts = [
+        f"{name}: {{lora: {lora}, reward: {{type: char_share, char_share: {{chars: '{chars}'}}}}}}"
+        for name, chars in TINY_POLICY_CHARS.items()
+    ]
+    return "policies={" + ", ".join(parts) + "}"
+
+
+@pytest.fixture(scope="module")
+def policy_model(tmp_path_factory) -> str:
+    from areal_kernel.testing.models import make_tiny_byte_chat_llama
+
+    return make_tiny_byte_chat_llama(tmp_path_factory.mktemp("policy-model"), **TINY_POLICY_MODEL)
+
+
+@pytest.mark.parametrize("arm", ["learning", "frozen"])
+def test_two_policies_each_learn_their_own_reward(arm, run_areal, policy_model, tmp_path):
+    run_dir = str(tmp_path / "run")
+    frozen = frozen_overrides("actor.torch.lr") if arm == "frozen" else []
+    proc = run_areal(
+        "train", EXAMPLE, f"model.path={policy_model}", f"run_dir={run_dir}", f"trainer.max_steps={TINY_POLICY_STEPS}",
+        "trainer.eval_size=0", "logging.sinks=[jsonl]", f"actor.torch.lr={TINY_POLICY_LR}",
+        "actor.torch.lr_scheduler=constant", _policies(), *frozen, timeout=1200,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    names = list(TINY_POLICY_CHARS)
+    assert f"{len(names)} policies ({', '.join(names)})" in proc.stdout
+    rows = {name: policy_rows(run_dir, name) for name in names}
+    for name in names:
+        print(f"\n{arm} {name}: {TINY_POLICY_RISE.describe(rows[name])}")
+    for name in names:
+        TINY_POLICY_RISE.assert_arm(arm, rows[name])
+    if arm == "frozen":
+        return
+    # Equal weights: the policies take turns, each counting its own versions.
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        lines = [json.loads(line) for line in f if line.strip()]
+    order = [
+        next(n for n in names if f"policy/{n}/perf/step_s" in r) for r in lines if any("perf/step_s" in k for k in r)
+    ]
+    assert order == names * TINY_POLICY_STEPS, order
+    for name in names:
+        assert [r["version"] for r in rows[name]] == list(range(1, TINY_POLICY_STEPS + 1))
+        assert all(r["monitor/weights_checked"] > 0 and r["monitor/weights_mismatch"] == 0 for r in rows[name])
+        assert all(r["rollout/staleness_max"] <= 1 for r in rows[name])
+        # Only the adapter travels (kilobytes, not the model).
+        assert all(0 < r["weights/mb"] < 1 for r in rows[name])
+        assert os.path.isfile(os.path.join(run_dir, "checkpoints", f"final-{name}", "adapter_model.safetensors"))
+    # Every trained sample names its policy's adapter.
+    with open(os.path.join(run_dir, "samples.jsonl")) as f:
+        logged = [json.loads(line) for line in f if line.strip()]
+    assert [{s["adapter"] for s in line["samples"]} for line in logged] == [{n} for n in order]
+
+
+def test_weights_decide_the_order_and_each_policy_keeps_its_own_knobs(run_areal, policy_model, tmp_path):
+    """Weights 2 and 1, 3 steps each: the policy with the fewest steps per
+    unit of weight goes next, the first written on a tie (L D L L, then D
+    alone once L is done); the second policy trains its own batch size under
+    its own staleness bound (0)."""
+    run_dir = str(tmp_path / "run")
+    policies = (
+        "policies={letters: {weight: 2, reward: {type: char_share, char_share: {chars: abc}}}, "
+        "digits: {weight: 1, batch_size: 2, max_staleness: 0}}"
+    )
+    proc = run_areal(
+        "train", EXAMPLE, f"model.path={policy_model}", f"run_dir={run_dir}", "trainer.max_steps=3",
+        "trainer.batch_size=4", "trainer.eval_size=0", "logging.sinks=[jsonl]", policies, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        lines = [json.loads(line) for line in f if line.strip()]
+    order = [
+        "L" if "policy/letters/step" in r else "D"
+        for r in lines
+        if "policy/letters/step" in r or "policy/digits/step" in r
+    ]
+    assert order == ["L", "D", "L", "L", "D", "D"], order
+    letters, digits = policy_rows(run_dir, "letters"), policy_rows(run_dir, "digits")
+    n = 8  # rollout.gconfig.n_samples of the example
+    assert [r["batch/sequences"] for r in letters] == [4 * n] * 3
+    assert [r["batch/sequences"] for r in digits] == [2 * n] * 3
+    assert all(r["rollout/staleness_max"] == 0 for r in digits)
+    assert "digits: held-out" in proc.stdout and "letters: held-out" in proc.stdout

@@ -1,0 +1,86 @@
+"""``policies:`` (several policies in one run, docs/multi-policy.md): how a
+policy's config is built from the run's, and the one-line errors that come
+before anything starts. The runs themselves: tests/e2e/test_multi_policy.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from areal_kernel.config import load_config
+from areal_kernel.config.loader import check_policies
+from areal_kernel.config.policies import adapter_settings, policy_config_data
+from areal_kernel.errors import ConfigError
+from areal_kernel.plugins import get_registry
+
+TWO = (
+    "policies={add: {lora: {rank: 4, alpha: 8}}, "
+    "sub: {lora: {rank: 8}, dataset: {arithmetic: {ops: ['-']}}, batch_size: 3, max_staleness: 0, weight: 2}}"
+)
+
+
+def _load(tmp_path, *overrides: str, text: str = "trainer: {batch_size: 5}\n"):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    return load_config(str(path), list(overrides), get_registry())
+
+
+def test_each_policy_is_the_runs_config_with_its_own_sections(tmp_path):
+    cfg = _load(tmp_path, TWO, "dataset.arithmetic.n_train=300")
+    configs = check_policies(cfg, get_registry())
+    assert list(configs) == ["add", "sub"]
+    add, sub = configs["add"], configs["sub"]
+    # No section of its own: the run's, whole.
+    assert add.dataset.plugin_config.ops == cfg.dataset.plugin_config.ops
+    assert add.trainer.batch_size == 5 and add.rollout.max_staleness == cfg.rollout.max_staleness
+    # A section of the same type is merged over the run's (n_train kept).
+    assert sub.dataset.plugin_config.ops == ["-"] and sub.dataset.plugin_config.n_train == 300
+    assert sub.trainer.batch_size == 3 and sub.rollout.max_staleness == 0
+    assert not add.policies and not sub.policies
+    # A section naming another type replaces the run's.
+    cfg = _load(tmp_path, "policies={a: {reward: {type: char_share, char_share: {chars: xyz}}}}")
+    data = policy_config_data(cfg, "a")
+    assert data["reward"] == {"type": "char_share", "char_share": {"chars": "xyz"}}
+    assert check_policies(cfg, get_registry())["a"].reward.plugin_config.chars == "xyz"
+    # The engine gets one adapter per policy, named after it.
+    settings = adapter_settings(_load(tmp_path, TWO))
+    assert [(a.name, a.rank, a.alpha) for a in settings.adapters] == [("add", 4, 8), ("sub", 8, 16)]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["policies={a: {weight: 0}}"], "policies.a.weight: Input should be greater than 0"),
+        (["policies={a: {lora: {name: x}}}"], "policies.a.lora.name: the adapter is named after its policy"),
+        (["policies={a: {lora: {rank: 0}}}"], "policies.a.lora.rank: Input should be greater than or equal to 1"),
+        (["policies={a: {dataset: {arithmetic: {op: x}}}}"], "policies.a: dataset.arithmetic.op: unknown key"),
+        (["policies={a: {batch_size: 0}}"], "policies.a.batch_size: Input should be greater than or equal to 1"),
+        (["policies={a: {algorithm: {kl_coef: 0.1}}}"], "policies.a.algorithm.kl_coef: a reference model"),
+        (["policies={'a/b': {}}"], "policy name 'a/b'"),
+        (["policies={a: {}}", "actor.torch.lora={rank: 4}"], "drop actor.torch.lora"),
+        (["policies={a: {}}", "actor.backend=megatron"], "actor.backend 'megatron' does not hold one adapter per policy"),
+        (["policies={a: {}}", "actor.backend=fsdp"], "train engines that do: torch"),
+        (["policies={a: {}}", "algorithm.type=sft", "dataset.type=file", "dataset.path=x.jsonl"],
+         "algorithm.type 'sft' trains one policy"),
+    ],
+)  # fmt: skip
+def test_bad_policies_are_one_line_naming_the_policy_and_field(tmp_path, overrides, message):
+    with pytest.raises(ConfigError) as e:
+        _load(tmp_path, *overrides)
+    assert message in str(e.value), str(e.value)
+    assert "Traceback" not in str(e.value)
+
+
+def test_a_policy_name_written_twice_is_refused_by_the_loader(tmp_path):
+    text = "policies:\n  add:\n    weight: 1\n  add:\n    weight: 2\n"
+    with pytest.raises(ConfigError, match=r"c.yaml:4:3: invalid YAML: duplicate key 'add' \(first written at line 2\)"):
+        _load(tmp_path, text=text)
+
+
+def test_one_policy_run_has_no_policies_and_the_engines_adapters_point_at_policies(tmp_path):
+    assert check_policies(_load(tmp_path), get_registry()) == {}
+    from areal_kernel.trainer.multi_policy import GRPOTrainer, MultiPolicyTrainer
+    from areal_kernel.api.trainer import TrainerContext
+    from areal_kernel.trainer.run import RLTrainer
+
+    assert type(GRPOTrainer(TrainerContext.for_config(_load(tmp_path))).impl) is RLTrainer
+    assert type(GRPOTrainer(TrainerContext.for_config(_load(tmp_path, TWO))).impl) is MultiPolicyTrainer
