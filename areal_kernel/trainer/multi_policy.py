@@ -16,16 +16,22 @@ meanwhile. A policy whose steps are done stops; the run ends when all are.
 Metrics of a step go under ``policy/<name>/...`` (the single-policy names,
 prefixed), with ``policy/<name>/step``.
 
-Not yet: recovery checkpoints (a multi-policy run that stops starts over;
-said at start), a reference model (``kl_coef``) or a critic per policy, and
-weight-ordered scheduling that skips a policy whose batch is not ready.
+Recovery checkpoints (``checkpoint.save_every``, and on the first
+interrupt) hold the engine (every adapter, its optimizer and schedule step,
+the dropout RNG) and, per policy, its version, step count, stream position
+and executor state; ``recover: auto`` resumes every policy from them.
+
+Not yet: a reference model (``kl_coef``) or a critic per policy, and
+skipping to a policy whose batch is ready when the chosen one's is not.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 import time
-from typing import Any
+from typing import Any, NoReturn
 
 from areal_kernel.api.advantage_estimator import AdvantageEstimatorContext
 from areal_kernel.api.io import TrajectoryBatch
@@ -41,7 +47,20 @@ from areal_kernel.monitor.weights import WeightsMonitor
 from areal_kernel.plugins import get_plugin_manager, get_registry
 from areal_kernel.rollout.executor import RolloutExecutor, staleness_histogram
 from areal_kernel.trainer.common import INTERRUPT, SETUP_FIRST, RecordStream, save_hf_checkpoint, write_run_config
-from areal_kernel.trainer.recovery import SAMPLES_FILE, SamplesLog, provenance, set_aside_logs
+from areal_kernel.trainer.recovery import (
+    SAMPLES_FILE,
+    STATE_FILE,
+    STATE_FORMAT,
+    Checkpoint,
+    SamplesLog,
+    hold_after_step,
+    hold_step_from_env,
+    plan_start,
+    provenance,
+    recovery_manager,
+    set_aside_logs,
+    truncate_jsonl,
+)
 from areal_kernel.trainer.toolkit import (
     MetricSinks,
     Rollout,
@@ -128,6 +147,8 @@ class MultiPolicyTrainer(Trainer):
         self.sinks = MetricSinks([])
         self.samples_log: SamplesLog | None = None
         self.step = 0
+        self.recovery = recovery_manager(self.run_dir, self.cfg.checkpoint.keep_last)
+        self.resume_from: Checkpoint | None = None
 
     # -- set-up ---------------------------------------------------------------
     def setup(self) -> None:
@@ -176,13 +197,18 @@ class MultiPolicyTrainer(Trainer):
                 f"policies: actor.backend {cfg.actor.allocation.backend!r} does not hand out per-policy views "
                 "(engine.policy(name)); use actor.backend: torch"
             )
-        moved = set_aside_logs(self.run_dir, ("metrics.jsonl", SAMPLES_FILE, "result.json"))
-        note = f"; metrics of the earlier run kept in {', '.join(n + '.prev' for n in moved)}" if moved else ""
-        print(
-            f"starting at step 0: {len(self.policies)} policies ({', '.join(p.name for p in self.policies)}); "
-            f"multi-policy runs write no recovery checkpoints yet, so a stopped run starts over{note}",
-            flush=True,
-        )
+        plan = plan_start(cfg, self.run_dir)
+        names = f"{len(self.policies)} policies ({', '.join(p.name for p in self.policies)})"
+        if plan.checkpoint is not None:
+            self.resume_from = plan.checkpoint
+            k = plan.checkpoint.step
+            for name in ("metrics.jsonl", SAMPLES_FILE):
+                truncate_jsonl(os.path.join(self.run_dir, name), k)  # steps after the checkpoint are redone
+            print(f"{plan.reason}; {names}; metrics.jsonl and samples.jsonl continue from step {k}", flush=True)
+        else:
+            moved = set_aside_logs(self.run_dir, ("metrics.jsonl", SAMPLES_FILE, "result.json"))
+            note = f"; metrics of the earlier run kept in {', '.join(n + '.prev' for n in moved)}" if moved else ""
+            print(f"starting at step 0: {plan.reason}; {names}{note}", flush=True)
         write_run_config(cfg, self.run_dir)
         total = sum(p.total_steps for p in self.policies)
         self.sinks = open_metric_sinks(self.context, total)
@@ -213,10 +239,11 @@ class MultiPolicyTrainer(Trainer):
             p.engine = self.train_engine.policy(p.name)
             p.transport = build_weight_transport(p.ctx, p.engine, p.rollout)
             p.transport.setup()
-            # Version 0 of the adapter (peft starts it as a no-op): the servers learn its name.
-            p.transport.update(0)
-            p.weights_monitor.check(0, p.engine, p.rollout.engine)
-            p.weights_monitor.raise_if_alarmed()
+            if plan.checkpoint is None:
+                # Version 0 of the adapter (peft starts it as a no-op): the servers learn its name.
+                p.transport.update(0)
+                p.weights_monitor.check(0, p.engine, p.rollout.engine)
+                p.weights_monitor.raise_if_alarmed()
             p.stream = RecordStream(
                 p.train_records, p.cfg.trainer.total_train_epochs, p.cfg.seed, p.cfg.dataset.shuffle, tag=True
             )
@@ -227,7 +254,89 @@ class MultiPolicyTrainer(Trainer):
                 keep=_keep_group(p.rl_cfg) if a.dynamic_filter else None, retry_budget=a.filter_retry_budget,
             )  # fmt: skip
             log.info("policy ready", policy=p.name, steps=p.total_steps, weight=p.weight)
+        if plan.checkpoint is not None:
+            assert plan.state is not None
+            self._restore(plan.checkpoint, plan.state)
         self.samples_log = SamplesLog(self.run_dir)
+
+    # -- recovery ---------------------------------------------------------------
+    def _restore(self, ckpt: Checkpoint, state: dict[str, Any]) -> None:
+        """Load a recovery checkpoint into the freshly built parts, then give
+        the servers (started from the base) every policy's adapter."""
+        self.train_engine.load_state(os.path.join(ckpt.path, "engine"))
+        self.step = int(state["step"])
+        saved = state.get("policies") or {}
+        missing = [p.name for p in self.policies if p.name not in saved]
+        if missing:
+            raise ArealError(
+                f"recovery checkpoint {ckpt.path} holds no state of policies {missing}; resume it with the policies "
+                "it was written with, or start over in another run_dir"
+            )
+        for p in self.policies:
+            ps = saved[p.name]
+            assert p.stream is not None and p.executor is not None and p.weights_monitor is not None
+            assert p.rollout is not None, SETUP_FIRST
+            p.version, p.steps = int(ps["version"]), int(ps["steps"])
+            p.trained_samples, p.before = int(ps["trained_samples"]), ps["before_eval"]
+            p.stream.skip_to(int(ps["stream_position"]))
+            p.executor.load_state_dict(ps["executor"])
+            p.executor.set_version(p.version)
+            p.engine.set_version(p.version)
+            p.transport.update(p.version)
+            p.weights_monitor.check(p.version, p.engine, p.rollout.engine)
+            p.weights_monitor.raise_if_alarmed()
+
+    def save_recovery(self) -> str:
+        """A recovery checkpoint of the state after global step ``self.step``:
+        every policy's executor is drained first (its finished groups are
+        saved, none is running), then the engine and the state are written."""
+        for p in self.policies:
+            assert p.executor is not None, SETUP_FIRST
+            p.executor.drain()
+        t0 = time.monotonic()
+        state: dict[str, Any] = {
+            "format": STATE_FORMAT,
+            "step": self.step,
+            "policies": {
+                p.name: {
+                    "version": p.version,
+                    "steps": p.steps,
+                    "trained_samples": p.trained_samples,
+                    "stream_position": p.stream.position if p.stream is not None else 0,
+                    "executor": p.executor.state_dict() if p.executor is not None else {},
+                    "before_eval": p.before,
+                }
+                for p in self.policies
+            },
+            "config": self.cfg.dump(),
+        }
+
+        def write(path: str) -> None:
+            self.train_engine.save_state(os.path.join(path, "engine"))
+            with open(os.path.join(path, STATE_FILE), "w", encoding="utf-8") as f:
+                json.dump(state, f)
+
+        try:
+            ckpt = self.recovery.save(self.step, write)
+        finally:
+            for p in self.policies:
+                assert p.executor is not None
+                p.executor.resume()
+        self.hook.areal_on_checkpoint(step=self.step, path=ckpt.path)
+        log.info("recovery checkpoint written", path=ckpt.path, seconds=round(time.monotonic() - t0, 2))
+        return ckpt.path
+
+    def _stop_for_interrupt(self) -> NoReturn:
+        """The first SIGINT/SIGTERM, at a step boundary: a recovery checkpoint
+        of the state after ``self.step`` (unless ``checkpoint.on_interrupt``
+        is off, nothing was trained, or that step's is written), then stop."""
+        latest = self.recovery.latest()
+        if self.step and self.cfg.checkpoint.on_interrupt and (latest is None or latest.step != self.step):
+            path = self.save_recovery()
+            print(f"interrupted at step {self.step}: saved {path}; run the same command to resume", flush=True)
+        else:
+            print(f"interrupted at step {self.step}; the same command resumes from the newest checkpoint", flush=True)
+        raise KeyboardInterrupt(INTERRUPT.signal_name)
 
     # -- the loop ---------------------------------------------------------------
     def _evaluate(self, p: Policy) -> dict[str, Any]:
@@ -237,9 +346,12 @@ class MultiPolicyTrainer(Trainer):
     def train(self) -> dict[str, Any]:
         assert self.rollout is not None and self.samples_log is not None, SETUP_FIRST
         for p in self.policies:
-            p.before = self._evaluate(p)
+            if p.before is None:  # a resumed run has it from its checkpoint
+                p.before = self._evaluate(p)
+                if p.eval_records:
+                    metrics = {f"policy/{p.name}/{k}": p.before[k] for k in ("eval/accuracy", "eval/reward")}
+                    self.sinks.log(0, metrics)
             if p.eval_records:
-                self.sinks.log(0, {f"policy/{p.name}/{k}": p.before[k] for k in ("eval/accuracy", "eval/reward")})
                 print(
                     f"{p.name}: held-out greedy accuracy before training: {p.before['eval/accuracy']:.3f}", flush=True
                 )
@@ -247,20 +359,30 @@ class MultiPolicyTrainer(Trainer):
             assert p.executor is not None
             p.executor.start()
         t_run = time.monotonic()
+        hold_at = hold_step_from_env()  # a testing aid; None unless asked for
         with INTERRUPT.armed():
             while True:
                 if INTERRUPT.requested.is_set():
-                    print(f"interrupted at step {self.step}: multi-policy runs write no recovery checkpoint yet")
-                    raise KeyboardInterrupt(INTERRUPT.signal_name)
+                    self._stop_for_interrupt()
                 todo = [p for p in self.policies if p.steps < p.total_steps]
                 if not todo:
                     break
                 p = min(todo, key=lambda q: q.share())  # min() keeps the first of equals: the order written
                 self._policy_step(p, t_run)
+                if self.step == hold_at:
+                    hold_after_step(self.run_dir, self.step)
+                every = self.cfg.checkpoint.save_every
+                if every and self.step % every == 0 and any(q.steps < q.total_steps for q in self.policies):
+                    self.save_recovery()
         for p in self.policies:
             assert p.executor is not None
             p.executor.stop()
-        result: dict[str, Any] = {"steps": self.step, "train_seconds": time.monotonic() - t_run, "policies": {}}
+        result: dict[str, Any] = {
+            "steps": self.step,
+            "train_seconds": time.monotonic() - t_run,
+            "resumed_from_step": self.resume_from.step if self.resume_from is not None else None,
+            "policies": {},
+        }
         for p in self.policies:
             after = self._evaluate(p)
             if p.eval_records:
@@ -292,8 +414,8 @@ class MultiPolicyTrainer(Trainer):
         self.rollout.check()  # a server that could not be restarted stops the run here
         t0 = time.monotonic()
         groups = p.executor.get_batch(p.cfg.trainer.batch_size, stop=INTERRUPT.requested)
-        if not groups:  # interrupted while waiting
-            raise KeyboardInterrupt(INTERRUPT.signal_name)
+        if not groups:  # interrupted while waiting: the state after self.step is intact
+            self._stop_for_interrupt()
         t_wait = time.monotonic() - t0
         batch = TrajectoryBatch.from_groups(groups)
         metrics = _batch_metrics(batch, p.version)
