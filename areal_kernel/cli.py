@@ -70,6 +70,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", help="the HTML file to write (default: report.html in the (first) run directory)")
     p.set_defaults(func=cmd_report)
 
+    p = sub.add_parser(
+        "fleet",
+        help="a running job's inference servers: status, add one, drain one",
+        description="`areal fleet status RUN_DIR` lists the servers of the run in RUN_DIR (state, weight version, "
+        "load); `add RUN_DIR ADDRESS` announces a running server (host:port, same model) to the run, which brings "
+        "it to the current weights and sends it rollouts; `drain RUN_DIR ADDRESS` stops sending it new requests, "
+        "lets its running ones finish (moves them after rollout.drain_timeout_s) and releases it. The run's "
+        "token comes from RUN_DIR/fleet.json (or --token / AREAL_FLEET_TOKEN). See docs/elastic.md.",
+    )
+    p.add_argument("action", choices=["status", "add", "drain"])
+    p.add_argument("run_dir", help="the run directory (run_dir of `areal train`)")
+    p.add_argument("address", nargs="?", help="add/drain: the server, host:port")
+    p.add_argument("--wait", type=float, default=0.0, metavar="S",
+                   help="add/drain: wait up to S seconds until the server is active (add) or released (drain)")  # fmt: skip
+    p.add_argument("--token", help="the run's fleet token (default: from RUN_DIR/fleet.json)")
+    p.add_argument("--json", action="store_true", help="status: print JSON")
+    p.set_defaults(func=cmd_fleet)
+
     p = sub.add_parser("inspect", help="a trained step's samples and their provenance")
     p.add_argument("run_dir", help="the run directory (run_dir of `areal train`)")
     p.add_argument("--step", type=int, required=True, help="the training step (1-based)")
@@ -448,6 +466,47 @@ def cmd_report(args: argparse.Namespace) -> int:
         for note in run.notes:
             print(f"note: {run.name}: {note}", file=sys.stderr)
     print(f"report: {path}", flush=True)
+    return 0
+
+
+def cmd_fleet(args: argparse.Namespace) -> int:
+    import json
+    import time
+
+    from areal_kernel.inference.fleet_control import call
+
+    if args.action == "status":
+        st = call(args.run_dir, "GET", "/fleet/status", token=args.token)
+        if args.json:
+            print(json.dumps(st, indent=2))
+            return 0
+        bounds = f"min {st['min']}" + (f", max {st['max']}" if st.get("max") is not None else "")
+        print(f"weight version {st['version']}; {len(st['servers'])} server(s) ({bounds})")
+        print(f"{'ADDRESS':<24}{'STATE':<12}{'OWNER':<7}{'VERSION':>8}{'INFLIGHT':>10}{'DONE':>8}")
+        for s in st["servers"]:
+            v = "-" if s["weight_version"] is None else str(s["weight_version"])
+            print(f"{s['address']:<24}{s['state']:<12}{s['owner']:<7}{v:>8}{s['inflight']:>10}{s['completed']:>8}")
+        print("  ".join(f"{k} {v}" for k, v in st["stats"].items()))
+        return 0
+    if not args.address:
+        raise ArealError(f"areal fleet {args.action}: give the server's address (host:port) after RUN_DIR")
+    out = call(args.run_dir, "POST", f"/fleet/{args.action}", {"address": args.address}, token=args.token)
+    print(f"{out['address']}: {out['state']}", flush=True)
+    if args.wait > 0:
+        want = "active" if args.action == "add" else None  # drain: gone from the list
+        deadline = time.monotonic() + args.wait
+        while True:
+            states = {
+                s["address"]: s["state"]
+                for s in call(args.run_dir, "GET", "/fleet/status", token=args.token)["servers"]
+            }
+            state = states.get(args.address)
+            if state == want:
+                print(f"{args.address}: {want or 'released'}", flush=True)
+                return 0
+            if time.monotonic() > deadline:
+                raise ArealError(f"{args.address} is {state or 'not in the fleet'} after {args.wait:g} s")
+            time.sleep(0.2)
     return 0
 
 

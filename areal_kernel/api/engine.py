@@ -178,8 +178,10 @@ class InferenceEngine(abc.ABC):
         """``address`` is back with the current weights: schedule on it again."""
         raise self._unsupported("release", "rollout.restart_servers")
 
-    def resync_server(self, address: str) -> int:
-        """Bring a restarted server to the current weights; returns their version."""
+    def resync_server(self, address: str) -> int | None:
+        """Bring a restarted server to the current weights; returns their
+        version, or ``None`` when the weight transport will deliver them
+        (an in-memory weight group: the server stays held until then)."""
         raise self._unsupported("resync_server", "rollout.restart_servers")
 
     def fail(self, error: BaseException) -> None:

@@ -253,6 +253,7 @@ class Scheduler(abc.ABC):
         self._procs: dict[str, list[ProcessHandle]] = {}
         self._launchers: list[Any] = []
         self._plan: SchedulePlan | None = None
+        self._extra: list[Placement] = []  # placements given out mid-run (extra_placement)
 
     # -- what a scheduler writes --------------------------------------------------
     @abc.abstractmethod
@@ -278,6 +279,18 @@ class Scheduler(abc.ABC):
         is gone."""
 
     # -- defaults ---------------------------------------------------------------------
+    def extra_placement(self, role: str, index: int) -> Placement:
+        """A placement for one more process of ``role`` (index ``index``)
+        while the run goes on: an elastic fleet growing (``rollout.elastic``).
+        A scheduler that can start servers mid-run overrides it (reserving
+        what the new process needs); this default says it cannot."""
+        from areal_kernel.errors import ArealError
+
+        raise ArealError(
+            f"scheduler {self.name!r} cannot start {role} processes while a run goes on (it does not "
+            "implement Scheduler.extra_placement); add servers with `areal fleet add` instead"
+        )
+
     def controller_host(self) -> str:
         """The address processes on other nodes dial to reach the controller
         (train ranks report back to it). Default loopback."""

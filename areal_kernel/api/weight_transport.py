@@ -14,6 +14,15 @@ constructor. Then:
   ``version`` (interrupted generations resume on them), with metrics such as
   ``weights/pause_s``;
 - ``name`` (attribute): reported to ``areal_on_weight_update`` observers;
+- ``admit(addresses, version) -> dict[str, float]`` (optional): bring the
+  servers at ``addresses`` (joined the fleet, or restarted, and held: no
+  request reaches them) to the train engine's current weights, stamped
+  ``version``, without pausing the others; the fleet
+  (``areal_kernel.inference.fleet``) calls it from the trainer's thread
+  between updates and then releases them. ``update`` must also cope with the
+  fleet changing between calls (servers added, removed, restarted). A
+  transport without ``admit`` runs only with a fixed fleet: ``areal fleet
+  add`` and ``rollout.elastic`` are refused, naming it;
 - ``close()`` once the transport is no longer used.
 
 A transport may call the train engine's ``send_weights``,
@@ -89,6 +98,12 @@ class WeightTransport(abc.ABC):
     @abc.abstractmethod
     def update(self, version: int) -> dict[str, float]:
         """Make every server serve the train engine's weights as ``version``."""
+
+    def admit(self, addresses: list[str], version: int) -> dict[str, float]:
+        """Bring the held servers at ``addresses`` to the current weights as
+        ``version`` (see the module docstring). This default says the
+        transport cannot: the fleet then refuses to grow."""
+        raise NotImplementedError(f"weight transport {self.name!r} cannot bring a new server to the current weights")
 
     def close(self) -> None:
         """Release what ``setup`` made; called once."""

@@ -81,7 +81,27 @@ def validate_config(
     resolve(config, registry, source)
     if config.policies:
         check_policies(config, registry)
+    check_elastic(config)
     return config
+
+
+def check_elastic(cfg: ExperimentConfig) -> None:
+    """``rollout.elastic`` against the rest of the (resolved) config: the
+    starting fleet lies in ``[min, max]``; several policies (each adapter with
+    its own versions) keep a fixed fleet for now."""
+    elastic = cfg.rollout.elastic
+    if elastic is None:
+        return
+    d = cfg.rollout.allocation.d
+    if not elastic.min <= d <= elastic.max:
+        raise ConfigError(
+            f"rollout.elastic: the run starts with {d} server(s) (rollout.backend={cfg.rollout.backend!r}), "
+            f"outside [min={elastic.min}, max={elastic.max}]; set rollout.backend's replica count within that range"
+        )
+    if cfg.policies:
+        raise ConfigError(
+            "rollout.elastic: a run with several policies (policies:) keeps a fixed fleet; remove rollout.elastic"
+        )
 
 
 def load_config(

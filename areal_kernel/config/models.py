@@ -53,6 +53,36 @@ class GenerationSettings(StrictModel):
     n_samples: int = Field(8, ge=1, description="Samples per prompt (the GRPO group size).")
 
 
+class ElasticConfig(StrictModel):
+    """``rollout.elastic``: the fleet grows and shrinks within ``[min, max]``
+    servers while the run goes on (docs/elastic.md). The run starts with
+    ``rollout.backend``'s replica count, which must lie in that range."""
+
+    min: int = Field(1, ge=1, description="Fewest servers: a drain below it is refused, a dead server restarted.")
+    max: int = Field(2, ge=1, description="Most servers: the scheduler starts no more, `areal fleet add` is refused.")
+    grow_wait_fraction: float = Field(
+        0.3,
+        gt=0,
+        le=1,
+        description="Grow when the trainer waited for rollouts more than this fraction of a step, "
+        "`patience` steps in a row.",
+    )
+    shrink_stale_dropped: int = Field(
+        1,
+        ge=1,
+        description="Shrink when at least this many finished rollouts per step were dropped as too stale, "
+        "`patience` steps in a row (rollout capacity beyond what the trainer consumes).",
+    )
+    patience: int = Field(2, ge=1, description="Consecutive steps a condition must hold before the fleet changes.")
+    cooldown_steps: int = Field(2, ge=0, description="Steps after a change before the next one.")
+
+    @model_validator(mode="after")
+    def _range(self) -> "ElasticConfig":
+        if self.max < self.min:
+            raise ValueError(f"max ({self.max}) must be >= min ({self.min})")
+        return self
+
+
 class RolloutConfig(PluginSection):
     """``backend``: inference allocation, e.g. ``embedded`` or ``vllm:d2t1``."""
 
@@ -82,6 +112,17 @@ class RolloutConfig(PluginSection):
     )
     max_server_restarts: int = Field(
         3, ge=0, description="Restarts allowed per server; its next death stops the run with the server's log tail."
+    )
+    elastic: ElasticConfig | None = Field(
+        None,
+        description="Let the scheduler start and stop servers mid-run within [min, max] (docs/elastic.md). "
+        "Without it the fleet still takes `areal fleet add`/`drain`, and keeps at least one server.",
+    )
+    drain_timeout_s: float = Field(
+        30.0,
+        ge=0,
+        description="How long a draining server's requests may run before they are moved: aborted, and resumed "
+        "on another server from their partial output.",
     )
     gconfig: GenerationSettings = Field(default_factory=GenerationSettings)
     eval_gconfig: GenerationSettings = Field(

@@ -92,14 +92,22 @@ class ServerEndpoint:
     down_until: float = 0.0
     failures: int = 0
     completed: int = 0
-    held: bool = False  # being restarted: no requests, no probes, until released
+    held: bool = False  # being restarted or joining: no requests, no probes, until released
+    # Leaving the fleet (``areal fleet drain``): no new requests; the ones in
+    # flight finish here (or are moved by an abort and resume elsewhere).
+    draining: bool = False
+    # Running but not carrying the run's current weights: joined, or
+    # restarted while weights travel by broadcast (a new process is not in
+    # the weight group). Held until a weight transport delivers them
+    # (``WeightTransport.admit`` or the next ``update``).
+    stale: bool = False
 
     def url(self, path: str) -> str:
         return f"http://{self.address}{path}"
 
     @property
     def up(self) -> bool:
-        return not self.held and time.monotonic() >= self.down_until
+        return not self.held and not self.draining and time.monotonic() >= self.down_until
 
 
 class RemoteInferenceEngine(InferenceEngine):
@@ -137,9 +145,13 @@ class RemoteInferenceEngine(InferenceEngine):
         self._rr = itertools.count()
         self._sessions: dict[int, Any] = {}
         self._fresh_sessions: dict[int, Any] = {}  # no pooling: for a retry after a stale pooled connection
+        # Sized for a fleet that may grow (``add_server``); threads start only when used.
         self._pool = concurrent.futures.ThreadPoolExecutor(
-            max_workers=max(4, 2 * len(addresses)), thread_name_prefix="areal-ctl"
+            max_workers=max(16, 2 * len(addresses)), thread_name_prefix="areal-ctl"
         )
+        # Membership changes replace ``self.servers`` with a new list (never
+        # mutate it in place), so a reader iterating a snapshot needs no lock.
+        self._members_lock = threading.Lock()
         self.stats = {
             "requests": 0,
             "interruptions": 0,
@@ -242,43 +254,70 @@ class RemoteInferenceEngine(InferenceEngine):
         version: int,
         bucket_bytes: int,
         group_name: str,
+        addresses: list[str] | None = None,
     ) -> list[concurrent.futures.Future]:
-        """Start an in-memory adapter update on every server (``protocol.adapter_broadcast``)."""
+        """Start an in-memory adapter update on every server (``protocol.adapter_broadcast``),
+        or on ``addresses`` alone (the members of the current weight group)."""
         self._adapters[name] = None
         self._adapter_dirs.pop(name, None)
         return self.control_async(
-            self.protocol.update_adapter_from_distributed(name, config, tensors, version, bucket_bytes, group_name)
+            self.protocol.update_adapter_from_distributed(name, config, tensors, version, bucket_bytes, group_name),
+            addresses=addresses,
         )
+
+    def group_members(self) -> list[str]:
+        """The servers an in-memory weight group is formed with now: every
+        server that runs, in fleet order (a draining one too, until it is
+        released), but not one that is dead and being restarted (held and
+        not ``stale``): it could not join."""
+        return [s.address for s in self.servers if not s.held or s.stale]
 
     @property
     def weight_group_world_size(self) -> int:
-        """Ranks of an in-memory weight group: the trainer (rank 0) plus
-        ``protocol.ranks_per_server`` per server."""
-        return 1 + max(1, int(self.protocol.ranks_per_server)) * len(self.servers)
+        """Ranks of an in-memory weight group over every group member: the
+        trainer (rank 0) plus ``protocol.ranks_per_server`` per server."""
+        return self.weight_group_world_size_for(len(self.group_members()))
+
+    def weight_group_world_size_for(self, n_servers: int) -> int:
+        return 1 + max(1, int(self.protocol.ranks_per_server)) * n_servers
 
     def init_weight_group_async(
-        self, master_addr: str, master_port: int, group_name: str, backend: str
+        self,
+        master_addr: str,
+        master_port: int,
+        group_name: str,
+        backend: str,
+        addresses: list[str] | None = None,
     ) -> list[concurrent.futures.Future]:
-        """Ask every server to join the weight group (server i: ranks
-        ``1 + i*ranks_per_server`` on; rank 0 is the trainer). Returns futures
-        that complete once the trainer joined too. From now on a restarted
-        server cannot be brought up to date (it cannot join this group)."""
-        world = self.weight_group_world_size
+        """Ask the servers at ``addresses`` (default: ``group_members()``) to
+        join the weight group (the k-th: ranks ``1 + k*ranks_per_server``
+        on; rank 0 is the trainer). Returns futures that complete once the
+        trainer joined too. A server that joins a new group leaves its old
+        one. From now on a restarted server is brought up to date by the
+        weight transport (``WeightTransport.admit``), not by ``resync_server``."""
+        members = self.group_members() if addresses is None else list(addresses)
+        world = self.weight_group_world_size_for(len(members))
         per = max(1, int(self.protocol.ranks_per_server))
         self._weight_group = True
         return [
             self._pool.submit(
-                self.control, s.address,
-                self.protocol.init_weight_group(master_addr, master_port, world, 1 + i * per, group_name, backend),
+                self.control, a,
+                self.protocol.init_weight_group(master_addr, master_port, world, 1 + k * per, group_name, backend),
             )
-            for i, s in enumerate(self.servers)
+            for k, a in enumerate(members)
         ]  # fmt: skip
 
     def update_from_distributed_async(
-        self, tensors: list[dict[str, Any]], version: int, bucket_bytes: int, group_name: str
+        self,
+        tensors: list[dict[str, Any]],
+        version: int,
+        bucket_bytes: int,
+        group_name: str,
+        addresses: list[str] | None = None,
     ) -> list[concurrent.futures.Future]:
         return self.control_async(
-            self.protocol.update_weights_from_distributed(tensors, version, bucket_bytes, group_name)
+            self.protocol.update_weights_from_distributed(tensors, version, bucket_bytes, group_name),
+            addresses=addresses,
         )
 
     def weight_fingerprints(self, spec: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
@@ -323,6 +362,18 @@ class RemoteInferenceEngine(InferenceEngine):
             out = self._send_control(server, call)
         return out
 
+    def control_at(self, address: str, op: ControlOp) -> Any:
+        """``control`` on ``address`` whether or not it is one of this
+        client's servers (one asking to join the fleet, one just released)."""
+        try:
+            server = self._server(address)
+        except ServerError:
+            server = ServerEndpoint(address)
+        out: Any = None
+        for call in control_calls(op):
+            out = self._send_control(server, call)
+        return out
+
     def control_all(self, op: OpForServer, *, require_all: bool = False) -> list[Any]:
         """Run ``op`` (or ``op(address)``) on every server in parallel; the
         replies in server order. By default a server that fails is logged and
@@ -352,11 +403,13 @@ class RemoteInferenceEngine(InferenceEngine):
             log.warning("control call failed on some servers", errors=errors)
         return results
 
-    def control_async(self, op: OpForServer) -> list[concurrent.futures.Future]:
-        """Start ``op`` (or ``op(address)``) on every server at once and return
-        one future per server, in server order (for collectives: the HTTP
-        calls must be in flight while the trainer sends)."""
-        return [self._pool.submit(self.control, s.address, op(s.address) if callable(op) else op) for s in self.servers]
+    def control_async(self, op: OpForServer, addresses: list[str] | None = None) -> list[concurrent.futures.Future]:
+        """Start ``op`` (or ``op(address)``) on every server (or on
+        ``addresses``) at once and return one future per server, in that
+        order (for collectives: the HTTP calls must be in flight while the
+        trainer sends)."""
+        targets = [s.address for s in self.servers] if addresses is None else list(addresses)
+        return [self._pool.submit(self.control, a, op(a) if callable(op) else op) for a in targets]
 
     def _send_control(self, server: ServerEndpoint, call: HttpCall) -> Any:
         body = json.dumps(call.json).encode() if call.json is not None else b""
@@ -385,6 +438,23 @@ class RemoteInferenceEngine(InferenceEngine):
             f"{address} is not one of this client's servers ({', '.join(x.address for x in self.servers)})"
         )
 
+    def add_server(self, address: str, *, stale: bool = True) -> ServerEndpoint:
+        """Track one more server, held (no requests) until ``release``;
+        ``stale``: it does not carry the run's current weights yet."""
+        with self._members_lock:
+            if any(s.address == address for s in self.servers):
+                raise ServerError(f"{address} is already one of this client's servers")
+            endpoint = ServerEndpoint(address, held=True, stale=stale)
+            self.servers = [*self.servers, endpoint]
+        return endpoint
+
+    def remove_server(self, address: str) -> None:
+        """Stop tracking ``address`` (released from the fleet). Requests in
+        flight there finish or fail over; none is sent there again."""
+        with self._members_lock:
+            self._server(address)
+            self.servers = [s for s in self.servers if s.address != address]
+
     def hold(self, address: str) -> None:
         """Send nothing to ``address`` (it is being restarted) until ``release``."""
         self._server(address).held = True
@@ -393,35 +463,52 @@ class RemoteInferenceEngine(InferenceEngine):
         """``address`` is back with the current weights: schedule on it again."""
         s = self._server(address)
         s.down_until = 0.0
+        s.stale = False
         s.held = False
 
-    def resync_server(self, address: str) -> int:
+    def resync_server(self, address: str) -> int | None:
         """Bring a freshly (re)started server to the current weights and
         version; returns that version. A fresh process serves the weights of
         its model directory at version 0, which is right only before the first
         update; after one, the last disk update is replayed to this server
-        alone (the backend's own ``update_weights_from_disk`` operation)."""
-        self._server(address)
+        alone (the backend's own ``update_weights_from_disk`` operation).
+
+        Where weights travel through an in-memory group, a new process is not
+        in it: the server is marked ``stale`` and stays held, and ``None`` is
+        returned; the weight transport delivers the weights to it
+        (``WeightTransport.admit``, or the next ``update``, which re-forms
+        the group with it) and then releases it."""
+        server = self._server(address)
         with self._weights_lock:
             if self._weight_group:
-                raise CannotResync(
-                    f"inference server {address} was restarted, but weights reach the servers by broadcast "
-                    "(weight_update.mode) and a new process cannot join the existing weight group; "
-                    "use weight_update.mode: disk to run with rollout.restart_servers"
-                )
-            version = 0
-            if self._last_disk is not None:
-                path, version = self._last_disk
-                self.control(address, self.protocol.update_weights_from_disk(path, version))
-            for name, last in self._adapters.items():
-                if last is None:
-                    raise CannotResync(f"inference server {address} was restarted; adapter {name!r} came in memory")
-                self.control(address, self.protocol.load_adapter(name, last[0], last[1], False))
-                if name == self.default_adapter:
-                    version = last[1]
-            if self._last_disk is not None or self._adapters:
-                self.stats["resyncs"] += 1
-            return version
+                server.stale = True
+                server.held = True
+                return None
+            return self._replay(address)
+
+    def replay_disk(self, address: str) -> int:
+        """Load the last disk update and the adapters' last directories into
+        the server at ``address`` alone (what ``resync_server`` does where
+        weights travel by disk); returns the version it now serves."""
+        self._server(address)
+        with self._weights_lock:
+            return self._replay(address)
+
+    def _replay(self, address: str) -> int:
+        """``replay_disk``'s work; the caller holds ``_weights_lock``."""
+        version = 0
+        if self._last_disk is not None:
+            path, version = self._last_disk
+            self.control(address, self.protocol.update_weights_from_disk(path, version))
+        for name, last in self._adapters.items():
+            if last is None:
+                raise CannotResync(f"inference server {address} was restarted; adapter {name!r} came in memory")
+            self.control(address, self.protocol.load_adapter(name, last[0], last[1], False))
+            if name == self.default_adapter:
+                version = last[1]
+        if self._last_disk is not None or self._adapters:
+            self.stats["resyncs"] += 1
+        return version
 
     def fail(self, error: BaseException) -> None:
         """Make every generation from now on raise ``error`` (a server is lost for good)."""
@@ -453,7 +540,7 @@ class RemoteInferenceEngine(InferenceEngine):
         # Runs once per request over every server: plain attribute reads and
         # builtins only (a key function per server cost ~1 ms a request at 512).
         now = time.monotonic()
-        up = [s for s in self.servers if not s.held and s.down_until <= now]
+        up = [s for s in self.servers if not s.held and not s.draining and s.down_until <= now]
         if not up:
             return None
         start = next(self._rr) % len(up)
@@ -516,7 +603,7 @@ class RemoteInferenceEngine(InferenceEngine):
                 raise ServerError("no inference server is reachable: " + ", ".join(x.address for x in self.servers))
             # Probe down servers: a restarted one rejoins.
             for x in self.servers:
-                if not x.up and not x.held and await self._healthy(x):
+                if not x.up and not x.held and not x.draining and await self._healthy(x):
                     x.down_until = 0.0
             await asyncio.sleep(0.2)
 

@@ -144,6 +144,10 @@ class SubprocessLauncher(ServerLauncher):
         # Set by ``place``: where each server runs and who starts it there.
         self._scheduler: Any = None
         self._placements: list[Placement] | None = None
+        # Servers given back on purpose (drained, or dead in an elastic fleet
+        # above its minimum): their slots stay (indices name log files) but
+        # nobody watches or restarts them.
+        self._retired: set[int] = set()
         atexit.register(self.stop)  # never leave orphan servers (they hold memory and devices)
 
     # -- what a backend provides --------------------------------------------------
@@ -343,9 +347,61 @@ class SubprocessLauncher(ServerLauncher):
                 return {}
             procs = list(self._procs)
         # Polled outside the lock: a remote handle's poll is a network call.
-        gone = {p.index: rc for p in procs if (rc := p.handle.poll()) is not None}
+        with self._lock:
+            retired = set(self._retired)
+        gone = {p.index: rc for p in procs if p.index not in retired and (rc := p.handle.poll()) is not None}
         self._failed = self._failed or bool(gone)
         return gone
+
+    def add_server(self) -> ServerInfo:
+        """Start one more server while the run goes on (an elastic fleet
+        growing), with the model of the first launch, on a placement from the
+        scheduler (``Scheduler.extra_placement``; on this machine without
+        one), and wait until it is healthy. Its weights are its model
+        directory's: bringing it to the run's current weights is the weight
+        transport's job (``WeightTransport.admit``)."""
+        with self._lock:
+            if self._stopping or not self._procs:
+                raise ServerError(f"cannot add a {self.server_name}: the launcher is not running")
+            index = len(self._procs)
+            model_path = self._procs[0].model_path
+        devices: list[int] = []
+        if self._scheduler is not None:
+            placement = self._scheduler.extra_placement(ROLLOUT, index)
+            with self._lock:
+                assert self._placements is not None
+                while len(self._placements) < index:  # keep placements index-aligned
+                    self._placements.append(self._placements[-1])
+                self._placements.append(placement)
+            self.secure_for_hosts([self.host_for(i) for i in range(index + 1)])
+            devices = list(placement.devices)
+        port = self._port_for(index)
+        self._n_servers = max(self._n_servers, index + 1)
+        proc = self._spawn(index, model_path, devices, port)
+        try:
+            return self._wait_ready(proc, restart=False).info
+        except BaseException:
+            self.retire(index)
+            raise
+
+    def retire(self, index: int) -> None:
+        """Give server ``index`` back: stop its process group (if it still
+        runs) and stop watching it. ``exited`` no longer reports it, so no
+        supervisor restarts it; its log stays."""
+        with self._lock:
+            if index >= len(self._procs):
+                raise ServerError(f"no {self.server_name} {index} to retire")
+            self._retired.add(index)
+            proc = self._procs[index]
+        self.kill(proc)
+
+    def index_of(self, address: str) -> int | None:
+        """The index of the server listening on ``address`` (None: not one of ours, or retired)."""
+        with self._lock:
+            for p in self._procs:
+                if p.info.address == address and p.index not in self._retired:
+                    return p.index
+        return None
 
     def restart(self, index: int) -> ServerInfo:
         """Start server ``index`` again, on the same address, with the model

@@ -12,6 +12,16 @@ without being asked to (crash, OOM kill, ``kill -9``) the supervisor
    server never stamps base-model tokens with a newer version or the reverse;
 4. releases it: requests flow to it again.
 
+Where weights travel through an in-memory group (``weight_update.mode:
+broadcast``) the new process is not in the group: ``resync_server`` marks it
+``stale`` and it stays held until the fleet's next tick (or the next weight
+update) re-forms the group with it and sends it the current weights
+(``areal_kernel.inference.fleet``); then it is released.
+
+In an elastic fleet (``rollout.elastic``) a server that dies while the fleet
+is above ``min`` is not restarted: ``retire`` (given by the fleet) drops it,
+and its requests fail over as before.
+
 Each server may be restarted ``max_restarts`` times; past that (or when a
 restart itself fails) the run gets one clear error naming the server, its
 exit code, its log file and tail, and the last recovery checkpoint to resume
@@ -78,9 +88,10 @@ class ServerSupervisor:
         *,
         max_restarts: int = 3,
         poll_s: float = 0.25,
-        resync: Callable[[str], int] | None = None,
-        on_restart: Callable[[str, int], None] | None = None,
+        resync: Callable[[str], int | None] | None = None,
+        on_restart: Callable[[str, int | None], None] | None = None,
         recovery_hint: Callable[[], str | None] | None = None,
+        retire: Callable[[int, str], bool] | None = None,
     ) -> None:
         if not supports_restart(launcher):
             raise ServerError(
@@ -94,6 +105,9 @@ class ServerSupervisor:
         self.resync = resync or client.resync_server
         self.on_restart = on_restart
         self.recovery_hint = recovery_hint
+        # retire(index, address) -> True when the fleet dropped the dead
+        # server instead of having it restarted (an elastic fleet above min).
+        self.retire = retire
         self.restarts: dict[str, int] = {}
         self.error: ServerError | None = None
         self._given_up: set[int] = set()
@@ -175,6 +189,12 @@ class ServerSupervisor:
     def _handle(self, i: int, rc: int) -> None:
         address = self.launcher.servers[i].address
         self.client.hold(address)
+        if self.retire is not None and self.retire(i, address):
+            with self._lock:
+                self._given_up.add(i)  # retired: not watched any more
+            log.warning("inference server died; the fleet is above its minimum, so it is not restarted",
+                        server=address, exit_code=rc)  # fmt: skip
+            return
         used = self.restarts.get(address, 0)
         if used >= self.max_restarts:
             last = self._last_failure.get(address)
@@ -200,8 +220,14 @@ class ServerSupervisor:
             self._last_failure[address] = str(e)[:2000]
             log.warning("restart attempt failed", server=address, error=str(e)[:500])
             return  # still dead: the next poll tries again (within the budget)
-        self.client.release(address)
-        log.info("inference server restarted", server=address, weight_version=version)
+        if version is None:
+            # Weights travel by broadcast: the fleet re-forms the weight group
+            # with this server and sends it the current weights, then releases it.
+            log.info("inference server restarted; it gets the current weights through the weight group",
+                     server=address)  # fmt: skip
+        else:
+            self.client.release(address)
+            log.info("inference server restarted", server=address, weight_version=version)
         if self.on_restart is not None:
             self.on_restart(address, version)
 

@@ -153,6 +153,18 @@ class ServerProtocol:
     def set_version(self, version: int) -> ControlOp:
         raise NotImplementedError
 
+    def server_info(self) -> ControlOp:
+        """What a server says about itself, as a dict: ``weight_version``
+        (int, the version it serves) and ``identity`` (``{model_type,
+        vocab_size, hidden_size, num_hidden_layers, num_attention_heads,
+        tokenizer}`` as ``areal_kernel.inference.fleet.model_identity``
+        computes them from its model directory); either may be missing.
+        The fleet checks a joining server's identity against the run's
+        model before admitting it and ``areal fleet status`` shows the
+        version. Without it a joining server is checked by its first weight
+        load (tensor names and shapes) only."""
+        raise NotImplementedError
+
     def weight_fingerprint(self, spec: dict[str, Any]) -> ControlOp:
         """The weight-delivery check's route (``monitor.weights``): the server
         answers ``areal_kernel.monitor.weights.fingerprint`` of the tensors it

@@ -185,16 +185,23 @@ class RolloutExecutor:
             self._out.put((int(item["seq"]), TrajectoryGroup(trajs, g.get("group_id", ""), g.get("sample_uid", ""))))
 
     def get_batch(
-        self, n: int, timeout: float | None = None, stop: threading.Event | None = None
+        self,
+        n: int,
+        timeout: float | None = None,
+        stop: threading.Event | None = None,
+        on_wait: Callable[[], None] | None = None,
     ) -> list[TrajectoryGroup]:
         """Block until ``n`` groups are ready (first finished first, returned in
         admission order). Raises if episodes keep failing or the data ran out
         before ``n`` groups. Returns ``[]`` once ``stop`` is set (an
         interrupted run); however it returns early, the groups it had taken
-        go back to the front of the queue, so ``state_dict`` still holds them."""
+        go back to the front of the queue, so ``state_dict`` still holds them.
+        ``on_wait`` is called about every half second while it waits, on the
+        caller's thread (the fleet's tick: a server that joined gets its
+        weights while the trainer has nothing else to do)."""
         groups: list[tuple[int, TrajectoryGroup]] = []
         try:
-            got = self._collect(groups, n, timeout, stop)
+            got = self._collect(groups, n, timeout, stop, on_wait)
         finally:
             if len(groups) < n and groups:
                 with self._out.mutex:
@@ -205,10 +212,19 @@ class RolloutExecutor:
         return [g for _, g in sorted(groups, key=lambda x: x[0])]
 
     def _collect(
-        self, groups: list[tuple[int, TrajectoryGroup]], n: int, timeout: float | None, stop: threading.Event | None
+        self,
+        groups: list[tuple[int, TrajectoryGroup]],
+        n: int,
+        timeout: float | None,
+        stop: threading.Event | None,
+        on_wait: Callable[[], None] | None = None,
     ) -> bool:
         deadline = None if timeout is None else time.monotonic() + timeout
+        next_wait_call = time.monotonic() + 0.5
         while len(groups) < n:
+            if on_wait is not None and time.monotonic() >= next_wait_call:
+                on_wait()
+                next_wait_call = time.monotonic() + 0.5
             if stop is not None and stop.is_set():
                 return False
             if self._error is not None:

@@ -87,6 +87,26 @@ class LocalScheduler(Scheduler):
         """Device ids per process: ``{"actor": [[0], [1]], "rollout": [[2, 3]]}``."""
         return self._device_ids()
 
+    def extra_placement(self, role: str, index: int) -> Placement:
+        """One more server on this machine; on exclusive devices it takes
+        ``devices_per_replica`` ids no placement of this run holds (the
+        devices of a server given back are not handed out again)."""
+        devices: tuple[int, ...] = ()
+        if self.platform.exclusive_devices:
+            taken = {d for ps in self.device_plan().values() for p in ps for d in p}
+            taken |= {d for p in self._extra for d in p.devices}
+            per = self.config.rollout.allocation.devices_per_replica
+            free = [i for i in range(self.platform.device_count()) if i not in taken]
+            if len(free) < per:
+                raise ArealError(
+                    f"no room for another {role} server: it needs {per} {self.platform.device_type} device(s), "
+                    f"{len(free)} of this machine's {self.platform.device_count()} are free"
+                )
+            devices = tuple(free[:per])
+        placement = Placement(role, index, LOCAL_NODE, LOOPBACK, devices)
+        self._extra.append(placement)
+        return placement
+
     def spawn(self, placement: Placement, argv: list[str], env: dict[str, str], log_path: str) -> ProcessHandle:
         return spawn_local(argv, env, log_path, placement)
 

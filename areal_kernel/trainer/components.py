@@ -195,6 +195,8 @@ class Rollout:
     # The newest recovery checkpoint's path (quoted when a server is lost for good).
     recovery_hint: Callable[[], str | None] | None = None
     addresses: list[str] = field(default_factory=list)
+    # Who is in the fleet (``areal fleet``, ``rollout.elastic``); built by start().
+    fleet: Any = None
     _backend: InferenceBackendProtocol | None = field(default=None, init=False, repr=False)
     _scheduler: Scheduler | None = field(default=None, init=False, repr=False)
     _engine: InferenceEngine | None = field(default=None, init=False, repr=False)
@@ -256,9 +258,17 @@ class Rollout:
         os.makedirs(self.run_dir, exist_ok=True)
         self.addresses = scheduler.start_inference(backend, self.model_dir, self.run_dir)
         self._engine = engine = backend.make_client(self.addresses)
-        from areal_kernel.inference.supervisor import start_supervisor
+        from areal_kernel.inference.supervisor import start_supervisor, supports_restart
 
         self.supervisor = start_supervisor(backend, engine, cfg.rollout, recovery_hint=self.recovery_hint)
+        if hasattr(engine, "add_server"):
+            # The kernel's client can change its servers while the run goes on.
+            from areal_kernel.inference.fleet import Fleet
+
+            launcher = getattr(backend, "launcher", None)
+            self.fleet = Fleet(engine, launcher if supports_restart(launcher) else None, self.model_dir, cfg.rollout)
+            if self.supervisor is not None:
+                self.supervisor.retire = self.fleet.retire_dead
         self._build_workflow()
         return self
 
@@ -333,6 +343,8 @@ class Rollout:
             out["rollout/failovers"] = self._engine.stats.get("failovers", 0)
         if self.supervisor is not None:
             out["rollout/server_restarts"] = self.supervisor.total_restarts
+        if self.fleet is not None and not self._attached:
+            out.update(self.fleet.metrics())
         return out
 
     def stop(self) -> None:

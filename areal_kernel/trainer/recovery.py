@@ -22,8 +22,9 @@ import json
 import os
 import shutil
 import threading
+import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from areal_kernel.api.io import SERVER_KEY, TrajectoryGroup
 from areal_kernel.checkpoint import Checkpoint, CheckpointManager
@@ -259,6 +260,40 @@ def hold_step_from_env() -> int | None:
     if step < 1:
         raise ConfigError(f"{HOLD_ENV}={raw!r}: expected a step number >= 1 (a testing aid; unset it for real runs)")
     return step
+
+
+PAUSE_ENV = "AREAL_TEST_PAUSE_AFTER_STEPS"
+PAUSED_MARKER = ".paused-after-step{step}"
+
+
+def pause_steps_from_env() -> set[int]:
+    """The steps named by ``AREAL_TEST_PAUSE_AFTER_STEPS`` (``"3,6"``; a
+    testing aid), empty when unset: production runs never pause."""
+    raw = os.environ.get(PAUSE_ENV, "").strip()
+    if not raw:
+        return set()
+    try:
+        steps = {int(x) for x in raw.split(",") if x.strip()}
+    except ValueError:
+        steps = {0}
+    if any(s < 1 for s in steps):
+        raise ConfigError(f"{PAUSE_ENV}={raw!r}: expected step numbers >= 1 like '3,6' (a testing aid)")
+    return steps
+
+
+def pause_after_step(run_dir: str, step: int, tick: Callable[[], None] | None) -> None:
+    """Testing aid for fleet tests: once step ``step`` is logged, create
+    ``<run_dir>/.paused-after-step<step>`` and wait until the test removes
+    it, running the fleet's ``tick`` meanwhile (a server the test adds or
+    drains then joins or leaves before the next step, at a known point)."""
+    marker = os.path.join(run_dir, PAUSED_MARKER.format(step=step))
+    log.warning("%s: pausing after step %d until %s is removed (testing aid)", PAUSE_ENV, step, marker)
+    with open(marker, "w") as f:
+        f.write(f"{os.getpid()}\n")
+    while os.path.exists(marker):
+        if tick is not None:
+            tick()
+        time.sleep(0.1)
 
 
 def hold_after_step(run_dir: str, step: int) -> None:

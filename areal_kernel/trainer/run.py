@@ -54,6 +54,8 @@ from areal_kernel.trainer.recovery import (
     SamplesLog,
     hold_after_step,
     hold_step_from_env,
+    pause_after_step,
+    pause_steps_from_env,
     plan_start,
     provenance,
     recovery_manager,
@@ -139,6 +141,8 @@ class RLTrainer(Trainer):
         self.recovery = recovery_manager(self.run_dir, cfg.checkpoint.keep_last)
         self.skipped_streak = 0
         self.reward_seen = (0, 0)  # (calls, failures) already reported
+        self.fleet: Any = None  # the rollout's Fleet once the transport exists
+        self.fleet_control: Any = None  # the run's `areal fleet` route
 
     # -- set-up ---------------------------------------------------------------
     def setup(self) -> None:
@@ -258,6 +262,21 @@ class RLTrainer(Trainer):
             assert plan.state is not None
             self._restore(plan.checkpoint, plan.state)
         self.samples_log = SamplesLog(self.run_dir)
+        self._open_fleet()
+
+    def _open_fleet(self) -> None:
+        """Servers may join and leave from now on (``areal fleet``,
+        ``rollout.elastic``): the fleet gets the transport that brings a
+        newcomer to the current weights and the check run after it."""
+        assert self.rollout is not None and self.transport is not None, SETUP_FIRST
+        self.fleet = self.rollout.fleet
+        if self.fleet is None:
+            return
+        self.fleet.attach(self.transport, lambda: self.version, lambda v: self._check_weights(v, now=True))
+        from areal_kernel.inference.fleet_control import FleetControl
+
+        self.fleet_control = FleetControl(self.fleet, self.run_dir)
+        log.info("fleet control ready", url=self.fleet_control.url, token_file=self.fleet_control.path)
 
     # -- recovery ---------------------------------------------------------------
     def _restore(self, ckpt: Checkpoint, state: dict[str, Any]) -> None:
@@ -427,6 +446,7 @@ class RLTrainer(Trainer):
 
         assert self.train_engine is not None and self.rollout is not None, SETUP_FIRST
         hold_at = hold_step_from_env()  # a testing aid; None unless asked for
+        pause_at = pause_steps_from_env()  # a testing aid; empty unless asked for
         assert self.executor is not None and self.samples_log is not None, SETUP_FIRST
         assert self.transport is not None, SETUP_FIRST
         cfg = self.cfg
@@ -436,7 +456,10 @@ class RLTrainer(Trainer):
                 self._stop_for_interrupt()
             self.rollout.check()  # a server that could not be restarted stops the run here
             t0 = time.monotonic()
-            groups = self.executor.get_batch(cfg.trainer.batch_size, stop=INTERRUPT.requested)
+            tick = self.fleet.tick if self.fleet is not None else None
+            if tick is not None:
+                tick()  # joins, newcomers' weights, finished drains: between weight updates
+            groups = self.executor.get_batch(cfg.trainer.batch_size, stop=INTERRUPT.requested, on_wait=tick)
             if not groups:  # interrupted while waiting for rollouts: the state after self.step is intact
                 self._stop_for_interrupt()
             t_wait = time.monotonic() - t0
@@ -490,8 +513,12 @@ class RLTrainer(Trainer):
                 metrics.update(self._eval_metrics(self.evaluate()))
             self.log_metrics(step, metrics)
             self.hook.areal_on_train_step(step=step, metrics=metrics)
+            if self.fleet is not None:
+                self.fleet.observe_step(step, t_wait, step_s, int(metrics.get("rollout/stale_dropped", 0)))
             if step == hold_at:
                 hold_after_step(self.run_dir, step)
+            if step in pause_at:
+                pause_after_step(self.run_dir, step, tick)
             self._check_reward_health()
             self.weights_monitor.raise_if_alarmed()
             self.mismatch.raise_if_alarmed()
@@ -596,6 +623,8 @@ class RLTrainer(Trainer):
         return save_hf_checkpoint(self.train_engine, self.run_dir, tag, self.cfg.checkpoint.keep_last, self.version)
 
     def close(self, status: str) -> None:
+        if self.fleet_control is not None:
+            self.fleet_control.close()  # no fleet change while the run ends
         if self.executor is not None:
             self.executor.stop()
         # Engines before the rollout: an engine may have started its ranks

@@ -67,6 +67,15 @@ class DiskTransport(WeightTransport):
             "weights/mb": nbytes / 2**20,
         }
 
+    def admit(self, addresses: list[str], version: int) -> dict[str, float]:
+        """The last update's directory (and adapters) loaded into the held
+        servers at ``addresses`` alone; they are released after."""
+        t0 = time.monotonic()
+        for a in addresses:
+            self.infer.replay_disk(a)
+            self.infer.release(a)
+        return {"weights/admit_s": time.monotonic() - t0}
+
     def close(self) -> None:
         """Remove the last weight directory it wrote (the earlier ones went at
         each update) and ``weights/`` if nothing else is there: once the
@@ -84,7 +93,15 @@ class DiskTransport(WeightTransport):
 class BroadcastTransport(WeightTransport):
     """In-memory: rank 0 (the trainer) broadcasts bucketed tensors to every
     server over a torch.distributed group (the platform's backend: gloo on
-    CPU, nccl on CUDA)."""
+    CPU, nccl on CUDA).
+
+    The group follows the fleet: ``update`` compares the servers the group
+    was formed with to the client's current members
+    (``group_members()``: a server joined, drained or dead and restarted)
+    and re-forms it first when they differ (``weights/group_reforms``,
+    ``weights/reform_s``); the servers keep generating meanwhile. ``admit``
+    sends the current weights to newly started servers alone, over a group
+    of the trainer and them, so the rest of the fleet is not paused."""
 
     name = "broadcast"
     group_name = "areal_weights"
@@ -98,58 +115,127 @@ class BroadcastTransport(WeightTransport):
         self._meta: list[dict] | None = None
         # Adapters for servers that load them only from a directory.
         self._adapter_disk = DiskTransport(train_engine, infer_engine, run_dir)
+        # The servers of the current group, in rank order (None: none formed).
+        self._members: tuple[str, ...] | None = None
+        self._group = self.group_name
+        self._epoch = 0  # groups formed so far: each gets its own name (and store port)
+        self.reforms = 0  # re-forms after the first group (fleet changes)
+        # A client that tracks its fleet (the kernel's RemoteInferenceEngine);
+        # another InferenceEngine runs with the servers it started with.
+        self._fleet_aware = hasattr(infer_engine, "group_members")
 
     def setup(self) -> None:
+        self._form(self._current_members())
+        self.reforms = 0
+
+    def _current_members(self) -> list[str] | None:
+        return list(self.infer.group_members()) if self._fleet_aware else None
+
+    def _form(self, members: list[str] | None) -> float:
+        """(Re-)form the weight group of the trainer and ``members`` (None:
+        whatever servers the engine has); returns the seconds it took."""
         from areal_kernel.platforms import current_platform
         from areal_kernel.utils.network import find_free_port
 
+        t0 = time.monotonic()
         port = find_free_port()
         backend = current_platform().dist_backend
-        futures = self.infer.init_weight_group_async("127.0.0.1", port, self.group_name, backend)
-        # Servers may contribute several ranks each (tensor-parallel workers).
-        world = getattr(self.infer, "weight_group_world_size", 1 + len(futures))
-        self.train.init_weight_group(
-            "127.0.0.1", port, world_size=world, rank=0, group_name=self.group_name, backend=backend
-        )
+        name = self.group_name if self._epoch == 0 else f"{self.group_name}_{self._epoch}"
+        if members is None:
+            futures = self.infer.init_weight_group_async("127.0.0.1", port, name, backend)
+            # Servers may contribute several ranks each (tensor-parallel workers).
+            world = getattr(self.infer, "weight_group_world_size", 1 + len(futures))
+        else:
+            futures = self.infer.init_weight_group_async("127.0.0.1", port, name, backend, addresses=members)
+            world = self.infer.weight_group_world_size_for(len(members))
+        self.train.init_weight_group("127.0.0.1", port, world_size=world, rank=0, group_name=name, backend=backend)
         for f in futures:
             f.result()
+        self._members = tuple(members) if members is not None else ()
+        self._group = name
+        self._epoch += 1
+        self.reforms += 1
+        return time.monotonic() - t0
 
     def update(self, version: int) -> dict[str, float]:
-        from areal_kernel.weights.broadcast import tensor_meta
-
         spec = self.train.adapter_spec()
         if spec is not None and not getattr(getattr(self.infer, "protocol", None), "adapter_broadcast", False):
             self._adapter_disk.setup()
             return self._adapter_disk.update(version)
+        members = self._current_members()
+        out: dict[str, float] = {}
+        if members is not None and tuple(members) != self._members:
+            # The fleet changed since the group formed: re-form before the
+            # pause, while the servers still generate.
+            out["weights/reform_s"] = self._form(members)
+        t0 = time.monotonic()
+        self.infer.pause()
+        try:
+            nbytes = self._send(version, spec, members)
+            self.infer.set_version(version)
+        finally:
+            self.infer.resume()
+        dt = time.monotonic() - t0
+        if members is not None:
+            self._release_stale(members)
+        out.update({"weights/broadcast_s": dt, "weights/pause_s": dt, "weights/mb": nbytes / 2**20})
+        out["weights/group_reforms"] = float(self.reforms)
+        return out
+
+    def admit(self, addresses: list[str], version: int) -> dict[str, float]:
+        """The current weights to the (held) servers at ``addresses`` alone:
+        a group of the trainer and them, then one transfer. The next
+        ``update`` re-forms the group over the whole fleet."""
+        if not self._fleet_aware:
+            return super().admit(addresses, version)
+        spec = self.train.adapter_spec()
+        t0 = time.monotonic()
+        if spec is not None and not getattr(self.infer.protocol, "adapter_broadcast", False):
+            for a in addresses:  # adapters travel as directories: replay the last one
+                self.infer.replay_disk(a)
+                self.infer.release(a)
+            return {"weights/admit_s": time.monotonic() - t0}
+        reform_s = self._form(list(addresses))
+        self._send(version, spec, list(addresses))
+        self._release_stale(addresses)
+        return {"weights/admit_s": time.monotonic() - t0, "weights/reform_s": reform_s}
+
+    def _send(self, version: int, spec: Any, members: list[str] | None) -> int:
+        """One transfer over the current group: the servers' receive calls in
+        flight while the engine sends. Returns the bytes sent."""
+        from areal_kernel.weights.broadcast import tensor_meta
+
         # The engine's transfer set is the adapter alone when it trains one.
         named = self.train.named_weights_for_transfer()
         meta = tensor_meta(named)
         nbytes = sum(t.numel() * t.element_size() for _, t in named)
         del named
-        t0 = time.monotonic()
-        self.infer.pause()
-        try:
-            if spec is None:
-                futures = self.infer.update_from_distributed_async(meta, version, self.bucket_bytes, self.group_name)
-            else:
-                futures = self.infer.update_adapter_from_distributed_async(
-                    spec.name, spec.config, meta, version, self.bucket_bytes, self.group_name
-                )
-            self.train.send_weights(
-                WeightUpdateMeta(
-                    kind="broadcast",
-                    version=version,
-                    bucket_bytes=self.bucket_bytes,
-                    adapter=None if spec is None else spec.name,
-                )
+        extra = {} if members is None else {"addresses": members}
+        if spec is None:
+            futures = self.infer.update_from_distributed_async(meta, version, self.bucket_bytes, self._group, **extra)
+        else:
+            futures = self.infer.update_adapter_from_distributed_async(
+                spec.name, spec.config, meta, version, self.bucket_bytes, self._group, **extra
             )
-            for f in futures:
-                f.result()
-            self.infer.set_version(version)
-        finally:
-            self.infer.resume()
-        dt = time.monotonic() - t0
-        return {"weights/broadcast_s": dt, "weights/pause_s": dt, "weights/mb": nbytes / 2**20}
+        self.train.send_weights(
+            WeightUpdateMeta(
+                kind="broadcast",
+                version=version,
+                bucket_bytes=self.bucket_bytes,
+                adapter=None if spec is None else spec.name,
+            )
+        )
+        for f in futures:
+            f.result()
+        return nbytes
+
+    def _release_stale(self, addresses: Any) -> None:
+        """Servers that were waiting for the weights (joined, restarted)
+        carry them now: requests may go there."""
+        wanted = set(addresses)
+        for s in list(self.infer.servers):
+            if s.address in wanted and s.stale:
+                self.infer.release(s.address)
 
     def close(self) -> None:
         self._adapter_disk.close()

@@ -105,6 +105,9 @@ class EmbeddedProtocol(ServerProtocol):
             {"version": version, "tensors": tensors, "bucket_bytes": bucket_bytes},
         )
 
+    def server_info(self) -> HttpCall:
+        return HttpCall("GET", "/info", timeout_s=10.0)
+
     def set_version(self, version: int) -> HttpCall:
         return HttpCall("POST", "/set_version", {"version": version})
 

@@ -122,6 +122,7 @@ class ServerState:
         self.vocab_size = 0
         self.max_positions = 0
         self.group: Any = None
+        self.identity: dict[str, Any] = {}
 
 
 def load(args: argparse.Namespace, state: ServerState) -> None:
@@ -170,6 +171,9 @@ def load(args: argparse.Namespace, state: ServerState) -> None:
     state.max_positions = int(getattr(cfg.get_text_config(), "max_position_embeddings", 1 << 20))
     state.model = model
     state.table = model_tensor_table(model)
+    from areal_kernel.inference.fleet import model_identity
+
+    state.identity = model_identity(args.model)
     decode: Any = None
     try:
         from transformers import AutoTokenizer
@@ -258,6 +262,8 @@ def build_app(state: ServerState) -> Any:
                 "device": str(next(state.model.parameters()).device),
                 "max_batch_size": state.args.max_batch_size,
                 "adapters": dict(e.lora.versions),
+                # What a fleet checks before it admits this server (same model and tokenizer).
+                "identity": state.identity,
             }
         )
 
