@@ -35,6 +35,13 @@ receives the whole batch and runs its stages of the
 the rank holding the last stage answers (the loss, stats, logprobs and
 entropies are computed there), the others answer None.
 
+Expert parallelism (``fsdp:d2e2``; ``areal_fsdp.expert_parallel``): data
+parallelism as above, with the experts of every MoE layer split over the
+data ranks (tokens travel to their experts' rank and back by all-to-all).
+The ranks report raw router sums with their answers; ``train_batch`` turns
+the summed values into the load-balancing loss and per-expert load metrics
+(``moe_*``; a metric only, not added to the loss, as in the torch engine).
+
 Failure handling: a rank that raises reports its traceback; if the other
 ranks also answer, the engine stays usable and the error is re-raised
 (same type for kernel errors). If a rank dies or the others hang in a
@@ -43,7 +50,10 @@ collective, every rank is stopped and the engine refuses further calls.
 
 from __future__ import annotations
 
-from typing import Any
+import json
+import os
+from types import SimpleNamespace
+from typing import Any, Callable
 
 from areal_kernel.api.engine import AdapterSpec
 from areal_kernel.api.io import TrajectoryBatch
@@ -66,8 +76,9 @@ class FSDPTrainEngine(RankedTrainEngine):
     """FSDP2 train engine over ``world_size`` rank processes.
 
     The kernel builds it with ``FSDPTrainEngine.from_context(context)``: the
-    allocation (``actor.backend: fsdp:d2``, ``fsdp:t2``, ``fsdp:d2t2``) gives the layout, the run's
-    scheduler starts the ranks, their logs go to
+    allocation (``actor.backend: fsdp:d2``, ``fsdp:t2``, ``fsdp:d2t2``,
+    ``fsdp:p2``, ``fsdp:d2e2``) gives the layout, the run's scheduler starts
+    the ranks, their logs go to
     ``<run_dir>/fsdp-ranks`` (``fsdp-ranks-<role>`` for a reference model).
     Built directly (tests, scripts): ``allocation`` is ``"fsdp:d2"`` or an
     ``Allocation``, ``world_size`` a shortcut for ``fsdp:d<world_size>``
@@ -97,7 +108,9 @@ class FSDPTrainEngine(RankedTrainEngine):
             allocation = f"fsdp:d{int(world_size)}"
         self.layout: Layout = layout_of(allocation)
         check_layout_settings(self.layout, settings)
-        self.allocation = Allocation(backend="fsdp", d=self.layout.dp, t=self.layout.tp, p=self.layout.pp)
+        self.allocation = Allocation(
+            backend="fsdp", d=self.layout.dp, t=self.layout.tp, p=self.layout.pp, e=self.layout.ep
+        )
         super().__init__(
             settings,
             self.layout.world_size,
@@ -106,6 +119,23 @@ class FSDPTrainEngine(RankedTrainEngine):
             run_config=run_config,
         )
         self._adapter_config: dict[str, Any] | None = None
+        # Expert parallelism: (num_experts, top_k) of the model, for the router metrics.
+        self._moe_shape: tuple[int, int] | None = None
+
+    def initialize(self, model_path: str, total_train_steps: int) -> None:
+        """As the base class; with an ``e`` dim the model's config.json is
+        checked first (a mixture-of-experts model whose experts divide by
+        ``e``), so a wrong model is refused before any rank starts."""
+        if self.layout.ep > 1:
+            from areal_fsdp.expert_parallel import check_ep_model
+
+            cfg_file = os.path.join(model_path, "config.json")
+            if os.path.isfile(cfg_file):  # else the base class names the missing file
+                with open(cfg_file, encoding="utf-8") as f:
+                    hf = json.load(f)
+                fields = SimpleNamespace(**(hf.get("text_config") or hf))
+                check_ep_model(fields, self.layout.ep, str(self.allocation))
+        super().initialize(model_path, total_train_steps)
 
     # ------------------------------------------------------- base-class hooks
     @property
@@ -113,7 +143,7 @@ class FSDPTrainEngine(RankedTrainEngine):
         return self.layout.dp
 
     def create_kwargs(self) -> dict[str, Any]:
-        return {"config": self.config.model_dump(), "tp": self.layout.tp, "pp": self.layout.pp}
+        return {"config": self.config.model_dump(), "tp": self.layout.tp, "pp": self.layout.pp, "ep": self.layout.ep}
 
     def on_initialized(self, answers: list[Any]) -> None:
         self._adapter_config = answers[0].get("adapter_config")
@@ -121,13 +151,18 @@ class FSDPTrainEngine(RankedTrainEngine):
         # and the parameter bytes each rank holds.
         self.rank_stages: list[list[list[int]]] = [a.get("stages", []) for a in answers]
         self.rank_param_bytes: list[int] = [int(a.get("param_bytes", 0)) for a in answers]
-        parallel = self.layout.tp > 1 or self.layout.pp > 1
+        # Expert parallelism: which experts each rank holds ([first, end)).
+        self.rank_experts: list[list[int]] = [a.get("experts", []) for a in answers]
+        moe = answers[0].get("moe_shape")
+        self._moe_shape = (int(moe[0]), int(moe[1])) if moe else None
+        parallel = self.layout.tp > 1 or self.layout.pp > 1 or self.layout.ep > 1
         log.info(
             "fsdp engine ready", layout=str(self.layout), logs=self.log_dir,
             wrapped_blocks=answers[0]["wrapped_blocks"], tp_layers=answers[0].get("tp_layers", 0),
             rank_coords={r: self.layout.rank_coords(r) for r in range(self.world_size)} if parallel else None,
             stages={r: st for r, st in enumerate(self.rank_stages)} if self.layout.pp > 1 else None,
             schedule=self.config.pipeline_schedule if self.layout.pp > 1 else None,
+            experts={r: ex for r, ex in enumerate(self.rank_experts)} if self.layout.ep > 1 else None,
         )  # fmt: skip
 
     def call_parts(
@@ -147,6 +182,21 @@ class FSDPTrainEngine(RankedTrainEngine):
         if self.layout.pp > 1:
             return [a for a in answers if a is not None]
         return answers[::inner]
+
+    def train_batch(
+        self,
+        batch: TrajectoryBatch,
+        loss_fn: Callable[..., Any],
+        extra: dict[str, list[list[float]]] | None = None,
+    ) -> dict[str, float]:
+        """The base class's step; with expert parallelism the ranks' summed
+        router sums become the ``moe_*`` metrics (``expert_parallel.router_metrics``)."""
+        out = super().train_batch(batch, loss_fn, extra)
+        if self._moe_shape is not None:
+            from areal_fsdp.expert_parallel import router_metrics
+
+            out.update(router_metrics(out, *self._moe_shape))
+        return out
 
     def state_meta(self) -> dict[str, Any]:
         return {"world_size": self.world_size, "layout": str(self.layout)}

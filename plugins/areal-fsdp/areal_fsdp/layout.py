@@ -1,7 +1,7 @@
 """The parallel layout of an ``fsdp`` allocation (no torch).
 
 ``actor.backend: fsdp:d2t2`` -> 2 data-parallel replicas x 2 tensor-parallel
-ranks (world size d*t). Ranks are numbered data-major: rank ``r`` is replica
+ranks (world size d*t*p). Ranks are numbered data-major: rank ``r`` is replica
 ``r // t``, tensor rank ``r % t`` (the inner dimension of the 2-D device
 mesh, so the ranks of one tensor group are neighbours). What the engine runs:
 
@@ -11,8 +11,12 @@ mesh, so the ranks of one tensor group are neighbours). What the engine runs:
 - p (pipeline): ``torch.distributed.pipelining`` stages, one rank per
   pipeline rank (``areal_fsdp.pipeline``), on its own for now (``fsdp:p2``,
   ``fsdp:p4``): combined with d or t it is refused with one line;
-- c, e (context, expert): not implemented in this engine; refused with the
-  allocation named.
+- e (expert): the experts of every MoE layer split over the data ranks
+  (``areal_fsdp.expert_parallel``): the kernel counts a train engine's
+  ranks as d*t*p*c and experts reuse them, so ``fsdp:d2e2`` is 2 ranks,
+  each holding half of the experts; this engine runs ``e == d`` with neither
+  t nor p (``fsdp:e2`` alone would be one rank: refused with the form to write);
+- c (context): not implemented in this engine; refused with the allocation named.
 
 The pipeline helpers here (``split_layers``, ``stage_rank``) are pure
 arithmetic, shared by the rank processes and the tests.
@@ -26,7 +30,7 @@ from typing import Any
 from areal_kernel.config.allocation import Allocation, allocation_at
 from areal_kernel.errors import ConfigError
 
-EXAMPLES = "'fsdp:d2', 'fsdp:t2', 'fsdp:d2t2' or 'fsdp:p2'"
+EXAMPLES = "'fsdp:d2', 'fsdp:t2', 'fsdp:d2t2', 'fsdp:p2' or 'fsdp:d2e2'"
 
 # actor.fsdp.pipeline_schedule -> (torch.distributed.pipelining schedule class,
 # stages per rank). A schedule with more than one stage per rank places them
@@ -39,11 +43,13 @@ PIPELINE_SCHEDULES: dict[str, tuple[str, int]] = {
 
 @dataclass(frozen=True)
 class Layout:
-    """Sizes of the mesh dimensions (all >= 1; ``pp > 1`` only with ``dp == tp == 1``)."""
+    """Sizes of the mesh dimensions (all >= 1; ``pp > 1`` only with ``dp == tp == 1``;
+    ``ep > 1`` only with ``ep == dp`` and ``tp == pp == 1``: the expert ranks are the data ranks)."""
 
     dp: int
     tp: int
     pp: int = 1
+    ep: int = 1
 
     @property
     def world_size(self) -> int:
@@ -51,22 +57,28 @@ class Layout:
 
     def coords(self, rank: int) -> tuple[int, int]:
         """``(data-parallel index, tensor-parallel index)`` of a global rank;
-        with pipeline parallelism ``(data-parallel index, pipeline rank)``
+        with pipeline parallelism ``(data-parallel index, pipeline rank)``;
+        with expert parallelism ``(data-parallel index, expert rank)``
         (``coord_names`` says which)."""
+        if self.ep > 1:
+            return rank, rank % self.ep
         inner = self.pp if self.pp > 1 else self.tp
         return rank // inner, rank % inner
 
     @property
     def coord_names(self) -> str:
-        return "dp" if self.pp > 1 else "dt"
+        return "dp" if self.pp > 1 else "de" if self.ep > 1 else "dt"
 
     def rank_coords(self, rank: int) -> dict[str, int]:
-        """``{"d": .., "t": ..}`` or ``{"d": .., "p": ..}`` of a global rank (what the engine logs)."""
+        """``{"d": .., "t": ..}``, ``{"d": .., "p": ..}`` or ``{"d": .., "e": ..}``
+        of a global rank (what the engine logs)."""
         return dict(zip(self.coord_names, self.coords(rank)))
 
     def __str__(self) -> str:
         if self.pp > 1:
             return f"fsdp:d{self.dp}p{self.pp}"
+        if self.ep > 1:
+            return f"fsdp:d{self.dp}e{self.ep}"
         return f"fsdp:d{self.dp}t{self.tp}"
 
 
@@ -76,38 +88,67 @@ def layout_of(allocation: Allocation | str | None, where: str = "actor.backend")
     if allocation is None:
         allocation = "fsdp"
     a = allocation_at(allocation, where)
-    extra = [f"{k}{getattr(a, k)}" for k in ("c", "e") if getattr(a, k) != 1]
-    if extra:
+    if a.c != 1:
         raise ConfigError(
-            f"{where}: {a} asks for context/expert parallelism ({', '.join(extra)}), which the fsdp "
-            f"engine does not do; valid dims are d (data), t (tensor) and p (pipeline, alone), e.g. {EXAMPLES}"
+            f"{where}: {a} asks for context parallelism (c{a.c}), which the fsdp engine does not do; valid dims "
+            f"are d (data), t (tensor), p (pipeline, alone) and e (expert, e = d), e.g. {EXAMPLES}"
         )
+    if a.e > 1:
+        _check_expert_dims(a, where)
     if a.p > 1 and (a.d > 1 or a.t > 1):
         others = "".join(f"{k}{getattr(a, k)}" for k in ("d", "t") if getattr(a, k) > 1)
         raise ConfigError(
             f"{where}: {a} combines pipeline parallelism (p{a.p}) with {others}, which the fsdp engine does not "
             f"do yet; valid: p alone ('fsdp:p{a.p}') or d/t without p ('fsdp:d{a.d}t{a.t}')"
         )
-    return Layout(dp=a.d, tp=a.t, pp=a.p)
+    return Layout(dp=a.d, tp=a.t, pp=a.p, ep=a.e)
+
+
+def _check_expert_dims(a: Allocation, where: str) -> None:
+    """``e`` splits the experts over the data ranks: one line for the forms
+    this engine does not run (the kernel counts ranks as d*t*p*c, so the
+    experts need ``d`` ranks to split over)."""
+    if a.t > 1 or a.p > 1:
+        others = "".join(f"{k}{getattr(a, k)}" for k in ("t", "p") if getattr(a, k) > 1)
+        raise ConfigError(
+            f"{where}: {a} combines expert parallelism (e{a.e}) with {others}, which the fsdp engine does not do "
+            f"yet; valid: experts split over the data ranks alone, e.g. 'fsdp:d{a.e}e{a.e}'"
+        )
+    if a.d == 1:
+        raise ConfigError(
+            f"{where}: {a} is one rank: the kernel counts a train engine's ranks as d*t*p*c and expert "
+            f"parallelism reuses them, so the experts need data ranks to split over; write 'fsdp:d{a.e}e{a.e}' "
+            f"({a.e} ranks, each holding 1/{a.e} of the experts)"
+        )
+    if a.d != a.e:
+        raise ConfigError(
+            f"{where}: {a}: the fsdp engine splits the experts over all data ranks (e = d); replicated expert "
+            f"groups (d a multiple of e) are not implemented yet; use 'fsdp:d{a.d}e{a.d}'"
+        )
 
 
 def check_layout_settings(layout: Layout, settings: Any, where: str = "actor.backend") -> None:
-    """Settings the tensor- and pipeline-parallel paths do not support yet:
-    one ``ConfigError`` naming the allocation and the setting (never a run
-    that would silently compute something else)."""
-    if layout.tp == 1 and layout.pp == 1:
+    """Settings the tensor-, pipeline- and expert-parallel paths do not
+    support yet: one ``ConfigError`` naming the allocation and the setting
+    (never a run that would silently compute something else)."""
+    if layout.tp == 1 and layout.pp == 1 and layout.ep == 1:
         return
-    kind, dim = ("tensor parallelism", f"t{layout.tp}") if layout.pp == 1 else ("pipeline parallelism", f"p{layout.pp}")
+    if layout.ep > 1:
+        kind, dim = "expert parallelism", f"e{layout.ep}"
+    elif layout.pp > 1:
+        kind, dim = "pipeline parallelism", f"p{layout.pp}"
+    else:
+        kind, dim = "tensor parallelism", f"t{layout.tp}"
     refused = {
         "lora": f"LoRA adapters are not split by {kind} yet",
         "gradient_checkpointing": f"activation recomputation is not validated with {kind}",
         "cpu_offload": f"offloading is not validated with {kind}",
     }
-    if layout.pp > 1:
-        # The stages are plain modules (no FSDP unit): FSDP's mixed-precision
-        # policy would silently not apply, and bf16 autocast changes the dtype
-        # the stages send each other (not validated).
-        refused["autocast_bf16"] = "bf16 autocast is not validated with pipeline parallelism"
+    if layout.pp > 1 or layout.ep > 1:
+        # The stages / the experts are not FSDP units: FSDP's mixed-precision
+        # policy would silently not apply to them, and bf16 autocast changes
+        # the dtype the ranks send each other (not validated).
+        refused["autocast_bf16"] = f"bf16 autocast is not validated with {kind}"
     for field, why in refused.items():
         value = getattr(settings, field, None)
         if value not in (None, False):
@@ -117,12 +158,13 @@ def check_layout_settings(layout: Layout, settings: Any, where: str = "actor.bac
             )
     mp = getattr(settings, "mixed_precision", None)
     if (
-        layout.pp > 1
+        (layout.pp > 1 or layout.ep > 1)
         and mp is not None
         and any(v is not None for v in (mp.param_dtype, mp.reduce_dtype, mp.output_dtype))
     ):
+        what = "pipeline stages are" if layout.pp > 1 else "the experts are"
         raise ConfigError(
-            f"{where}: {layout} ({dim}) with actor.fsdp.mixed_precision is not supported (pipeline stages are not "
+            f"{where}: {layout} ({dim}) with actor.fsdp.mixed_precision is not supported ({what} not "
             "FSDP units, so the policy would not apply); drop mixed_precision or use 'fsdp:d"
             f"{layout.world_size}'"
         )

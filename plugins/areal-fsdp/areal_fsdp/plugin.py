@@ -15,5 +15,6 @@ def areal_register_train_engines(register: Any) -> None:
         config_model="areal_fsdp.config:FSDPEngineConfig",
         capabilities=["packing", "disk_export", "broadcast_export", "multi_process", "dcp_checkpoint"],
         description="PyTorch FSDP2 (fully_shard) over d x t rank processes (allocation fsdp:d2, fsdp:t2, fsdp:d2t2; "
-        "tensor parallelism for Llama, Qwen3), or pipeline stages (fsdp:p2, Llama)",
+        "tensor parallelism for Llama, Qwen3), pipeline stages (fsdp:p2, Llama), or experts split over the data "
+        "ranks (fsdp:d2e2, Qwen3-MoE)",
     )

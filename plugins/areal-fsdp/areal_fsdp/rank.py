@@ -21,7 +21,10 @@ With ``p > 1`` the rank keeps only its pipeline stages
 (``areal_fsdp.pipeline``): no FSDP, a schedule of
 ``torch.distributed.pipelining`` instead of the micro-batch loop, weights
 sent point-to-point from their owner to rank 0 for exports, and the tied
-embedding's two copies kept equal.
+embedding's two copies kept equal. With ``e > 1`` (``e == d``) every MoE
+block's experts are split over the ranks as DTensors that FSDP ignores,
+and the block dispatches its tokens by all-to-all
+(``areal_fsdp.expert_parallel``); the rest is FSDP over the same ranks.
 
 A rank exits when its control connection closes or when the controller (its
 parent) disappears, so no rank outlives the run that started it.
@@ -151,7 +154,13 @@ class FSDPRankEngine:
     """The model shard and optimizer of one rank."""
 
     def __init__(
-        self, config: FSDPEngineConfig | dict[str, Any] | None, rank: int, world_size: int, tp: int = 1, pp: int = 1
+        self,
+        config: FSDPEngineConfig | dict[str, Any] | None,
+        rank: int,
+        world_size: int,
+        tp: int = 1,
+        pp: int = 1,
+        ep: int = 1,
     ) -> None:
         self.config = FSDPEngineConfig.parse(config)
         self.rank = rank
@@ -160,7 +169,9 @@ class FSDPRankEngine:
             raise ConfigError(
                 f"fsdp rank: tensor x pipeline size {tp}x{pp} does not divide the world size {world_size}"
             )
-        self.layout = Layout(dp=world_size // (tp * pp), tp=tp, pp=pp)
+        if ep > 1 and (tp > 1 or pp > 1 or ep != world_size):
+            raise ConfigError(f"fsdp rank: expert size {ep} must equal the world size {world_size} without t or p")
+        self.layout = Layout(dp=world_size // (tp * pp), tp=tp, pp=pp, ep=ep)
         check_layout_settings(self.layout, self.config)
         self.model: Any = None
         self.optimizer: Any = None
@@ -186,6 +197,8 @@ class FSDPRankEngine:
         self.owner: dict[str, int] = {}
         self.tie_group: Any = None
         self.tied_param: Any = None
+        # Expert parallelism (areal_fsdp.expert_parallel): the router sums of the current step.
+        self.router_stats: Any = None
 
     @property
     def device(self) -> Any:
@@ -252,6 +265,15 @@ class FSDPRankEngine:
         mesh = device_mesh(self.world_size, self.layout.tp)
         tp_layers = 0
         partial_names: list[str] = []
+        expert_params: list[Any] = []
+        expert_info: dict[str, Any] = {}
+        if self.layout.ep > 1:
+            if vision_model:
+                raise ConfigError(
+                    f"actor.backend: {self.layout}: expert parallelism is not validated for vision-language models; "
+                    f"use 'fsdp:d{self.world_size}'"
+                )
+            expert_params, expert_info = self._apply_expert_parallel(model, mesh)
         if self.layout.tp > 1:
             from areal_fsdp.tensor_parallel import apply_tensor_parallel, check_tp_model, per_head_params
 
@@ -278,6 +300,10 @@ class FSDPRankEngine:
         # device) the platform says it cannot, and it is a no-op there.
         offload = CPUOffloadPolicy() if cfg.cpu_offload and plat.supports_cpu_offload else OffloadPolicy()
 
+        # The experts (DTensors already split over the expert ranks) are left
+        # out of FSDP: a rank computes with its own experts and never gathers the others'.
+        ignored = set(expert_params) or None
+
         def shard(module: Any) -> None:
             fully_shard(
                 module,
@@ -285,6 +311,7 @@ class FSDPRankEngine:
                 reshard_after_forward=cfg.reshard_after_forward,
                 mp_policy=mp_policy,
                 offload_policy=offload,
+                ignored_params=ignored,
             )
 
         wrapped = 0
@@ -314,7 +341,14 @@ class FSDPRankEngine:
         # The sharded model is only called as a whole (split_head=False): calling
         # the decoder and the LM head separately would bypass the root unit's
         # hooks, which gather the embedding, final norm and head.
-        self.runner = MicroBatchRunner(model, cfg, self.device, hooks=RankSync(self.world_size), split_head=False)
+        if self.layout.ep > 1:
+            from areal_fsdp.expert_parallel import ExpertRunner
+
+            runner = ExpertRunner(model, cfg, self.device, hooks=RankSync(self.world_size), split_head=False)
+            runner.router_stats = self.router_stats
+            self.runner = runner
+        else:
+            self.runner = MicroBatchRunner(model, cfg, self.device, hooks=RankSync(self.world_size), split_head=False)
         if vision_model:
             self.runner.vision = ImageTensors(model_path)
         self.model_path = os.path.abspath(model_path)
@@ -328,7 +362,34 @@ class FSDPRankEngine:
             "wrapped_blocks": wrapped,
             "tp_layers": tp_layers,
             "adapter_config": self.adapter_config,
+            "param_bytes": sum(_local(p).numel() * p.element_size() for p in model.parameters()),
+            **expert_info,
         }
+
+    def _apply_expert_parallel(self, model: Any, mesh: Any) -> tuple[list[Any], dict[str, Any]]:
+        """``fsdp:dNeN``: check the model, split every MoE block's experts over
+        the ranks and swap in the all-to-all block (before FSDP). Returns the
+        expert parameters and what ``initialize`` reports about them."""
+        import torch.distributed as dist
+
+        from areal_fsdp.expert_parallel import RouterStats, apply_expert_parallel, check_ep_model
+        from areal_fsdp.pipeline import comm_device
+
+        hf = model.config
+        check_ep_model(hf, self.layout.ep, str(self.layout))
+        n_experts, top_k = int(hf.num_experts), int(hf.num_experts_per_tok)
+        self.router_stats = RouterStats(n_experts)
+        # A group of its own for the token exchange, so its all-to-alls never
+        # interleave with FSDP's gathers and reductions on the mesh's group.
+        group = dist.new_group(list(range(self.world_size)))
+        params = apply_expert_parallel(model, mesh, self.rank, group, self.router_stats, comm_device())
+        per_rank = n_experts // self.layout.ep
+        info = {
+            "experts": [self.rank * per_rank, (self.rank + 1) * per_rank],
+            "moe_shape": [n_experts, top_k],
+            "moe_blocks": len(params) // 2,
+        }
+        return params, info
 
     def _initialize_pipeline(self, model: Any, model_path: str, total_train_steps: int) -> dict[str, Any]:
         """``fsdp:pN``: cut this rank's stages out of the whole model
@@ -440,6 +501,9 @@ class FSDPRankEngine:
         self._sum_partial_grads()
         self._sum_tied_grads()
         grad_norm, applied = runner.apply_gradients(self.optimizer, acc.finite, self.config.max_grad_norm)
+        stats = dict(acc.stats)
+        if self.router_stats is not None:
+            stats.update(self.router_stats.take())  # raw sums: the controller adds the ranks' and derives the metrics
         self.step += 1
         current_platform().synchronize()
         if self.pipeline is not None and not self.pipeline.last:
@@ -447,7 +511,7 @@ class FSDPRankEngine:
         return {
             "loss": acc.loss,
             "entropy_sum": acc.entropy_sum,
-            "stats": acc.stats,
+            "stats": stats,
             "grad_norm": grad_norm,
             "skipped": 0.0 if applied else 1.0,
             "lr": lr,
@@ -726,7 +790,9 @@ def main(argv: list[str] | None = None) -> int:
     """The rank process: the kernel's rank loop (``areal_kernel.engine.ranks``)
     serving an ``FSDPRankEngine``."""
     return rank_main(
-        lambda rank, world_size, config, tp=1, pp=1: FSDPRankEngine(config, rank, world_size, tp, pp), "fsdp", argv
+        lambda rank, world_size, config, tp=1, pp=1, ep=1: FSDPRankEngine(config, rank, world_size, tp, pp, ep),
+        "fsdp",
+        argv,
     )
 
 

@@ -51,18 +51,97 @@ def test_torch_settings_under_fsdp_backend_point_to_the_right_section():
         _cfg({"backend": "fsdp:d2", "torch": {"lr": 1e-5}})
 
 
-@pytest.mark.parametrize("alloc, dims", [("fsdp:t2c2", "c2"), ("fsdp:d2e2", "e2")])
-def test_context_expert_dims_are_refused(alloc, dims):
-    """One line naming the allocation, the dims it cannot run and what is
+@pytest.mark.parametrize("alloc", ["fsdp:t2c2", "fsdp:d2c2e2"])
+def test_context_dims_are_refused(alloc):
+    """One line naming the allocation, the dim it cannot run and what is
     valid: from the engine and from `areal validate` (the kernel's check)."""
     from areal_fsdp.engine import FSDPTrainEngine
 
-    with pytest.raises(
-        ConfigError, match=rf"{alloc} asks for .*\({dims}\).*valid dims are d \(data\), t \(tensor\) and p"
-    ):
+    line = rf"{alloc} asks for context parallelism \(c2\).*valid dims are d \(data\), t \(tensor\), p .* e \(expert"
+    with pytest.raises(ConfigError, match=line):
         FSDPTrainEngine({}, allocation=alloc)
-    with pytest.raises(ConfigError, match=rf"actor.backend: {alloc} asks for"):
+    with pytest.raises(ConfigError, match=rf"actor.backend: {line}"):
         _cfg({"backend": alloc})
+
+
+def test_expert_layout():
+    """fsdp:d2e2: 2 ranks (the kernel counts d*t*p*c; experts reuse them), coordinates (d, e)."""
+    from areal_fsdp.engine import FSDPTrainEngine
+
+    e2 = FSDPTrainEngine({}, allocation="fsdp:d2e2")
+    assert (e2.world_size, e2.data_parallel_size, str(e2.layout)) == (2, 2, "fsdp:d2e2")
+    assert str(e2.allocation) == "fsdp:d2e2"
+    assert [e2.layout.rank_coords(r) for r in range(2)] == [{"d": 0, "e": 0}, {"d": 1, "e": 1}]
+    assert e2.create_kwargs()["ep"] == 2 and FSDPTrainEngine({}, allocation="fsdp:d2").create_kwargs()["ep"] == 1
+    assert _cfg({"backend": "fsdp:d4e4"}).actor.allocation.world_size == 4
+
+
+@pytest.mark.parametrize(
+    "alloc, line",
+    [
+        ("fsdp:e2", r"fsdp:e2 is one rank: .* reuses them, .* write 'fsdp:d2e2' \(2 ranks, each holding 1/2"),
+        ("fsdp:d4e2", r"fsdp:d4e2: the fsdp engine splits the experts over all data ranks \(e = d\).*'fsdp:d4e4'"),
+        ("fsdp:d2t2e2", r"fsdp:d2t2e2 combines expert parallelism \(e2\) with t2, .*e.g. 'fsdp:d2e2'"),
+        ("fsdp:p2e2", r"fsdp:p2e2 combines expert parallelism \(e2\) with p2"),
+    ],
+)
+def test_expert_forms_this_engine_does_not_run_are_refused(alloc, line):
+    """One line each, from the engine and from `areal validate`."""
+    from areal_fsdp.engine import FSDPTrainEngine
+
+    with pytest.raises(ConfigError, match=line):
+        FSDPTrainEngine({}, allocation=alloc)
+    with pytest.raises(ConfigError, match=rf"actor.backend: {line}"):
+        _cfg({"backend": alloc})
+
+
+@pytest.mark.parametrize(
+    "section, field",
+    [
+        ({"lora": {"rank": 4}}, "lora"),
+        ({"gradient_checkpointing": True}, "gradient_checkpointing"),
+        ({"cpu_offload": True}, "cpu_offload"),
+        ({"autocast_bf16": True}, "autocast_bf16"),
+        ({"mixed_precision": {"param_dtype": "bfloat16"}}, "mixed_precision"),
+    ],
+)
+def test_settings_expert_parallelism_does_not_support_are_refused(section, field):
+    from areal_fsdp.engine import FSDPTrainEngine
+
+    with pytest.raises(ConfigError, match=rf"fsdp:d2e2 \(e2\) with actor.fsdp.{field} is not supported"):
+        FSDPTrainEngine(section, allocation="fsdp:d2e2")
+
+
+def test_models_expert_parallelism_cannot_split_are_refused():
+    from types import SimpleNamespace
+
+    from areal_fsdp.expert_parallel import check_ep_model
+
+    moe = dict(model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2)
+    check_ep_model(SimpleNamespace(**moe), 2, "fsdp:d2e2")
+    check_ep_model(SimpleNamespace(model_type="llama"), 1, "fsdp:d2")  # e1: nothing to split
+    with pytest.raises(ConfigError, match=r"actor.backend: fsdp:d2e2 asks for expert parallelism \(e2\), but the "
+                       r"model \('llama'\) is not a mixture-of-experts model .*'fsdp:d2'"):  # fmt: skip
+        check_ep_model(SimpleNamespace(model_type="llama"), 2, "fsdp:d2e2")
+    with pytest.raises(ConfigError, match=r"fsdp:d4e4: the model's num_experts=6 does not divide by e=4"):
+        check_ep_model(SimpleNamespace(**{**moe, "num_experts": 6}), 4, "fsdp:d4e4")
+    with pytest.raises(ConfigError, match=r"fsdp:d2e2: .*experts of model types qwen3_moe, not 'mixtral'"):
+        check_ep_model(SimpleNamespace(model_type="mixtral", num_local_experts=8), 2, "fsdp:d2e2")
+
+
+def test_a_dense_model_is_refused_before_any_rank_starts(tmp_path):
+    """The controller reads config.json first: a dense Llama with fsdp:d2e2
+    is one line naming actor.backend, and no rank was started."""
+    import json
+
+    from areal_fsdp.engine import FSDPTrainEngine
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
+    e = FSDPTrainEngine({}, allocation="fsdp:d2e2")
+    with pytest.raises(ConfigError, match=r"actor.backend: fsdp:d2e2 asks for expert parallelism \(e2\), but the "
+                       r"model \('llama'\) is not a mixture-of-experts model"):  # fmt: skip
+        e.initialize(str(tmp_path), 10)
+    assert e.ranks is None
 
 
 @pytest.mark.parametrize("alloc, others", [("fsdp:d2p2", "d2"), ("fsdp:t2p2", "t2"), ("fsdp:d2t2p2", "d2t2")])
@@ -219,3 +298,5 @@ def test_local_scheduler_plans_one_process_per_rank():
     assert LocalScheduler(_cfg({"backend": "fsdp:d2t2"})).device_plan()["actor"] == [[], [], [], []]
     # So is a pipeline rank: p2 is 2 (their (d, p) coordinates are the engine's, logged when it is ready).
     assert LocalScheduler(_cfg({"backend": "fsdp:p2"})).device_plan()["actor"] == [[], []]
+    # Experts reuse the data ranks: d2e2 is 2.
+    assert LocalScheduler(_cfg({"backend": "fsdp:d2e2"})).device_plan()["actor"] == [[], []]

@@ -17,16 +17,24 @@ import os
 
 import pytest
 import torch
+from fsdp_parity_helpers import (
+    CFG,
+    LOSS,
+    MULTIPLE,
+    NOISE_CFG,
+    STAT_KEYS,
+    STEP_BATCHES,
+    assert_weight_check_fails_at_other_lr,
+    step_batches,
+)
 from safetensors.torch import load_file
 
-from areal_kernel.algo.losses import make_ppo_loss_fn
 from areal_kernel.engine.torch_engine import TorchTrainEngine
 from areal_kernel.testing.contracts import TrainEngineContract, engine_maker
 from areal_kernel.testing.noise import assert_within_noise
 from areal_kernel.testing.rank_engines import (
     RankEngineWeightUpdateSuite,
     make_spread_tiny_llama,
-    ppo_step_inputs,
     random_batch,
     state_round_trip,
     train_beside_references,
@@ -34,31 +42,14 @@ from areal_kernel.testing.rank_engines import (
 
 pytestmark = pytest.mark.slow
 
-# As test_fsdp_tp: several micro-batches per step (1F1B needs at least 2, the
-# interleaved schedule a multiple of 2: step 3's single sequence runs with a
-# filler), clipping active (grad norms ~17-33 > 1), a decaying schedule.
-CFG = {"lr": 1e-3, "max_tokens_per_mb": 20, "max_grad_norm": 1.0, "lr_scheduler": "linear",
-       "warmup_steps_proportion": 0.2, "weight_decay": 0.01}  # fmt: skip
-NOISE_CFG = {**CFG, "max_tokens_per_mb": 13}
-STEP_BATCHES = [
-    [7, 9, 5, 12, 6, 8],
-    [11, 14, 9, 9, 15, 6, 7, 8],  # groups share prompts (the stages run them whole: same numbers)
-    [9],  # one row: the schedules run filler micro-batches beside it
-    [13, 6, 8, 10],
-]
-LOSS = make_ppo_loss_fn(eps_clip=0.2, behav_imp_weight_cap=5.0)
-STAT_KEYS = ("loss", "grad_norm", "lr", "entropy", "pg_loss", "clip_frac", "behav_imp_weight_max", "n_loss_tokens")
+# CFG, NOISE_CFG, STEP_BATCHES, LOSS, STAT_KEYS and MULTIPLE: fsdp_parity_helpers (shared with
+# test_fsdp_pp / test_fsdp_tp / test_fsdp_ep). Why MULTIPLE holds here:
 # The stages compute what one process computes, with rows padded at their
 # end (another attention mask path) and the tied matrix's two gradient parts
 # added by an all-reduce: rounding like a micro-batch split. The multiple is
 # test_fsdp_parity's / test_fsdp_tp's. A grad norm that counted the tied
 # matrix twice, or missed a stage, is off by far more than that.
-MULTIPLE = 4.0
 SCHEDULES = ["1f1b", "interleaved_1f1b"]
-
-
-def _batch(seed: int, lengths: list[int]):
-    return random_batch(lengths, seed=seed, prompt_len=5 if seed == 1 else 3, shared_prompts=seed == 1)
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +65,7 @@ def trained(request, four_layer_model):
     pp = FSDPTrainEngine({**CFG, "pipeline_schedule": request.param}, allocation="fsdp:p2")
     pp.initialize(four_layer_model, 10)
     try:
-        batches = [_batch(seed, lengths) for seed, lengths in enumerate(STEP_BATCHES)]
+        batches = step_batches()
         ref, history, floor = train_beside_references(pp, CFG, NOISE_CFG, four_layer_model, batches, LOSS, STAT_KEYS)
         yield request.param, pp, ref, history, floor
     finally:
@@ -139,14 +130,8 @@ def test_weight_check_fails_against_another_learning_rate(trained):
     """Negative control: the comparison above can fail. A reference trained
     with lr 1.05x on the same batches differs from the stages' weights by far
     more than MULTIPLE x the floor."""
-    _, pp, ref, _, floor = trained
-    other = TorchTrainEngine({**CFG, "lr": CFG["lr"] * 1.05})
-    other.initialize(pp.model_path, 10)
-    for seed, lengths in enumerate(STEP_BATCHES):
-        batch = _batch(seed, lengths)
-        other.train_batch(batch, LOSS, ppo_step_inputs(batch, other))
-    with pytest.raises(AssertionError, match="weights"):
-        assert_within_noise(pp.full_weights(), dict(other.named_weights_for_transfer()), floor["weights"], MULTIPLE)
+    _, pp, _, _, floor = trained
+    assert_weight_check_fails_at_other_lr(pp, pp.model_path, floor["weights"])
 
 
 def test_hf_export_equals_single_process(trained, tmp_path):

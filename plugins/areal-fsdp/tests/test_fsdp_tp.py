@@ -15,9 +15,19 @@ import os
 
 import pytest
 import torch
+from fsdp_parity_helpers import (
+    CFG,
+    LOSS,
+    MULTIPLE,
+    NOISE_CFG,
+    STAT_KEYS,
+    STEP_BATCHES,
+    assert_weight_check_fails_at_other_lr,
+    step_batch,
+    step_batches,
+)
 from safetensors.torch import load_file
 
-from areal_kernel.algo.losses import make_ppo_loss_fn
 from areal_kernel.engine.torch_engine import TorchTrainEngine
 from areal_kernel.testing.contracts import TrainEngineContract, engine_maker
 from areal_kernel.testing.noise import assert_within_noise, measure_noise_floor
@@ -32,30 +42,14 @@ from areal_kernel.testing.rank_engines import (
 
 pytestmark = pytest.mark.slow
 
-# As in test_fsdp_parity: several micro-batches per replica, clipping active
-# (grad norms ~7-12 > 1), a decaying schedule.
-CFG = {"lr": 1e-3, "max_tokens_per_mb": 20, "max_grad_norm": 1.0, "lr_scheduler": "linear",
-       "warmup_steps_proportion": 0.2, "weight_decay": 0.01}  # fmt: skip
-NOISE_CFG = {**CFG, "max_tokens_per_mb": 13}
-STEP_BATCHES = [
-    [7, 9, 5, 12, 6, 8],
-    [11, 14, 9, 9, 15, 6, 7, 8],  # groups share prompts
-    [9],  # fewer sequences than replicas: replica 1 only runs filler micro-batches
-    [13, 6, 8, 10],
-]
-LOSS = make_ppo_loss_fn(eps_clip=0.2, behav_imp_weight_cap=5.0)
-STAT_KEYS = ("loss", "grad_norm", "lr", "entropy", "pg_loss", "clip_frac", "behav_imp_weight_max", "n_loss_tokens")
+# CFG, NOISE_CFG, STEP_BATCHES, LOSS, STAT_KEYS and MULTIPLE: fsdp_parity_helpers (shared with
+# test_fsdp_pp / test_fsdp_tp / test_fsdp_ep). Why MULTIPLE holds here:
 # Tensor ranks add the attention and MLP outputs of their head/feature slices
 # in another order than one process: rounding like a micro-batch split. The
 # multiple is test_fsdp_parity's (its measurements apply: same floors, same
 # batches); a wrong sharding or a grad norm that counts replicated weights
 # twice is off by > 10% (seen while building this: 6.47 instead of 7.33).
-MULTIPLE = 4.0
 LAYOUTS = ["fsdp:t2", "fsdp:d2t2"]
-
-
-def _batch(seed: int, lengths: list[int]):
-    return random_batch(lengths, seed=seed, prompt_len=5 if seed == 1 else 3, shared_prompts=seed == 1)
 
 
 @pytest.fixture(scope="module", params=LAYOUTS)
@@ -65,7 +59,7 @@ def trained(request, tiny_model_dir):
     tp = FSDPTrainEngine(CFG, allocation=request.param)
     tp.initialize(tiny_model_dir, 10)
     try:
-        batches = [_batch(seed, lengths) for seed, lengths in enumerate(STEP_BATCHES)]
+        batches = step_batches()
         ref, history, floor = train_beside_references(tp, CFG, NOISE_CFG, tiny_model_dir, batches, LOSS, STAT_KEYS)
         yield request.param, tp, ref, history, floor
     finally:
@@ -116,13 +110,7 @@ def test_weight_check_fails_against_another_learning_rate(trained, tiny_model_di
     with lr 1.05x on the same batches differs from the tensor-parallel
     weights by far more than MULTIPLE x the floor."""
     _, tp, _, _, floor = trained
-    other = TorchTrainEngine({**CFG, "lr": CFG["lr"] * 1.05})
-    other.initialize(tiny_model_dir, 10)
-    for seed, lengths in enumerate(STEP_BATCHES):
-        batch = _batch(seed, lengths)
-        other.train_batch(batch, LOSS, ppo_step_inputs(batch, other))
-    with pytest.raises(AssertionError, match="weights"):
-        assert_within_noise(tp.full_weights(), dict(other.named_weights_for_transfer()), floor["weights"], MULTIPLE)
+    assert_weight_check_fails_at_other_lr(tp, tiny_model_dir, floor["weights"])
 
 
 def test_hf_export_equals_single_process(trained, tmp_path):
@@ -244,7 +232,7 @@ def test_qwen_families_match_single_process(family, tmp_path):
     try:
         steps = []
         for seed, lengths in enumerate(STEP_BATCHES[:3]):
-            batch = _batch(seed, lengths)
+            batch = step_batch(seed, lengths)
             steps.append(tuple(e.train_batch(batch, LOSS, ppo_step_inputs(batch, e)) for e in (tp, ref, noise)))
             noise2.train_batch(batch, LOSS, ppo_step_inputs(batch, noise2))
         for k in ("loss", "grad_norm"):
