@@ -167,12 +167,33 @@ class SchedulerContract:
         placed = scheduler.placements("rollout")
         servers = [s for s in scheduler.health() if s.placement.role == "rollout"]
         assert [s.placement for s in servers] == placed[: len(addresses)] and all(s.alive for s in servers), servers
+        # An elastic fleet grows while the run goes on: one more server on a
+        # placement the scheduler gives out now (Scheduler.extra_placement),
+        # or one clear error and nothing started when it cannot.
+        from areal_kernel.api.scheduler import Scheduler
+        from areal_kernel.errors import ArealError
+
+        launcher = getattr(backend, "launcher", None)
+        if type(scheduler).extra_placement is Scheduler.extra_placement:
+            with pytest.raises(ArealError, match="cannot start rollout processes while a run goes on"):
+                launcher.add_server()
+            assert len([s for s in scheduler.health() if s.placement.role == "rollout"]) == len(addresses)
+        else:
+            extra = launcher.add_server()
+            addresses = [*addresses, extra.address]
+            servers = [s for s in scheduler.health() if s.placement.role == "rollout"]
+            assert len(servers) == len(addresses) and all(s.alive for s in servers), servers
+            grown = servers[-1].placement
+            assert grown.index == len(addresses) - 1 and grown.node and grown.host, grown
+            if scheduler.platform.exclusive_devices:
+                used = {d for s in servers[:-1] for d in s.placement.devices}
+                assert grown.devices and not used & set(grown.devices), (grown, used)
         client = backend.make_client(addresses)
         try:
-            resp = asyncio.run(
-                _closing(client, client.agenerate(ModelRequest([5, 6], GenerationConfig(max_new_tokens=2))))
-            )
-            assert resp.output_len >= 1
+            for address in addresses:  # every server answers, the grown one too
+                req = ModelRequest([5, 6], GenerationConfig(max_new_tokens=2), metadata={"server": address})
+                resp = asyncio.run(_closing(client, client.agenerate(req)))
+                assert resp.output_len >= 1 and resp.server == address, (resp.server, address)
         finally:
             client.destroy()
         scheduler.stop()

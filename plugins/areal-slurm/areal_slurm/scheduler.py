@@ -225,6 +225,7 @@ class SlurmScheduler(Scheduler):
         self._spawned = 0
         self._steps: list[SlurmProcess] = []
         self._addrs: dict[str, str] = {}
+        self._grown: list[Placement] = []  # servers added mid-run (extra_placement)
 
     # -- what the run asks for -----------------------------------------------------------------
     @property
@@ -319,6 +320,27 @@ class SlurmScheduler(Scheduler):
         h = SlurmProcess(popen, placement, log_path, self.job_ids(), step, offset)
         self._steps.append(h)
         return h
+
+    def extra_placement(self, role: str, index: int) -> Placement:
+        """One more process of ``role`` in the running job (an elastic fleet
+        growing): a step of its own, like every process, on the role's node
+        holding the fewest of its processes. Steps share the job's CPUs
+        (``--overlap``); a role with GPUs cannot grow (every GPU of the job
+        was placed at start): one clear error, and `areal fleet add` remains."""
+        placed = self.placements(role)
+        if not placed:
+            raise ArealError(f"scheduler.slurm: the job has no {role} placement to grow from")
+        req = {r.role: r for r in self.requests()}.get(role)
+        if req is not None and req.gpus:
+            raise ArealError(
+                f"scheduler.slurm: cannot add a {role} process with {req.gpus} GPU(s) to the running job: every GPU "
+                "of the job was placed at start; start the server outside the run and `areal fleet add` it"
+            )
+        nodes = [p.node for p in placed + self._grown if p.role == role]
+        node = min(dict.fromkeys(nodes), key=nodes.count)
+        placement = Placement(role, index, node, self._addrs.get(node, node), ())
+        self._grown.append(placement)
+        return placement
 
     def job_ids(self) -> str:
         """Every component's job id, comma-separated (a heterogeneous job's
