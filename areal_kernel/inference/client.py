@@ -182,6 +182,10 @@ class RemoteInferenceEngine(InferenceEngine):
         # restarted and will be brought up to date, so control calls that miss
         # it (even all of them) are not fatal.
         self.supervised = False
+        # Set by a run's fleet whose weight transport can bring a new process
+        # to the weights (``WeightTransport.admit``): then a server restarted
+        # under an in-memory weight group waits for it instead of being lost.
+        self.restart_via_transport = False
 
     # -- versions and pause ----------------------------------------------------
     def get_version(self) -> int:
@@ -474,13 +478,21 @@ class RemoteInferenceEngine(InferenceEngine):
         alone (the backend's own ``update_weights_from_disk`` operation).
 
         Where weights travel through an in-memory group, a new process is not
-        in it: the server is marked ``stale`` and stays held, and ``None`` is
-        returned; the weight transport delivers the weights to it
-        (``WeightTransport.admit``, or the next ``update``, which re-forms
-        the group with it) and then releases it."""
+        in it: when the run's fleet set ``restart_via_transport`` (its
+        transport can ``admit``), the server is marked ``stale`` and stays
+        held, and ``None`` is returned; the weight transport delivers the
+        weights to it (``WeightTransport.admit``, or the next ``update``,
+        which re-forms the group with it) and then releases it. Otherwise
+        ``CannotResync``."""
         server = self._server(address)
         with self._weights_lock:
             if self._weight_group:
+                if not self.restart_via_transport:
+                    raise CannotResync(
+                        f"inference server {address} was restarted, but weights reach the servers through an "
+                        "in-memory weight group this run's weight transport cannot re-form (it has no admit()); "
+                        "use weight_update.mode: disk to run with rollout.restart_servers"
+                    )
                 server.stale = True
                 server.held = True
                 return None

@@ -160,6 +160,9 @@ class Fleet:
         self.transport = transport
         self._version = version
         self._check = check
+        # A server restarted under an in-memory weight group now waits for the
+        # transport instead of ending the run, where the transport can admit it.
+        self.client.restart_via_transport = self.can_admit() is None
 
     def can_admit(self) -> str | None:
         """Why no server can join now (None: one can)."""
@@ -330,7 +333,7 @@ class Fleet:
             self.stats["joins"] += 1
             self._event("joined (waiting for the weights)", address)
         stale = [s.address for s in self.client.servers if s.held and s.stale]
-        if stale and self.transport is not None:
+        if stale and self.can_admit() is None:
             version = self._version()
             t0 = time.monotonic()
             self.transport.admit(stale, version)

@@ -21,6 +21,7 @@ from typing import Any
 
 from areal_kernel.api.engine import TrainEngine, WeightUpdateMeta
 from areal_kernel.api.weight_transport import WeightTransport
+from areal_kernel.errors import ServerError
 
 
 def _dir_bytes(path: str) -> int:
@@ -105,6 +106,9 @@ class BroadcastTransport(WeightTransport):
 
     name = "broadcast"
     group_name = "areal_weights"
+    # How long the trainer's side of a group waits for a member (forming,
+    # and each transfer): a server that died inside a transfer surfaces after it.
+    group_timeout_s: float = 300.0
 
     def __init__(
         self, train_engine: TrainEngine, infer_engine: Any, run_dir: str, bucket_bytes: int = 256 << 20
@@ -148,7 +152,15 @@ class BroadcastTransport(WeightTransport):
         else:
             futures = self.infer.init_weight_group_async("127.0.0.1", port, name, backend, addresses=members)
             world = self.infer.weight_group_world_size_for(len(members))
-        self.train.init_weight_group("127.0.0.1", port, world_size=world, rank=0, group_name=name, backend=backend)
+        self.train.init_weight_group(
+            "127.0.0.1",
+            port,
+            world_size=world,
+            rank=0,
+            group_name=name,
+            backend=backend,
+            timeout_s=self.group_timeout_s,
+        )
         for f in futures:
             f.result()
         self._members = tuple(members) if members is not None else ()
@@ -170,11 +182,25 @@ class BroadcastTransport(WeightTransport):
             out["weights/reform_s"] = self._form(members)
         t0 = time.monotonic()
         self.infer.pause()
+        broken = False
         try:
-            nbytes = self._send(version, spec, members)
+            try:
+                nbytes = self._send(version, spec, members)
+            except RuntimeError as e:  # the collective backend's error (gloo: "Connection reset by peer")
+                # The other servers wait in the transfer until their group's
+                # timeout: resuming them would block as long. The run stops
+                # here and stops them.
+                broken = True
+                raise ServerError(
+                    f"the in-memory weight update to version {version} failed: {str(e).splitlines()[0][:300]}; "
+                    "a server probably died during the transfer, which cannot be recovered in the middle of a "
+                    "broadcast (between updates the fleet re-forms the group); the same command with "
+                    "recover: auto resumes from the last recovery checkpoint"
+                ) from e
             self.infer.set_version(version)
         finally:
-            self.infer.resume()
+            if not broken:
+                self.infer.resume()
         dt = time.monotonic() - t0
         if members is not None:
             self._release_stale(members)

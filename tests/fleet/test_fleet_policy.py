@@ -181,3 +181,40 @@ def test_elastic_local_run_grows_when_the_trainer_waits(tmp_path: Path) -> None:
     with open(run_dir / "samples.jsonl", encoding="utf-8") as f:
         servers = {s["server"] for line in f for s in json.loads(line)["samples"]}
     assert len(servers) == 2, servers
+
+
+def test_a_server_dying_inside_a_broadcast_stops_with_one_clear_error(
+    areal_tiny_model_dir: str, tmp_path: Path
+) -> None:
+    """The limit docs/elastic.md states: between updates a dead server is
+    handled (the group re-forms without it), but one that dies after the
+    group formed and before the transfer (here: killed behind the client's
+    back, so the client still counts it) makes the transfer fail: the error
+    is one ``ServerError`` that says what happened and how to resume."""
+    import signal
+
+    from areal_kernel.engine.torch_engine import TorchTrainEngine
+    from areal_kernel.errors import ServerError
+    from areal_kernel.trainer.weight_sync import BroadcastTransport
+
+    launcher = EmbeddedLauncher(EmbeddedServerConfig(dtype="float32"), run_dir=str(tmp_path / "servers"))
+    engine = TorchTrainEngine({"lr": 1e-3})
+    client = None
+    try:
+        infos = launcher.launch(areal_tiny_model_dir, n_servers=2, devices_per_server=0)
+        engine.initialize(areal_tiny_model_dir, 4)
+        client = RemoteInferenceEngine([i.address for i in infos], EmbeddedProtocol())
+        transport = BroadcastTransport(engine, client, str(tmp_path / "run"), bucket_bytes=1 << 20)
+        transport.group_timeout_s = 10.0  # the dead member surfaces within it
+        transport.setup()
+        assert transport.update(1)["weights/mb"] > 0  # a clean update first
+        launcher.handles[1].signal_group(signal.SIGKILL)
+        launcher.handles[1].wait(30)
+        with pytest.raises(ServerError, match=r"in-memory weight update to version 2 failed: .*recover: auto") as err:
+            transport.update(2)
+        assert len(str(err.value).splitlines()) == 1, str(err.value)
+    finally:
+        if client is not None:
+            client.destroy()
+        engine.destroy()
+        launcher.stop()
