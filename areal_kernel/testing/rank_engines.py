@@ -299,12 +299,14 @@ class RankEngineGRPOSuite(_RankEngineSuite):
 
     Class attributes: ``ENGINE_NAME`` (the ``actor.backend`` name),
     ``EXAMPLE`` (path of the plugin's example config), ``N_RANKS``, ``STEPS``,
-    ``CHECK``. Fixtures: ``run_areal`` (the kernel's pytest plugin), ``tmp_path``."""
+    ``CHECK``, ``OVERRIDES`` (more of the example's settings, e.g. another layout). Fixtures: ``run_areal`` (the kernel's pytest plugin), ``tmp_path``."""
 
     EXAMPLE: ClassVar[str]
     N_RANKS: ClassVar[int] = 2
     STEPS: ClassVar[int] = TINY_STEPS
     CHECK: ClassVar[LearningCheck] = TINY_CHARS
+    # More overrides of the example (another layout of the same engine: "actor.backend=fsdp:t2").
+    OVERRIDES: ClassVar[tuple[str, ...]] = ()
 
     @pytest.mark.parametrize("arm", ["learning", "frozen"])
     def test_grpo_raises_the_reward(self, arm: str, run_areal: Any, tmp_path: Any) -> None:
@@ -318,7 +320,7 @@ class RankEngineGRPOSuite(_RankEngineSuite):
         proc = run_areal(
             "train", self.EXAMPLE, f"model.path={model}", f"run_dir={run_dir}", f"trainer.max_steps={self.STEPS}",
             "trainer.eval_size=0", "logging.sinks=[jsonl]", *TINY_OVERRIDES, f"{lr_key}={TINY_LR}",
-            *(frozen_overrides(lr_key) if arm == "frozen" else []),
+            *self.OVERRIDES, *(frozen_overrides(lr_key) if arm == "frozen" else []),
             timeout=900,
         )  # fmt: skip
         assert proc.returncode == 0, _failed(proc)

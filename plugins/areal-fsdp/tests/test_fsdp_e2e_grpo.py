@@ -21,3 +21,15 @@ from areal_kernel.testing.rank_engines import RankEngineGRPOSuite, plugin_exampl
 class TestFSDPGRPO(RankEngineGRPOSuite):
     ENGINE_NAME = "fsdp"
     EXAMPLE = plugin_example(__file__, "grpo_arithmetic_fsdp.yaml")
+
+
+class TestFSDPTensorParallelGRPO(RankEngineGRPOSuite):
+    """The same run with the weights split by tensor parallelism
+    (``fsdp:t2``: q/k/v and gate/up column-wise, o/down row-wise over the two
+    ranks; the tiny model's 4 heads and 2 KV heads divide by 2), gathered for
+    every in-memory broadcast: the reward clears ``TINY_CHARS``'s bar and the
+    ``lr=0`` twin does not."""
+
+    ENGINE_NAME = "fsdp"
+    EXAMPLE = plugin_example(__file__, "grpo_arithmetic_fsdp.yaml")
+    OVERRIDES = ("actor.backend=fsdp:t2",)
