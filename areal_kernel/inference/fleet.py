@@ -145,7 +145,9 @@ class Fleet:
         self._external: set[str] = set()  # added from outside: never stopped by the run
         self._policy = _Elastic()
         self.stats = {"joins": 0, "drains": 0, "lost": 0, "grows": 0, "shrinks": 0}
-        self.last_admit_s: float | None = None
+        # The last admit's metrics (its transport's, e.g. weights/reform_s, and
+        # weights/admit_s), reported with the next step's metrics.
+        self.last_admit: dict[str, float] = {}
         self.events: list[dict[str, Any]] = []  # what happened, newest last (status shows the tail)
         # Set by ``attach`` once the trainer has a weight transport.
         self.transport: Any = None
@@ -336,8 +338,8 @@ class Fleet:
         if stale and self.can_admit() is None:
             version = self._version()
             t0 = time.monotonic()
-            self.transport.admit(stale, version)
-            self.last_admit_s = time.monotonic() - t0
+            out = self.transport.admit(stale, version) or {}
+            self.last_admit = {**{k: float(v) for k, v in out.items()}, "weights/admit_s": time.monotonic() - t0}
             for a in stale:
                 self._event(f"has the weights of version {version}", a)
             if self._check is not None:
@@ -475,9 +477,11 @@ class Fleet:
         if self.elastic is not None:
             out["rollout/grows"] = float(self.stats["grows"])
             out["rollout/shrinks"] = float(self.stats["shrinks"])
-        if self.last_admit_s is not None:
-            out["weights/admit_s"] = self.last_admit_s
-            self.last_admit_s = None
+        # A step's own update may re-form the group too; the admit's re-form is
+        # reported under its own key so neither hides the other.
+        admit = self.last_admit
+        self.last_admit = {}
+        out.update({("weights/admit_reform_s" if k == "weights/reform_s" else k): v for k, v in admit.items()})
         return out
 
     def _event(self, what: str, address: str) -> None:

@@ -12,8 +12,12 @@
 - Every call into the cluster has a timeout (``scheduler.ray.timeout_s``): a
   lost node never hangs the controller; its processes poll as ``NODE_LOST``
   and the kernel's server supervisor takes over.
+- ``extra_placement()`` (an elastic fleet growing, ``rollout.elastic``)
+  reserves a placement group of one bundle for each server started mid-run,
+  shaped like the role's bundles, with its own agent.
 - ``stop()`` ends every process (through its agent), then kills the agents
-  and removes the placement groups; nothing of the run is left on the cluster.
+  and removes the placement groups (the mid-run ones too); nothing of the
+  run is left on the cluster.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from __future__ import annotations
 import math
 import os
 import subprocess
+import threading
 import time
 import uuid
 from typing import Any
@@ -128,6 +133,9 @@ class RayScheduler(Scheduler):
         self._pgs: dict[str, Any] = {}
         self._placed: SchedulePlan | None = None  # plan() reserves once, until release()
         self._agents: dict[tuple[str, int], Any] = {}
+        self._added: list[Placement] = []  # given out mid-run (extra_placement)
+        # Guards _pgs, _agents and _added: extra_placement runs on the fleet's thread.
+        self._lock = threading.Lock()
         self._connected_here = False  # this scheduler called ray.init (so it calls ray.shutdown)
         self._tag = f"{config.experiment_name}-{uuid.uuid4().hex[:8]}"
 
@@ -160,11 +168,16 @@ class RayScheduler(Scheduler):
 
     def _local_cpus(self) -> int:
         """CPUs of a local cluster: ``num_cpus``, else this machine's cores, but
-        at least what the run's bundles ask for (on CPU hosts every process is
-        single-threaded and they share cores, as under ``local``)."""
+        at least what the run's bundles ask for, up to ``rollout.elastic.max``
+        servers (on CPU hosts every process is single-threaded and they share
+        cores, as under ``local``)."""
         if self.settings.num_cpus is not None:
             return self.settings.num_cpus
-        need = sum(n for n, _ in self._role_sizes().values()) * self.settings.cpus_per_process
+        sizes = self._role_sizes()
+        elastic = getattr(self.config.rollout, "elastic", None)
+        if ROLLOUT in sizes and elastic is not None:  # room for the servers an elastic fleet may add
+            sizes[ROLLOUT] = (max(sizes[ROLLOUT][0], elastic.max), sizes[ROLLOUT][1])
+        need = sum(n for n, _ in sizes.values()) * self.settings.cpus_per_process
         return max(os.cpu_count() or 1, math.ceil(need))
 
     @property
@@ -191,57 +204,138 @@ class RayScheduler(Scheduler):
         self.connect()  # first: it sets the environment ray reads at import
         ray = _ray()
         from ray.util.placement_group import placement_group, remove_placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        from areal_ray.agent import NodeAgent
 
         s = self.settings
-        res = self.resource
         strategies = {ACTOR: s.actor_strategy, ROLLOUT: s.rollout_strategy}
-        remote_agent = ray.remote(NodeAgent)
         roles: dict[str, list[Placement]] = {}
         try:
             for role, (n, per) in self._role_sizes().items():
-                bundle: dict[str, float] = {"CPU": s.cpus_per_process}
-                if res != "CPU":
-                    bundle[res] = per
+                bundle = self._bundle(per)
                 pg = placement_group([dict(bundle) for _ in range(n)], strategy=strategies[role],
                                      name=f"areal-{self._tag}-{role}")  # fmt: skip
-                self._pgs[role] = pg
+                with self._lock:
+                    self._pgs[role] = pg
                 try:
                     ray.get(pg.ready(), timeout=s.placement_timeout_s)
                 except Exception:
                     remove_placement_group(pg)
-                    del self._pgs[role]
+                    with self._lock:
+                        del self._pgs[role]
                     raise ArealError(
                         f"scheduler.ray: the {role} role's {n} bundle(s) of {bundle} ({strategies[role]}) were not "
                         f"placed within {s.placement_timeout_s:g} s (scheduler.ray.placement_timeout_s); the "
                         f"cluster has {ray.cluster_resources()}"
                     ) from None
-                agents = []
-                for i in range(n):
-                    opts: dict[str, Any] = dict(
-                        scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
-                        num_cpus=s.cpus_per_process, max_concurrency=8, name=f"areal-{self._tag}-{role}-{i}",
-                    )  # fmt: skip
-                    if res != "CPU":
-                        opts["resources"] = {res: per}
-                    agent = remote_agent.options(**opts).remote(res if res != "CPU" else None)
-                    self._agents[(role, i)] = agent
-                    agents.append(agent)
+                agents = [self._start_agent(pg, i, role, i, per) for i in range(n)]
                 where = ray.get([a.where.remote() for a in agents], timeout=s.placement_timeout_s)
-                # The address the cluster knows each node by (what its raylet
-                # was started with), else what the agent's host reports.
-                known = {n["NodeID"]: n.get("NodeManagerAddress") for n in ray.nodes() if n.get("Alive")}
-                roles[role] = [
-                    Placement(role, i, w["node_id"], known.get(w["node_id"]) or w["ip"], tuple(w["devices"]))
-                    for i, w in enumerate(where)
-                ]
+                roles[role] = self._placements_of(role, list(range(n)), where)
         except BaseException:
             self.release()
             raise
         self._placed = SchedulePlan(self.name, self.platform.name, roles)
         return self._placed
+
+    def _bundle(self, per: int) -> dict[str, float]:
+        """One process's bundle: its CPUs, and ``per`` devices of the platform's resource."""
+        bundle: dict[str, float] = {"CPU": self.settings.cpus_per_process}
+        if self.resource != "CPU":
+            bundle[self.resource] = per
+        return bundle
+
+    def _start_agent(self, pg: Any, bundle_index: int, role: str, index: int, per: int) -> Any:
+        """A ``NodeAgent`` in bundle ``bundle_index`` of ``pg``, recorded as
+        placement ``(role, index)``'s agent (``spawn`` and ``free_port`` find it)."""
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from areal_ray.agent import NodeAgent
+
+        res = self.resource
+        opts: dict[str, Any] = dict(
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle_index),
+            num_cpus=self.settings.cpus_per_process, max_concurrency=8, name=f"areal-{self._tag}-{role}-{index}",
+        )  # fmt: skip
+        if res != "CPU":
+            opts["resources"] = {res: per}
+        agent = _ray().remote(NodeAgent).options(**opts).remote(res if res != "CPU" else None)
+        with self._lock:
+            self._agents[(role, index)] = agent
+        return agent
+
+    def _placements_of(self, role: str, indices: list[int], where: list[dict[str, Any]]) -> list[Placement]:
+        """Placements from what the agents report (``NodeAgent.where``): the
+        address the cluster knows each node by (what its raylet was started
+        with), else what the agent's host reports."""
+        known = {n["NodeID"]: n.get("NodeManagerAddress") for n in _ray().nodes() if n.get("Alive")}
+        return [
+            Placement(role, i, w["node_id"], known.get(w["node_id"]) or w["ip"], tuple(w["devices"]))
+            for i, w in zip(indices, where)
+        ]
+
+    def extra_placement(self, role: str, index: int) -> Placement:
+        """One more process of ``role`` while the run goes on (an elastic
+        fleet growing): a placement group of one bundle shaped like the
+        role's, named ``areal-<run>-<role>-<index>``, waited for up to
+        ``placement_timeout_s``, with an agent in it. ``release`` removes it
+        with the others."""
+        if self._placed is None:  # never planned, or released: the run is not (or no longer) placed
+            raise ArealError(f"scheduler.ray: cannot add a {role} process to a run that is not placed")
+        ray = _ray()
+        from ray.util.placement_group import placement_group, remove_placement_group
+
+        s = self.settings
+        sizes = self._role_sizes()
+        if role not in sizes:
+            raise ArealError(f"scheduler.ray: this run has no {role} role to add a process to")
+        key = f"{role}-{index}"
+        with self._lock:
+            if key in self._pgs or (role, index) in self._agents:
+                raise ArealError(f"scheduler.ray: {role} placement {index} is already reserved")
+        per = sizes[role][1]
+        bundle = self._bundle(per)
+        pg = placement_group([dict(bundle)], strategy="PACK", name=f"areal-{self._tag}-{key}")
+        with self._lock:
+            self._pgs[key] = pg  # recorded at once: a release meanwhile removes it
+
+        def give_back() -> None:
+            with self._lock:
+                agent = self._agents.pop((role, index), None)
+                self._pgs.pop(key, None)
+            if agent is not None:
+                try:
+                    ray.kill(agent, no_restart=True)
+                except Exception:  # noqa: BLE001 - already dead
+                    pass
+            try:
+                remove_placement_group(pg)
+            except Exception:  # noqa: BLE001 - already removed
+                pass
+
+        try:
+            ray.get(pg.ready(), timeout=s.placement_timeout_s)
+        except Exception:
+            give_back()
+            raise ArealError(
+                f"scheduler.ray: no room for another {role} process: its bundle {bundle} was not placed within "
+                f"{s.placement_timeout_s:g} s (scheduler.ray.placement_timeout_s); the cluster has "
+                f"{ray.cluster_resources()}, of which {ray.available_resources()} are free"
+            ) from None
+        try:
+            with self._lock:
+                if self._pgs.get(key) is not pg:  # released while it was being placed: the run is ending
+                    raise ArealError(f"scheduler.ray: the run ended while {role} placement {index} was reserved")
+            agent = self._start_agent(pg, 0, role, index, per)
+            (where,) = ray.get([agent.where.remote()], timeout=s.placement_timeout_s)
+            (placement,) = self._placements_of(role, [index], [where])
+            with self._lock:
+                if self._pgs.get(key) is not pg:
+                    raise ArealError(f"scheduler.ray: the run ended while {role} placement {index} was started")
+        except BaseException:
+            give_back()
+            raise
+        with self._lock:
+            self._added.append(placement)
+        log.info("placed one more process", role=role, index=index, node=placement.node, host=placement.host)
+        return placement
 
     # -- the contract -----------------------------------------------------------------
     def _agent(self, placement: Placement) -> Any:
@@ -276,7 +370,10 @@ class RayScheduler(Scheduler):
             return
         from ray.util.placement_group import remove_placement_group
 
-        agents, self._agents = self._agents, {}
+        with self._lock:
+            agents, self._agents = self._agents, {}
+            pgs, self._pgs = self._pgs, {}
+            self._added = []
         # What the agents started is normally gone already (stop() ended it);
         # this catches a process started outside the launcher and ranks' kin.
         refs = [a.stop_all.remote(5.0) for a in agents.values()]
@@ -290,7 +387,6 @@ class RayScheduler(Scheduler):
                 ray.kill(a, no_restart=True)
             except Exception:  # noqa: BLE001 - already dead
                 pass
-        pgs, self._pgs = self._pgs, {}
         for pg in pgs.values():
             try:
                 remove_placement_group(pg)

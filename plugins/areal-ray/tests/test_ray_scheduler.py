@@ -8,7 +8,11 @@ both nodes on this machine, loopback only; one cluster for the module).
   API and the process table); one server's process is killed mid-run and
   restarted with no trajectory lost; the controller is then killed and
   ``recover: auto`` finishes the run; after each run nothing is left: no
-  actor, no placement group (Ray's state API), no process (process table).
+  actor, no placement group (Ray's state API), no process (process table);
+- an elastic fleet (``rollout.elastic: {min: 1, max: 2}``) grows while the
+  trainer waits for rollouts: the scheduler reserves one more placement
+  group mid-run (``extra_placement``), the new server runs on a Ray node
+  and joins; nothing is left after the run.
 """
 
 from __future__ import annotations
@@ -274,6 +278,96 @@ def test_grpo_across_two_nodes_survives_a_lost_server_and_a_lost_controller(ray_
     assert all(len(s["uids"]) == 2 for s in samples), samples  # batch_size prompt groups
     assert all(r["batch/sequences"] == 2 * 4 for r in _steps(run_dir))  # x n_samples, each step
     assert "restarting server" in open(os.path.join(run_dir, "server-0.log")).read()
+    _assert_nothing_left(ray_cluster, run_mark)
+
+
+# -- an elastic fleet growing through the scheduler ----------------------------------------------
+
+ELASTIC_STEPS = 5
+ELASTIC_PAUSE = 2  # the run waits after this step until the test saw the fleet grow
+
+
+def _fleet_status(run_dir: str) -> dict[str, Any]:
+    proc = run_train(["fleet", "status", run_dir, "--json"], timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout)
+
+
+def test_an_elastic_fleet_grows_onto_a_ray_node(ray_cluster, tmp_path, run_mark):
+    """``rollout.elastic: {min: 1, max: 2}`` on one server: the trainer waits
+    for rollouts, the fleet asks the scheduler for one more placement (a new
+    placement group of one bundle with its agent), the server started there
+    joins and serves the later steps. The cheapest run that shows it: the
+    tiny byte-level model, the in-process torch engine, five steps."""
+    from areal_kernel.models.tiny import make_tiny_byte_chat_llama
+    from areal_kernel.trainer.recovery import PAUSE_ENV, PAUSED_MARKER
+
+    model = make_tiny_byte_chat_llama(tmp_path / "model")
+    run_dir = str(tmp_path / "run")
+    args = [
+        "train", "grpo_arithmetic", f"model.path={model}", f"run_dir={run_dir}", "scheduler.type=ray",
+        "actor.backend=torch", "rollout.backend=embedded", f"trainer.max_steps={ELASTIC_STEPS}",
+        "trainer.batch_size=2", "trainer.eval_size=0", "rollout.gconfig.n_samples=4",
+        "rollout.gconfig.max_new_tokens=8", "rollout.max_staleness=1", "weight_update.mode=disk",
+        "algorithm.dynamic_filter=false", "reward.type=char_share", "logging.sinks=[jsonl]",
+        "rollout.elastic.min=1", "rollout.elastic.max=2", "rollout.elastic.cooldown_steps=0",
+        # The tiny model generates a batch in a fraction of a second: once the
+        # first batch is in, staleness 1 lets the next one overlap training and
+        # the trainer waits ~0.1% of a step; only step 1 waits long (~80% of
+        # it, measured). So one step of waiting is enough (patience 1), and the
+        # bar is low (10%, not the default 30%) so a faster machine still grows.
+        "rollout.elastic.patience=1", "rollout.elastic.grow_wait_fraction=0.1",
+    ]  # fmt: skip
+    args += [f"scheduler.ray.{k}={v}" for k, v in _ray_section(ray_cluster).items()]
+    env = dict(os.environ, OMP_NUM_THREADS="1", **{PAUSE_ENV: str(ELASTIC_PAUSE)})
+    log_path = tmp_path / "train.log"
+    with open(log_path, "wb") as logf:
+        proc = subprocess.Popen([sys.executable, "-m", "areal_kernel.cli", *args], stdout=logf,
+                                stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True)  # fmt: skip
+    paused = os.path.join(run_dir, PAUSED_MARKER.format(step=ELASTIC_PAUSE))
+    try:
+        wait_until(
+            lambda: proc.poll() is None and os.path.exists(paused) or proc.poll() is not None,
+            timeout_s=300, interval_s=0.2, what=f"the run to pause after step {ELASTIC_PAUSE}",
+        )  # fmt: skip
+        assert proc.poll() is None, log_path.read_text(errors="replace")[-4000:]
+        # While it pauses the fleet ticks: the server the policy started joins.
+        grown: dict[str, Any] = {}
+
+        def two_active() -> bool:
+            assert proc.poll() is None, log_path.read_text(errors="replace")[-4000:]
+            st = _fleet_status(run_dir)
+            grown.update(st)
+            return [s["state"] for s in st["servers"]] == ["active", "active"]
+
+        wait_until(two_active, timeout_s=180, interval_s=0.5, what="the grown fleet's second server to be active")
+        assert grown["stats"]["grows"] == 1 and grown["stats"]["joins"] == 1, grown
+        new_pid = grown["servers"][1]["pid"]
+        # The new server runs on a Ray node: its agent (the placement's, index
+        # 1, from Ray's state API) on one of the cluster's nodes started it.
+        agents = _agents(ray_cluster)
+        (name,) = [n for n in agents if n.endswith("-rollout-1")]
+        assert agents[name].node_id in _node_ids(ray_cluster), agents[name]
+        assert [p.pid for p in _children(agents[name].pid, SERVER)] == [new_pid], (name, new_pid)
+        from ray.util.state import list_placement_groups
+
+        pgs = list_placement_groups(address=ray_cluster.address, timeout=30, raise_on_missing_output=False)
+        assert [p for p in pgs if p.state == "CREATED" and p.name == name], [(p.name, p.state) for p in pgs]
+        os.unlink(paused)
+        assert proc.wait(timeout=300) == 0, log_path.read_text(errors="replace")[-4000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+    steps = _steps(run_dir)
+    print("\nwait for rollouts / step:", [round(r["perf/wait_rollout_s"] / r["perf/step_s"], 3) for r in steps])
+    assert [r["step"] for r in steps] == list(range(1, ELASTIC_STEPS + 1)), steps
+    assert all(r["batch/sequences"] == 2 * 4 for r in steps), [r["batch/sequences"] for r in steps]
+    final = steps[-1]
+    assert final["rollout/grows"] >= 1 and final["rollout/joins"] >= 1, final
+    assert [r["rollout/servers"] for r in steps[ELASTIC_PAUSE:]] == [2.0] * (ELASTIC_STEPS - ELASTIC_PAUSE), steps
+    served = {rec["step"]: {x["server"] for x in rec["samples"]} for rec in read_samples(run_dir)}
+    assert len(set().union(*served.values())) == 2, served  # both servers generated trained samples
     _assert_nothing_left(ray_cluster, run_mark)
 
 
