@@ -404,7 +404,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
             for role, placements in plan["placement"]["roles"].items():
                 for p in placements:
                     devices = ",".join(map(str, p["devices"])) or "shared cores"
-                    print(f"  {role:<8} {p['index']:<3} node {p['node']}  host {p['host']}  devices {devices}")
+                    mesh = " ".join(f"{k}={v}" for k, v in p.get("mesh", {}).items())
+                    print(
+                        f"  {role:<8} {p['index']:<3} node {p['node']}  host {p['host']}  devices {devices}"
+                        + (f"  mesh {mesh}" if mesh else "")
+                    )
         for note in plan["notes"]:
             print(f"note: {note}")
     return 0 if plan["fits"] else 1

@@ -65,6 +65,9 @@ def make_plan(cfg: ExperimentConfig) -> dict[str, Any]:
         notes.append(f"{needed} single-threaded processes on {available} core(s): they will share cores and run slower")
     if actor.e > 1 and actor.world_size % actor.e:
         notes.append(f"actor expert parallel e{actor.e} does not divide the world size {actor.world_size}")
+    mesh = _mesh_coords(cfg, notes)
+    if mesh is not None:
+        roles[0]["mesh"] = mesh
     placement: dict[str, Any] | None = None
     sched_name = scheduler_name(cfg)
     sched = None
@@ -72,6 +75,9 @@ def make_plan(cfg: ExperimentConfig) -> dict[str, Any]:
         sched = make_scheduler(cfg, sched_name)
         sp = sched.plan()
         placement = sp.to_dict()
+        if mesh is not None:
+            for p, coords in zip(placement["roles"].get("actor", []), mesh):
+                p["mesh"] = coords
         if _offline(cfg):
             placement["roles"].pop("rollout", None)
         notes.extend(sp.notes)
@@ -92,6 +98,27 @@ def make_plan(cfg: ExperimentConfig) -> dict[str, Any]:
         "fits": placement is not None and (True if shared else needed <= available),
         "notes": notes,
     }
+
+
+def _mesh_coords(cfg: ExperimentConfig, notes: list[str]) -> list[dict[str, int]] | None:
+    """Each actor rank's coordinates in its engine's device mesh
+    (``{"d": 0, "t": 1}``), from the train engine class's optional
+    ``mesh_coords(allocation)`` classmethod; None when it has none. Loading
+    the class imports the engine's module, not torch (plugin rule)."""
+    from areal_kernel.plugins import get_registry
+
+    try:
+        cls = get_registry().get("train_engine", cfg.actor.allocation.backend).load()
+    except Exception:  # an unknown backend is reported by validation, not here
+        return None
+    mesh_coords = getattr(cls, "mesh_coords", None)
+    if mesh_coords is None:
+        return None
+    try:
+        return [dict(c) for c in mesh_coords(cfg.actor.allocation)]
+    except ArealError as e:
+        notes.append(f"actor mesh: {e}")
+        return None
 
 
 # The capability a trainer registers when it runs inference servers: the

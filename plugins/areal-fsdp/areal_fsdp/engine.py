@@ -93,6 +93,17 @@ class FSDPTrainEngine(RankedTrainEngine):
 
     config: FSDPEngineConfig
 
+    @classmethod
+    def mesh_coords(cls, allocation: Any) -> list[dict[str, int]]:
+        """Each rank's coordinates in the device mesh (``{"d": 0, "t": 1}``;
+        ``d``/``p`` with pipeline, ``d``/``e`` with experts): what `areal plan`
+        shows per actor placement. Raises ``ConfigError`` for a layout the
+        engine refuses."""
+        from areal_fsdp.layout import layout_of
+
+        layout = layout_of(allocation)
+        return [layout.rank_coords(r) for r in range(layout.world_size)]
+
     def __init__(
         self,
         config: FSDPEngineConfig | dict[str, Any] | None = None,

@@ -300,3 +300,20 @@ def test_local_scheduler_plans_one_process_per_rank():
     assert LocalScheduler(_cfg({"backend": "fsdp:p2"})).device_plan()["actor"] == [[], []]
     # Experts reuse the data ranks: d2e2 is 2.
     assert LocalScheduler(_cfg({"backend": "fsdp:d2e2"})).device_plan()["actor"] == [[], []]
+
+
+def test_areal_plan_shows_every_ranks_mesh_coordinates():
+    """`areal plan` (``make_plan``) gives each actor placement its mesh
+    coordinates from ``FSDPTrainEngine.mesh_coords``: the rank order the
+    engine builds its mesh in (t fastest, then d)."""
+    from areal_kernel.config.loader import validate_config
+    from areal_kernel.plugins import get_registry
+    from areal_kernel.scheduling.plan import make_plan
+
+    cfg = validate_config({"actor": {"backend": "fsdp:d2t2"}}, registry=get_registry())
+    plan = make_plan(cfg)
+    want = [{"d": 0, "t": 0}, {"d": 0, "t": 1}, {"d": 1, "t": 0}, {"d": 1, "t": 1}]
+    assert plan["roles"][0]["mesh"] == want
+    assert [p["mesh"] for p in plan["placement"]["roles"]["actor"]] == want
+    ep = make_plan(validate_config({"actor": {"backend": "fsdp:d2e2"}}, registry=get_registry()))
+    assert ep["roles"][0]["mesh"] == [{"d": 0, "e": 0}, {"d": 1, "e": 1}]
