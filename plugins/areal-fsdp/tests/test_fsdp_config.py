@@ -95,16 +95,17 @@ def test_expert_forms_this_engine_does_not_run_are_refused(alloc, line):
         _cfg({"backend": alloc})
 
 
-@pytest.mark.parametrize(
-    "section, field",
-    [
-        ({"lora": {"rank": 4}}, "lora"),
-        ({"gradient_checkpointing": True}, "gradient_checkpointing"),
-        ({"cpu_offload": True}, "cpu_offload"),
-        ({"autocast_bf16": True}, "autocast_bf16"),
-        ({"mixed_precision": {"param_dtype": "bfloat16"}}, "mixed_precision"),
-    ],
-)
+# Settings the expert- and pipeline-parallel layouts refuse (data parallelism alone keeps them).
+SPLIT_UNSUPPORTED = [
+    ({"lora": {"rank": 4}}, "lora"),
+    ({"gradient_checkpointing": True}, "gradient_checkpointing"),
+    ({"cpu_offload": True}, "cpu_offload"),
+    ({"autocast_bf16": True}, "autocast_bf16"),
+    ({"mixed_precision": {"param_dtype": "bfloat16"}}, "mixed_precision"),
+]
+
+
+@pytest.mark.parametrize("section, field", SPLIT_UNSUPPORTED)
 def test_settings_expert_parallelism_does_not_support_are_refused(section, field):
     from areal_fsdp.engine import FSDPTrainEngine
 
@@ -180,16 +181,7 @@ def test_pipeline_layout_and_schedule_setting():
     print(e.value)
 
 
-@pytest.mark.parametrize(
-    "section, field",
-    [
-        ({"lora": {"rank": 4}}, "lora"),
-        ({"gradient_checkpointing": True}, "gradient_checkpointing"),
-        ({"cpu_offload": True}, "cpu_offload"),
-        ({"autocast_bf16": True}, "autocast_bf16"),
-        ({"mixed_precision": {"param_dtype": "bfloat16"}}, "mixed_precision"),
-    ],
-)
+@pytest.mark.parametrize("section, field", SPLIT_UNSUPPORTED)
 def test_settings_pipeline_parallelism_does_not_support_are_refused(section, field):
     from areal_fsdp.engine import FSDPTrainEngine
 
