@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from areal_kernel.utils import prefork
+
 REPO = Path(__file__).resolve().parents[2]
 DOC = REPO / "docs" / "bad-inputs.md"
 
@@ -286,11 +288,16 @@ CASES: list[Case] = [
 
 
 def run_cli(args: list[str], cwd: Path, env: dict[str, str], timeout: float = 240) -> subprocess.CompletedProcess:
-    """The same command line as the ``run_areal`` fixture."""
+    """The same command line as the ``run_areal`` fixture, started the same
+    way: through the test process's prefork server when ``PREFORK_ENV`` names
+    one (a fork that runs the CLI exactly as a fresh interpreter would, with
+    torch, transformers, pydantic and yaml already imported: the ``train``
+    and port cases import torch, ~7 s of CPU each as plain starts), a plain
+    start otherwise (``--write`` outside pytest)."""
     full_env = dict(os.environ)
     full_env.setdefault("OMP_NUM_THREADS", "1")
     full_env.update(env)
-    return subprocess.run(
+    return prefork.run(
         [sys.executable, "-m", "areal_kernel.cli", *args],
         capture_output=True, text=True, env=full_env, timeout=timeout, cwd=str(cwd),
     )

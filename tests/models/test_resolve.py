@@ -59,13 +59,9 @@ def test_known_names_aliases_and_dtype_suffixes():
         lookup_known_model("smollm2-135m-instruct@int4")
 
 
-@pytest.mark.slow
-def test_known_name_resolves_to_the_built_model(smollm2, monkeypatch):
-    monkeypatch.setenv("AREAL_CACHE_DIR", str(smollm2.cache_root))
-    for name in ("smollm2-135m-instruct", "SmolLM2-135M-Instruct@bf16", "HuggingFaceTB/SmolLM2-135M-Instruct"):
-        assert resolve_model_path(name) == str(smollm2.model_dir)
-    # The built directory is itself a valid local path.
-    assert resolve_model_path(str(smollm2.model_dir)) == str(smollm2.model_dir)
+# test_known_name_resolves_to_the_built_model is in test_smollm2.py: it reads
+# the conversion that module makes (the ``smollm2`` fixture is module-scoped;
+# here it converted SmolLM2 a second time, ~28 s).
 
 
 def test_the_log_says_what_the_weights_are_stored_in_and_run_as(capsys):

@@ -23,6 +23,19 @@ def test_concurrent_processes_convert_once(smollm2):
 
 
 @pytest.mark.slow
+def test_known_name_resolves_to_the_built_model(smollm2, monkeypatch):
+    """resolve_model_path on known names (here, not in test_resolve.py: it
+    reads this module's conversion)."""
+    from areal_kernel.models.resolve import resolve_model_path
+
+    monkeypatch.setenv("AREAL_CACHE_DIR", str(smollm2.cache_root))
+    for name in ("smollm2-135m-instruct", "SmolLM2-135M-Instruct@bf16", "HuggingFaceTB/SmolLM2-135M-Instruct"):
+        assert resolve_model_path(name) == str(smollm2.model_dir)
+    # The built directory is itself a valid local path.
+    assert resolve_model_path(str(smollm2.model_dir)) == str(smollm2.model_dir)
+
+
+@pytest.mark.slow
 def test_directory_is_a_complete_hf_model(smollm2):
     d = smollm2.model_dir
     for name in ("config.json", "model.safetensors", "tokenizer.json", "generation_config.json"):

@@ -33,6 +33,7 @@ import pytest
 
 from areal_kernel.testing.packages import pip_install_private
 from areal_kernel.testing.procs import live_processes
+from areal_kernel.utils import prefork
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -121,7 +122,9 @@ def _areal_train(overrides, env, *, site, model, data, python, oracle_url, workd
         *BASE, *overrides,
     ]  # fmt: skip
     t0 = time.monotonic()
-    popen = subprocess.Popen(
+    # Through the prefork server (as tests/faults/test_run_faults.py): the
+    # trainer starts with torch and transformers already imported.
+    popen = prefork.popen(
         args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env, start_new_session=True
     )
     try:
