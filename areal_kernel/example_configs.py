@@ -50,6 +50,11 @@ EXAMPLES: tuple[Example, ...] = (
     Example("ppo-arithmetic", "ppo_arithmetic.yaml", "PPO with a critic (value head) and GAE"),
     Example("grpo-lora", "grpo_lora.yaml", "GRPO training a LoRA adapter; the server serves it beside the base"),
     Example("grpo-multi-turn", "grpo_multi_turn.yaml", "multi-turn GRPO: a wrong answer gets feedback and a retry"),
+    Example(
+        "selfplay-arithmetic",
+        "selfplay_arithmetic.yaml",
+        "two policies, two roles in one episode: one writes sums, the other answers them",
+    ),
     Example("sft-chat", "sft_chat.yaml", "supervised fine-tuning on chat records (data shipped with it)"),
     Example("dpo-arithmetic", "dpo_arithmetic.yaml", "DPO (algorithm.type=ipo: IPO) on right vs wrong sums"),
     Example("rm-preferences", "rm_preferences.yaml", "a Bradley-Terry reward model on preference pairs (data shipped)"),

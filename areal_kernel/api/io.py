@@ -196,6 +196,15 @@ class ModelResponse:
 SERVER_KEY = "server"
 
 
+#: ``Trajectory.metadata`` key of the LoRA adapter (in a multi-policy run:
+#: the policy) whose weights produced the trajectory's generated tokens (the
+#: ``loss_mask`` 1 ones); ``samples.jsonl`` records it per trained sample. A
+#: workflow that samples with several adapters in one episode names each
+#: trajectory's, and the multi-policy trainer routes the trajectory to that
+#: policy's batch (docs/multi-policy.md, Several roles in one episode).
+ADAPTER_KEY = "adapter"
+
+
 def _with_server(metadata: dict[str, Any] | None, server: str | None) -> dict[str, Any]:
     out = dict(metadata or {})
     if server and SERVER_KEY not in out:

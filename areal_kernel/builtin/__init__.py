@@ -142,6 +142,13 @@ def areal_register_workflows(register: Any) -> None:
         "discounted turn rewards, loss only on model tokens",
     )
     register(
+        "selfplay",
+        "areal_kernel.workflow.selfplay:SelfPlayWorkflow",
+        config_model="areal_kernel.workflow.selfplay_config:SelfPlayConfig",
+        description="two roles in one episode of a multi-policy run: this policy writes arithmetic questions, "
+        "another (workflow.selfplay.answerer) answers them; each rewarded separately",
+    )
+    register(
         "agent",
         "areal_kernel.agent.workflow:AgentWorkflow",
         config_model="areal_kernel.agent.config:AgentWorkflowConfig",

@@ -471,6 +471,13 @@ class PolicyConfig(StrictModel):
     weight: float = Field(
         1.0, gt=0, description="Steps are taken in proportion to the policies' weights (docs/multi-policy.md)."
     )
+    episodes_from: str | None = Field(
+        None,
+        description="Another policy whose episodes feed this one (a second role in the same episodes): this "
+        "policy runs no episodes of its own; after each step of that policy it trains on the trajectories of "
+        "those episodes that name its adapter (docs/multi-policy.md, Several roles in one episode). Its dataset "
+        "and workflow then serve its held-out evaluation only.",
+    )
 
 
 class ExperimentConfig(StrictModel):
@@ -527,6 +534,24 @@ class ExperimentConfig(StrictModel):
             # The name is the adapter's on the servers and a directory name in run_dir.
             if not name or not all(c.isalnum() or c in "-_." for c in name) or name in {".", ".."}:
                 raise ValueError(f"policy name {name!r}: use letters, digits, '-', '_' or '.' (it names an adapter)")
+        for name, p in v.items():
+            src = p.episodes_from
+            if src is None:
+                continue
+            if src not in v or src == name:
+                raise ValueError(f"{name}.episodes_from: {src!r} is not another policy of this run ({', '.join(v)})")
+            if v[src].episodes_from is not None:
+                raise ValueError(
+                    f"{name}.episodes_from: policy {src!r} runs no episodes of its own (its episodes_from is "
+                    f"{v[src].episodes_from!r}); name a policy that does"
+                )
+            given = [k for k in ("batch_size", "max_staleness") if getattr(p, k) is not None]
+            given += ["weight"] if p.weight != 1.0 else []
+            if given:
+                raise ValueError(
+                    f"{name}: {', '.join(given)} does not apply to a policy fed by the episodes of {src!r} (it "
+                    f"steps after each step of {src!r}, on its share of the same episodes); drop it"
+                )
         return v
 
     @model_validator(mode="after")

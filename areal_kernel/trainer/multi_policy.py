@@ -16,6 +16,13 @@ meanwhile. A policy whose steps are done stops; the run ends when all are.
 Metrics of a step go under ``policy/<name>/...`` (the single-policy names,
 prefixed), with ``policy/<name>/step``.
 
+Several roles in one episode: a policy with ``episodes_from: <driver>``
+runs no episodes of its own. The driver's workflow samples with both
+adapters and names each trajectory's (``Trajectory.metadata[ADAPTER_KEY]``;
+unnamed ones are the driver's); each driver batch is split by that name
+(``route_groups``), the driver trains on its own trajectories and each fed
+policy, right after, on the ones naming it.
+
 Recovery checkpoints (``checkpoint.save_every``, and on the first
 interrupt) hold the engine (every adapter, its optimizer and schedule step,
 the dropout RNG) and, per policy, its version, step count, stream position
@@ -34,7 +41,7 @@ import time
 from typing import Any, NoReturn
 
 from areal_kernel.api.advantage_estimator import AdvantageEstimatorContext
-from areal_kernel.api.io import TrajectoryBatch
+from areal_kernel.api.io import ADAPTER_KEY, TrajectoryBatch, TrajectoryGroup
 from areal_kernel.api.loss import LossContext
 from areal_kernel.api.trainer import Trainer, TrainerContext
 from areal_kernel.config.models import ExperimentConfig
@@ -129,6 +136,12 @@ class Policy:
     steps: int = 0
     trained_samples: int = 0
     before: dict[str, Any] | None = None
+    # A policy fed by another's episodes (``episodes_from``): that policy's
+    # name; it has no executor or stream, and ``inbox`` holds its groups
+    # routed from the driver's last batch until its own step takes them.
+    episodes_from: str | None = None
+    inbox: list[TrajectoryGroup] = dataclasses.field(default_factory=list)
+    fed: list["Policy"] = dataclasses.field(default_factory=list)  # the policies this one's episodes feed
 
     def share(self) -> float:
         """Steps done per unit of weight: the scheduler serves the smallest."""
@@ -175,9 +188,15 @@ class MultiPolicyTrainer(Trainer):
                 Policy(
                     name=name, cfg=pcfg, ctx=pctx, weight=cfg.policies[name].weight,
                     train_records=list(data.train), eval_records=list(data.held_out),
-                    total_steps=ft.total_train_steps,
+                    total_steps=ft.total_train_steps, episodes_from=cfg.policies[name].episodes_from,
                 )
             )  # fmt: skip
+        by_name = {p.name: p for p in self.policies}
+        for p in self.policies:
+            if p.episodes_from is not None:
+                driver = by_name[p.episodes_from]
+                driver.fed.append(p)
+                p.total_steps = driver.total_steps  # at most one step per step of its driver
         settings = adapter_settings(cfg)
         if hasattr(settings, "temperature"):
             # Logprob ratios must compare the distribution the sampler used.
@@ -244,6 +263,9 @@ class MultiPolicyTrainer(Trainer):
                 p.transport.update(0)
                 p.weights_monitor.check(0, p.engine, p.rollout.engine)
                 p.weights_monitor.raise_if_alarmed()
+            if p.episodes_from is not None:
+                log.info("policy ready", policy=p.name, steps=p.total_steps, episodes_from=p.episodes_from)
+                continue  # its trajectories come from its driver's episodes
             p.stream = RecordStream(
                 p.train_records, p.cfg.trainer.total_train_epochs, p.cfg.seed, p.cfg.dataset.shuffle, tag=True
             )
@@ -274,13 +296,14 @@ class MultiPolicyTrainer(Trainer):
             )
         for p in self.policies:
             ps = saved[p.name]
-            assert p.stream is not None and p.executor is not None and p.weights_monitor is not None
-            assert p.rollout is not None, SETUP_FIRST
+            assert p.weights_monitor is not None and p.rollout is not None, SETUP_FIRST
             p.version, p.steps = int(ps["version"]), int(ps["steps"])
             p.trained_samples, p.before = int(ps["trained_samples"]), ps["before_eval"]
-            p.stream.skip_to(int(ps["stream_position"]))
-            p.executor.load_state_dict(ps["executor"])
-            p.executor.set_version(p.version)
+            if p.episodes_from is None:
+                assert p.stream is not None and p.executor is not None, SETUP_FIRST
+                p.stream.skip_to(int(ps["stream_position"]))
+                p.executor.load_state_dict(ps["executor"])
+                p.executor.set_version(p.version)
             p.engine.set_version(p.version)
             p.transport.update(p.version)
             p.weights_monitor.check(p.version, p.engine, p.rollout.engine)
@@ -291,8 +314,8 @@ class MultiPolicyTrainer(Trainer):
         every policy's executor is drained first (its finished groups are
         saved, none is running), then the engine and the state are written."""
         for p in self.policies:
-            assert p.executor is not None, SETUP_FIRST
-            p.executor.drain()
+            if p.executor is not None:  # a policy fed by another's episodes has none
+                p.executor.drain()
         t0 = time.monotonic()
         state: dict[str, Any] = {
             "format": STATE_FORMAT,
@@ -320,8 +343,8 @@ class MultiPolicyTrainer(Trainer):
             ckpt = self.recovery.save(self.step, write)
         finally:
             for p in self.policies:
-                assert p.executor is not None
-                p.executor.resume()
+                if p.executor is not None:
+                    p.executor.resume()
         self.hook.areal_on_checkpoint(step=self.step, path=ckpt.path)
         log.info("recovery checkpoint written", path=ckpt.path, seconds=round(time.monotonic() - t0, 2))
         return ckpt.path
@@ -356,27 +379,32 @@ class MultiPolicyTrainer(Trainer):
                     f"{p.name}: held-out greedy accuracy before training: {p.before['eval/accuracy']:.3f}", flush=True
                 )
         for p in self.policies:
-            assert p.executor is not None
-            p.executor.start()
+            if p.executor is not None:
+                p.executor.start()
         t_run = time.monotonic()
         hold_at = hold_step_from_env()  # a testing aid; None unless asked for
         with INTERRUPT.armed():
             while True:
                 if INTERRUPT.requested.is_set():
                     self._stop_for_interrupt()
-                todo = [p for p in self.policies if p.steps < p.total_steps]
+                # Policies fed by another's episodes step right after their driver.
+                todo = [p for p in self.policies if p.steps < p.total_steps and p.episodes_from is None]
                 if not todo:
                     break
                 p = min(todo, key=lambda q: q.share())  # min() keeps the first of equals: the order written
+                first = self.step + 1
                 self._policy_step(p, t_run)
-                if self.step == hold_at:
-                    hold_after_step(self.run_dir, self.step)
+                for q in p.fed:
+                    self._policy_step(q, t_run)
+                if hold_at is not None and first <= hold_at <= self.step:
+                    hold_after_step(self.run_dir, hold_at)
                 every = self.cfg.checkpoint.save_every
-                if every and self.step % every == 0 and any(q.steps < q.total_steps for q in self.policies):
+                crossed = every and (self.step // every) > ((first - 1) // every)
+                if crossed and any(q.steps < q.total_steps for q in self.policies if q.episodes_from is None):
                     self.save_recovery()
         for p in self.policies:
-            assert p.executor is not None
-            p.executor.stop()
+            if p.executor is not None:
+                p.executor.stop()
         result: dict[str, Any] = {
             "steps": self.step,
             "train_seconds": time.monotonic() - t_run,
@@ -409,13 +437,30 @@ class MultiPolicyTrainer(Trainer):
         from areal_kernel.trainer.run import _batch_metrics
 
         assert self.rollout is not None and self.samples_log is not None, SETUP_FIRST
-        assert p.executor is not None and p.rollout is not None and p.mismatch is not None, SETUP_FIRST
+        assert p.rollout is not None and p.mismatch is not None, SETUP_FIRST
         assert p.weights_monitor is not None, SETUP_FIRST
         self.rollout.check()  # a server that could not be restarted stops the run here
         t0 = time.monotonic()
-        groups = p.executor.get_batch(p.cfg.trainer.batch_size, stop=INTERRUPT.requested)
-        if not groups:  # interrupted while waiting: the state after self.step is intact
-            self._stop_for_interrupt()
+        if p.episodes_from is not None:
+            groups, p.inbox = p.inbox, []
+            if not groups:
+                # Its driver's episodes this step held nothing of it (e.g. no question to answer).
+                log.warning("no trajectories of this policy in its driver's batch; step skipped", policy=p.name)
+                return
+        else:
+            assert p.executor is not None, SETUP_FIRST
+            groups = p.executor.get_batch(p.cfg.trainer.batch_size, stop=INTERRUPT.requested)
+            if not groups:  # interrupted while waiting: the state after self.step is intact
+                self._stop_for_interrupt()
+            if p.fed:
+                groups, routed = route_groups(groups, p.name, [q.name for q in p.fed])
+                for q in p.fed:
+                    q.inbox.extend(routed[q.name])
+                if not groups:
+                    raise ArealError(
+                        f"policies.{p.name}: its workflow's batch held no trajectory of its own adapter (every one "
+                        f"named another policy's in metadata[{ADAPTER_KEY!r}]); nothing to train it on"
+                    )
         t_wait = time.monotonic() - t0
         batch = TrajectoryBatch.from_groups(groups)
         metrics = _batch_metrics(batch, p.version)
@@ -429,7 +474,8 @@ class MultiPolicyTrainer(Trainer):
         p.version += 1
         upd = p.transport.update(p.version)
         p.engine.set_version(p.version)
-        p.executor.set_version(p.version)
+        if p.executor is not None:
+            p.executor.set_version(p.version)
         delivery = p.weights_monitor.check(p.version, p.engine, p.rollout.engine)
         self.step += 1
         p.steps += 1
@@ -445,7 +491,8 @@ class MultiPolicyTrainer(Trainer):
         metrics.update({f"monitor/{k}": v for k, v in delivery.items()})
         metrics.update({f"rollout/staleness_hist/{k}": float(n) for k, n in hist.items()})
         metrics.update(upd)
-        metrics.update(p.executor.stats.snapshot_and_reset())
+        if p.executor is not None:
+            metrics.update(p.executor.stats.snapshot_and_reset())
         metrics.update(
             {
                 "perf/step_s": time.monotonic() - t0,
@@ -488,4 +535,34 @@ class MultiPolicyTrainer(Trainer):
         self.hook.areal_on_run_end(status=status, run_dir=self.run_dir)
 
 
-__all__ = ["GRPOTrainer", "MultiPolicyTrainer", "Policy"]
+def route_groups(
+    groups: list[TrajectoryGroup], driver: str, fed: list[str]
+) -> tuple[list[TrajectoryGroup], dict[str, list[TrajectoryGroup]]]:
+    """Split a driver's batch by the adapter each trajectory names
+    (``metadata[ADAPTER_KEY]``; unnamed: the driver's): ``(the driver's
+    groups, {fed policy: its groups})``. Each group is split into one group
+    per adapter, keeping its ``group_id`` and ``sample_uid`` (advantages
+    are taken per trajectory ``group_id``, so a workflow gives each role's
+    samples of one episode their own); groups left empty are dropped. A
+    trajectory naming an adapter that is neither the driver's nor fed by it
+    is an ``ArealError``: it would be trained by no policy."""
+    own: list[TrajectoryGroup] = []
+    routed: dict[str, list[TrajectoryGroup]] = {name: [] for name in fed}
+    for g in groups:
+        parts: dict[str, list[Any]] = {}
+        for t in g.trajectories:
+            name = t.metadata.get(ADAPTER_KEY) or driver
+            if name != driver and name not in routed:
+                raise ArealError(
+                    f"policies.{driver}: its workflow returned a trajectory of adapter {name!r} (sample "
+                    f"{t.sample_id!r}), which is not a policy fed by its episodes (episodes_from: {driver}); "
+                    f"fed: {fed or 'none'}"
+                )
+            parts.setdefault(name, []).append(t)
+        for name, trajs in parts.items():
+            part = TrajectoryGroup(trajs, group_id=g.group_id, sample_uid=g.sample_uid)
+            (own if name == driver else routed[name]).append(part)
+    return own, routed
+
+
+__all__ = ["GRPOTrainer", "MultiPolicyTrainer", "Policy", "route_groups"]

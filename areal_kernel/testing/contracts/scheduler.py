@@ -174,6 +174,7 @@ class SchedulerContract:
         from areal_kernel.errors import ArealError
 
         launcher = getattr(backend, "launcher", None)
+        assert launcher is not None, f"{type(backend).__name__} has no launcher (the servers' SubprocessLauncher)"
         if type(scheduler).extra_placement is Scheduler.extra_placement:
             with pytest.raises(ArealError, match="cannot start rollout processes while a run goes on"):
                 launcher.add_server()

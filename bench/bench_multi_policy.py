@@ -1,0 +1,344 @@
+"""Two policies in one run vs two single-policy runs, on SmolLM2-135M.
+
+One ``areal train`` run with ``policies:`` (docs/multi-policy.md) trains two
+LoRA adapters on one frozen SmolLM2-135M: ``add`` on single-digit sums,
+``sub`` on single-digit differences, each with its own held-out set. Against
+it: two single-policy LoRA runs, one after the other, one per task, with the
+same steps, adapter, batch and held-out set per policy. Everything else is
+examples/grpo_lora.yaml (embedded server, torch engine, max_staleness 1).
+
+Printed per run: wall time of the whole ``areal train`` process (start,
+held-out evaluations, training, export), the training loop alone
+(``result.json``'s ``train_seconds``), the peak memory of the process tree
+(the trainer, its inference server and reward workers: the sum of their RSS,
+sampled every 0.5 s with psutil; RSS counts pages shared between processes
+once per process, so the sum overstates what the tree takes from the
+machine), the CPU seconds of the tree (user + system, the last sample of
+each process: the work done, which other jobs on the machine stretch less
+than the wall time), the mean wait for a batch and train time per step, and
+each policy's held-out greedy accuracy before and after.
+Ratios: wall time of the two single runs together over the multi-policy run
+(goal >= 1.5) and the multi-policy run's peak over the peaks of the two
+single runs added (what running them side by side takes; goal <= 0.6).
+
+The base model must stay the base: while each run trains, a few prompts are
+sent to its inference server greedily with no adapter (first as soon as the
+server answers, then every ``--probe-every`` seconds and once right after
+the last training step) and every answer must equal the first.
+
+    OMP_NUM_THREADS=1 .venv/bin/python bench/bench_multi_policy.py [--steps 8] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from summary import report  # bench/summary.py: one table of ratios for `make bench`
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLE = os.path.join(REPO, "examples", "grpo_lora.yaml")
+SERVER_MODULE = "areal_kernel.inference.embedded.server"
+LORA = "{rank: 16, alpha: 32, dropout: 0.0, target_modules: [q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj]}"
+TASKS = {"add": "+", "sub": "-"}
+PROBES = ["What is 3 + 4?", "What is 8 - 5?", "Name a colour.", "What is 12 + 9? Answer with just the number."]
+
+
+@dataclass
+class Run:
+    name: str
+    wall_s: float = 0.0
+    peak_rss: int = 0  # bytes, sum over the process tree
+    peak_procs: int = 0
+    cpu_s: dict[int, float] = field(default_factory=dict)  # CPU seconds (user + system) last seen per process
+    result: dict[str, Any] = field(default_factory=dict)
+    probes: list[tuple[float, list[list[int]]]] = field(default_factory=list)  # (time, outputs)
+    total_steps: int = 0
+    probed_after_step: int = -1  # the steps done when the last successful probe was sent
+    probe_errors: list[str] = field(default_factory=list)
+    steps: list[dict[str, float]] = field(default_factory=list)  # per training step: perf/* (any policy)
+
+
+def _tree(pid: int) -> list[Any]:
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        return [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return []
+
+
+def _rss(procs: list[Any]) -> int:
+    import psutil
+
+    total = 0
+    for p in procs:
+        try:
+            total += p.memory_info().rss
+        except psutil.Error:
+            pass  # gone between the listing and the read
+    return total
+
+
+def _server_address(procs: list[Any]) -> str | None:
+    import psutil
+
+    for p in procs:
+        try:
+            cmd = p.cmdline()
+        except psutil.Error:
+            continue
+        if SERVER_MODULE in cmd and "--port" in cmd:
+            host = cmd[cmd.index("--host") + 1] if "--host" in cmd else "127.0.0.1"
+            return f"{host}:{cmd[cmd.index('--port') + 1]}"
+    return None
+
+
+def _post(address: str, path: str, body: dict[str, Any] | None, timeout: float = 60.0) -> Any:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(f"http://{address}{path}", data=data, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def _base_outputs(address: str, prompts: list[list[int]], eos: int, errors: list[str]) -> list[list[int]] | None:
+    """Greedy answers of the base model (no adapter) to ``prompts``, or None
+    when the server does not answer (not up yet, or gone; why: ``errors``)."""
+    out = []
+    for ids in prompts:
+        for _ in range(50):
+            body = {
+                "rid": f"probe-{uuid.uuid4().hex}",
+                "input_ids": ids,
+                "sampling_params": {"max_new_tokens": 8, "greedy": True, "temperature": 1.0, "stop_token_ids": [eos]},
+                "adapter": None,
+            }
+            try:
+                data = _post(address, "/generate", body)
+            except (urllib.error.URLError, OSError, ValueError) as e:
+                errors.append(f"{time.strftime('%H:%M:%S')} {type(e).__name__}: {e}")
+                return None
+            if data.get("finish_reason") != "abort":  # aborted by a weight update's pause: ask again
+                out.append([int(x) for x in data["output_ids"]])
+                break
+            time.sleep(0.2)
+        else:
+            errors.append("aborted 50 times in a row")
+            return None
+    return out
+
+
+def _steps_logged(run_dir: str) -> int:
+    """Training steps done so far: ``samples.jsonl`` has a line per step and
+    is flushed at every step (``metrics.jsonl`` may sit in a buffer)."""
+    try:
+        with open(os.path.join(run_dir, "samples.jsonl")) as f:
+            return sum(1 for line in f if line.strip())
+    except OSError:
+        return 0
+
+
+def _step_perf(run_dir: str) -> list[dict[str, float]]:
+    """Each training step's ``perf/*`` numbers (a multi-policy step's with its ``policy/<name>/`` prefix dropped)."""
+    out = []
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        for line in f:
+            row = json.loads(line)
+            perf = {k.rsplit("perf/", 1)[1]: v for k, v in row.items() if "perf/" in k}
+            if "step_s" in perf:
+                out.append(perf)
+    return out
+
+
+def run(name: str, overrides: list[str], root: str, total_steps: int, prompts: list[list[int]], eos: int,
+        probe_every: float) -> Run:  # fmt: skip
+    run_dir = os.path.join(root, name)
+    cmd = [
+        sys.executable, "-m", "areal_kernel.cli", "train", EXAMPLE, f"experiment_name=bench-{name}",
+        f"run_dir={run_dir}", "logging.sinks=[jsonl]", *overrides,
+    ]  # fmt: skip
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    out = Run(name, total_steps=total_steps)
+    log_path = os.path.join(root, f"{name}.log")
+    print(f"--- {name}: {' '.join(cmd[3:])}", flush=True)
+    t0 = time.monotonic()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            procs = _tree(proc.pid)
+            rss = _rss(procs)
+            if rss > out.peak_rss:
+                out.peak_rss, out.peak_procs = rss, len(procs)
+            for p in procs:
+                try:
+                    t = p.cpu_times()
+                    out.cpu_s[p.pid] = t.user + t.system
+                except Exception:
+                    pass  # gone meanwhile: its last sample stands
+            done.wait(0.5)
+
+    def probe() -> None:
+        # As soon as the server answers, every probe_every seconds, and after
+        # every training step is logged (the last one's probe may find the
+        # server already stopping).
+        address, next_at = None, 0.0
+        while not done.is_set():
+            if address is None:
+                address = _server_address(_tree(proc.pid))
+            steps = _steps_logged(run_dir)
+            if address is not None and (steps > out.probed_after_step or time.monotonic() >= next_at):
+                got = _base_outputs(address, prompts, eos, out.probe_errors)
+                if got is not None:
+                    out.probes.append((time.monotonic() - t0, got))
+                    next_at = time.monotonic() + probe_every
+                    out.probed_after_step = max(out.probed_after_step, steps)
+            done.wait(0.2)
+
+    threads = [threading.Thread(target=sample, daemon=True), threading.Thread(target=probe, daemon=True)]
+    for t in threads:
+        t.start()
+    rc = proc.wait()
+    out.wall_s = time.monotonic() - t0
+    done.set()
+    for t in threads:
+        t.join(timeout=120)
+    if rc != 0:
+        with open(log_path) as f:
+            tail = f.read()[-4000:]
+        raise SystemExit(f"{name}: areal train exited {rc}:\n{tail}")
+    with open(os.path.join(run_dir, "result.json")) as f:
+        out.result = json.load(f)
+    out.steps = _step_perf(run_dir)
+    # Other work on the machine stretches every number: say how busy it was.
+    load = os.getloadavg()[1]
+    print(
+        f"--- {name}: {out.wall_s:.0f} s, peak RSS {out.peak_rss / 2**20:.0f} MiB; load average {load:.1f}", flush=True
+    )
+    return out
+
+
+def _prompts(model: str) -> tuple[list[list[int]], int]:
+    from transformers import AutoTokenizer
+
+    from areal_kernel.models.resolve import resolve_model_path
+
+    tok = AutoTokenizer.from_pretrained(resolve_model_path(model))
+    prompts = []
+    for text in PROBES:
+        ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
+        prompts.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
+    return prompts, int(tok.eos_token_id)
+
+
+def _identical(r: Run) -> str:
+    if not r.probes:
+        return "not probed"
+    same = all(outs == r.probes[0][1] for _, outs in r.probes)
+    return (
+        f"{'yes' if same else '**no**'} ({len(r.probes)} probes, the last after step "
+        f"{max(0, r.probed_after_step)} of {r.total_steps})"
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=8, help="RL steps per policy (default 8)")
+    ap.add_argument("--quick", action="store_true", help="2 steps per policy, 16 held-out questions: a smoke run")
+    ap.add_argument("--eval-size", type=int, default=32, help="held-out questions per policy (default 32)")
+    ap.add_argument("--batch-size", type=int, default=4, help="prompts per step (x8 samples; default 4)")
+    ap.add_argument("--probe-every", type=float, default=30.0, help="seconds between base-model probes")
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--keep", default=None, help="keep the runs' directories and logs here (default: a temp dir)")
+    args = ap.parse_args()
+    steps, eval_size = (2, 16) if args.quick else (args.steps, args.eval_size)
+    common = [
+        f"model.path={args.model}", f"trainer.max_steps={steps}", f"trainer.batch_size={args.batch_size}",
+        f"trainer.eval_size={eval_size}", f"dataset.arithmetic.n_eval={eval_size}",
+    ]  # fmt: skip
+    prompts, eos = _prompts(args.model)
+    if args.keep:
+        os.makedirs(args.keep, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="bench-multi-policy-") as tmp:
+        root = args.keep or tmp
+        singles = {
+            name: run(
+                f"single-{name}",
+                # The example's adapter is LORA; named after the policy, as in the multi-policy run.
+                [*common, f"dataset.arithmetic.ops=['{op}']", f"actor.torch.lora.name={name}"],
+                root, steps, prompts, eos, args.probe_every,
+            )
+            for name, op in TASKS.items()
+        }  # fmt: skip
+        policies = (
+            "policies={"
+            + ", ".join(f"{n}: {{lora: {LORA}, dataset: {{arithmetic: {{ops: ['{op}']}}}}}}" for n, op in TASKS.items())
+            + "}"
+        )
+        multi = run(
+            "multi", [*common, "actor.torch.lora=null", policies], root, 2 * steps, prompts, eos, args.probe_every
+        )
+
+    single_wall = sum(r.wall_s for r in singles.values())
+    single_train = sum(r.result["train_seconds"] for r in singles.values())
+    single_peak_sum = sum(r.peak_rss for r in singles.values())
+    single_peak_max = max(r.peak_rss for r in singles.values())
+    mib = 2**20
+    print(f"\nSmolLM2-135M, LoRA rank 16 per policy, {steps} steps per policy, batch {args.batch_size} x 8 samples, "
+          f"{eval_size} held-out questions per policy; one run at a time on this machine")  # fmt: skip
+    print(
+        "\n| run | wall s | CPU s (tree) | training loop s | per step: waiting for the batch s / training s | "
+        "peak RSS MiB (tree sum, procs) | base greedy outputs unchanged |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for r in (*singles.values(), multi):
+        wait = sum(x["wait_rollout_s"] for x in r.steps) / max(1, len(r.steps))
+        train = sum(x["train_s"] for x in r.steps) / max(1, len(r.steps))
+        print(
+            f"| {r.name} | {r.wall_s:.0f} | {sum(r.cpu_s.values()):.0f} | {r.result['train_seconds']:.0f} | "
+            f"{wait:.1f} / {train:.1f} "
+            f"({len(r.steps)} steps) | {r.peak_rss / mib:.0f} ({r.peak_procs}) | {_identical(r)} |"
+        )
+    single_cpu = sum(sum(r.cpu_s.values()) for r in singles.values())
+    print(f"| two single runs, one after the other | {single_wall:.0f} | {single_cpu:.0f} | {single_train:.0f} | | "
+          f"max {single_peak_max / mib:.0f}, sum {single_peak_sum / mib:.0f} | |")  # fmt: skip
+    print("\n| policy | held-out accuracy, single run (before -> after) | in the multi-policy run (before -> after) |")
+    print("|---|---|---|")
+    for name in TASKS:
+        s, m = singles[name].result, multi.result["policies"][name]
+        print(f"| {name} | {s['before']:.3f} -> {s['after']:.3f} | {m['before']:.3f} -> {m['after']:.3f} |")
+    wall_ratio = single_wall / multi.wall_s
+    mem_ratio = multi.peak_rss / single_peak_sum
+    print(f"\ntwo single runs / multi-policy run, wall time: {wall_ratio:.2f}x "
+          f"(training loops alone: {single_train / multi.result['train_seconds']:.2f}x)")  # fmt: skip
+    print(f"two single runs / multi-policy run, CPU seconds: {single_cpu / sum(multi.cpu_s.values()):.2f}x")
+    print(f"multi-policy peak / (single peaks added): {mem_ratio:.2f} "
+          f"(/ the larger single peak: {multi.peak_rss / single_peak_max:.2f})")  # fmt: skip
+    report("multi-policy: two single-policy runs / one two-policy run, wall seconds", wall_ratio, goal=1.5)
+    report(
+        "multi-policy: two-policy run / two single runs side by side, peak RSS", mem_ratio, goal=0.6,
+        higher_is_better=False,
+    )  # fmt: skip
+    unchanged = all(r.probes and all(o == r.probes[0][1] for _, o in r.probes) for r in (*singles.values(), multi))
+    if not unchanged:
+        print("WARNING: the base model's greedy outputs changed during a run (see the table)", flush=True)
+
+
+if __name__ == "__main__":
+    main()
