@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -48,11 +49,8 @@ def test_elastic_range_must_hold_the_starting_fleet() -> None:
     assert ok.rollout.elastic is not None and ok.rollout.elastic.max == 3
 
 
-def test_fleet_command_without_a_running_job_says_so(tmp_path: Path) -> None:
-    proc = prefork.run(
-        [sys.executable, "-m", "areal_kernel.cli", "fleet", "status", str(tmp_path)],
-        capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=120,
-    )  # fmt: skip
+def test_fleet_command_without_a_running_job_says_so(tmp_path: Path, run_areal: Any) -> None:
+    proc = run_areal("fleet", "status", str(tmp_path))
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode != 0 and len(lines) == 1, proc.stderr
     assert f"{tmp_path}: no running job there (fleet.json is missing" in lines[0]
@@ -122,7 +120,7 @@ def test_elastic_policy_shrinks_on_stale_drops_and_grows_on_waits(tmp_path: Path
 
 
 @pytest.mark.slow
-def test_elastic_local_run_grows_when_the_trainer_waits(tmp_path: Path) -> None:
+def test_elastic_local_run_grows_when_the_trainer_waits(tmp_path: Path, run_areal: Any) -> None:
     """A real run under the local scheduler with ``rollout.elastic: {min: 1,
     max: 2}``: the trainer waits for rollouts (one server), so the policy
     starts a second server (a process of the run, logging in run_dir), the
@@ -153,10 +151,7 @@ def test_elastic_local_run_grows_when_the_trainer_waits(tmp_path: Path) -> None:
             assert run.poll() is None and time.monotonic() < deadline, "the run did not pause after step 3"
             time.sleep(0.1)
         while True:
-            st = prefork.run(
-                [sys.executable, "-m", "areal_kernel.cli", "fleet", "status", str(run_dir), "--json"],
-                capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=120,
-            )  # fmt: skip
+            st = run_areal("fleet", "status", str(run_dir), "--json")
             states = [s["state"] for s in json.loads(st.stdout)["servers"]]
             if states == ["active", "active"]:
                 break

@@ -39,6 +39,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -54,15 +55,8 @@ BATCH = 4
 SAMPLES = 8
 
 
-def _areal(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    full = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    return prefork.run(
-        [sys.executable, "-m", "areal_kernel.cli", *args], capture_output=True, text=True, env=full, timeout=120
-    )
-
-
-def _status(run_dir: str) -> dict:
-    proc = _areal("fleet", "status", run_dir, "--json")
+def _status(areal: Callable[..., subprocess.CompletedProcess], run_dir: str) -> dict:
+    proc = areal("fleet", "status", run_dir, "--json")
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout)
 
@@ -78,10 +72,12 @@ def _wait_paused(run_dir: str, step: int, proc: subprocess.Popen, timeout: float
     return marker
 
 
-def _wait_state(run_dir: str, address: str, state: str, timeout: float = 120) -> dict:
+def _wait_state(
+    areal: Callable[..., subprocess.CompletedProcess], run_dir: str, address: str, state: str, timeout: float = 120
+) -> dict:
     deadline = time.monotonic() + timeout
     while True:
-        st = _status(run_dir)
+        st = _status(areal, run_dir)
         found = {s["address"]: s for s in st["servers"]}
         if address in found and found[address]["state"] == state:
             return found[address]
@@ -99,7 +95,9 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
     return make_tiny_byte_chat_llama(root / "run"), make_tiny_byte_chat_llama(root / "other", layers=3)
 
 
-def test_servers_join_restart_and_leave_a_broadcast_run(models: tuple[str, str], tmp_path: Path) -> None:
+def test_servers_join_restart_and_leave_a_broadcast_run(
+    models: tuple[str, str], tmp_path: Path, run_areal: Callable[..., subprocess.CompletedProcess]
+) -> None:
     from areal_kernel.inference.embedded.launcher import EmbeddedLauncher, EmbeddedServerConfig
 
     model, other_model = models
@@ -124,21 +122,21 @@ def test_servers_join_restart_and_leave_a_broadcast_run(models: tuple[str, str],
         try:
             # -- after step 3: B joins; bad requests are refused, the run goes on
             marker = _wait_paused(run_dir, 3, proc)
-            (a_addr,) = [s["address"] for s in _status(run_dir)["servers"]]
-            added = _areal("fleet", "add", run_dir, b_addr, "--wait", "60")
+            (a_addr,) = [s["address"] for s in _status(run_areal, run_dir)["servers"]]
+            added = run_areal("fleet", "add", run_dir, b_addr, "--wait", "60")
             assert added.returncode == 0, added.stderr
-            b = _wait_state(run_dir, b_addr, "active")
+            b = _wait_state(run_areal, run_dir, b_addr, "active")
             assert b["owner"] == "added" and b["weight_version"] == 3, b
             refusals = {
-                "duplicate": (_areal("fleet", "add", run_dir, b_addr), "already in the fleet"),
-                "unreachable": (_areal("fleet", "add", run_dir, "127.0.0.1:9"), "does not answer"),
-                "another model": (_areal("fleet", "add", run_dir, other_addr), "num_hidden_layers: 3"),
-                "bad address": (_areal("fleet", "add", run_dir, "nowhere"), "expected host:port"),
+                "duplicate": (run_areal("fleet", "add", run_dir, b_addr), "already in the fleet"),
+                "unreachable": (run_areal("fleet", "add", run_dir, "127.0.0.1:9"), "does not answer"),
+                "another model": (run_areal("fleet", "add", run_dir, other_addr), "num_hidden_layers: 3"),
+                "bad address": (run_areal("fleet", "add", run_dir, "nowhere"), "expected host:port"),
                 "no token": (
-                    _areal("fleet", "status", run_dir, "--token", "wrong"),
+                    run_areal("fleet", "status", run_dir, "--token", "wrong"),
                     "needs 'Authorization: Bearer <the run's token>'",
                 ),
-                "unknown server": (_areal("fleet", "drain", run_dir, "127.0.0.1:1"), "is not in the fleet"),
+                "unknown server": (run_areal("fleet", "drain", run_dir, "127.0.0.1:1"), "is not in the fleet"),
             }
             for what, (res, words) in refusals.items():
                 lines = res.stderr.strip().splitlines()
@@ -147,11 +145,11 @@ def test_servers_join_restart_and_leave_a_broadcast_run(models: tuple[str, str],
 
             # -- after step 5: A killed; restarted and given the weights through the group
             marker = _wait_paused(run_dir, 5, proc)
-            (a_before,) = [s for s in _status(run_dir)["servers"] if s["address"] == a_addr]
+            (a_before,) = [s for s in _status(run_areal, run_dir)["servers"] if s["address"] == a_addr]
             os.killpg(a_before["pid"], signal.SIGKILL)
             deadline = time.monotonic() + 120
             while True:  # a new process, active, at the current version
-                (a,) = [s for s in _status(run_dir)["servers"] if s["address"] == a_addr]
+                (a,) = [s for s in _status(run_areal, run_dir)["servers"] if s["address"] == a_addr]
                 if a["pid"] != a_before["pid"] and a["state"] == "active":
                     break
                 assert time.monotonic() < deadline, f"A never came back: {a}"
@@ -161,11 +159,11 @@ def test_servers_join_restart_and_leave_a_broadcast_run(models: tuple[str, str],
 
             # -- after step 8: A drained and released; B, the last one, cannot go
             marker = _wait_paused(run_dir, 8, proc)
-            drained = _areal("fleet", "drain", run_dir, a_addr, "--wait", "60")
+            drained = run_areal("fleet", "drain", run_dir, a_addr, "--wait", "60")
             assert drained.returncode == 0, drained.stderr
-            last = _areal("fleet", "drain", run_dir, b_addr)
+            last = run_areal("fleet", "drain", run_dir, b_addr)
             assert last.returncode != 0 and "fewer than the minimum 1" in last.stderr, last.stderr
-            st = _status(run_dir)
+            st = _status(run_areal, run_dir)
             assert [s["address"] for s in st["servers"]] == [b_addr], st
             marker.unlink()
 
