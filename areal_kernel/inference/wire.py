@@ -104,6 +104,13 @@ class ServerProtocol:
     # kernel's transports ship adapters as peft directories
     # (``load_adapter``), which every LoRA-capable backend loads.
     adapter_broadcast: bool = False
+    # Whether an adapter update (``load_adapter``, ``update_adapter_from_distributed``)
+    # interrupts only the running rows of that adapter, between the server's
+    # steps, while the base's and other adapters' rows go on. Then the kernel's
+    # transports update an adapter without pausing the server: several policies
+    # on shared servers do not interrupt each other's episodes. Otherwise every
+    # generation is paused for the update (no row may mix two versions).
+    adapter_update_scoped: bool = False
     # For ``weight_fingerprint``: a server that can read only a tensor's
     # leading elements cheaply (SGLang's ``/get_weights_by_name`` returns the
     # first rows) sets how many; the trainer then samples positions among a

@@ -184,6 +184,13 @@ class RolloutExecutor:
             trajs = [Trajectory.from_state(t, state.get("images", {}), cache) for t in g["trajectories"]]
             self._out.put((int(item["seq"]), TrajectoryGroup(trajs, g.get("group_id", ""), g.get("sample_uid", ""))))
 
+    def ready(self, n: int) -> bool:
+        """Whether ``get_batch(n)`` would return (or raise) without waiting
+        for a rollout: ``n`` finished groups are queued, or the executor
+        failed or ran out of data. A hint: a queued group may still turn
+        out too stale when taken."""
+        return self._out.qsize() >= n or self._error is not None or self.exhausted
+
     def get_batch(
         self,
         n: int,

@@ -337,10 +337,12 @@ class Rollout:
             self.supervisor.check()
 
     def server_stats(self) -> dict[str, float]:
-        """Failovers and restarts so far (for metrics)."""
+        """Failovers, interrupted generations and restarts so far (for metrics)."""
         out: dict[str, float] = {}
         if self._engine is not None and hasattr(self._engine, "stats"):
             out["rollout/failovers"] = self._engine.stats.get("failovers", 0)
+            # Generations cut by a weight update (or a drain) and resumed.
+            out["rollout/interruptions"] = self._engine.stats.get("interruptions", 0)
         if self.supervisor is not None:
             out["rollout/server_restarts"] = self.supervisor.total_restarts
         if self.fleet is not None and not self._attached:

@@ -11,8 +11,11 @@ and its own weight transport, which sends its adapter only.
 The loop: at each global step the policy furthest behind its share (fewest
 steps done per unit of ``weight``; ties in the order written) takes one RL
 step on its own batch, then its adapter is sent to the servers and checked
-there (``monitor.weights``). The other policies' executors keep sampling
-meanwhile. A policy whose steps are done stops; the run ends when all are.
+there (``monitor.weights``); with ``trainer.policy_order: ready`` a policy
+whose batch is not ready yet is passed over for the next one, in the same
+order, whose batch is. The other policies' executors keep sampling
+meanwhile, and an adapter's update interrupts only its own rows on servers
+that can (``ServerProtocol.adapter_update_scoped``). A policy whose steps are done stops; the run ends when all are.
 Metrics of a step go under ``policy/<name>/...`` (the single-policy names,
 prefixed), with ``policy/<name>/step``.
 
@@ -28,8 +31,7 @@ interrupt) hold the engine (every adapter, its optimizer and schedule step,
 the dropout RNG) and, per policy, its version, step count, stream position
 and executor state; ``recover: auto`` resumes every policy from them.
 
-Not yet: a reference model (``kl_coef``) or a critic per policy, and
-skipping to a policy whose batch is ready when the chosen one's is not.
+Not yet: a reference model (``kl_coef``) or a critic per policy.
 """
 
 from __future__ import annotations
@@ -391,9 +393,10 @@ class MultiPolicyTrainer(Trainer):
                 todo = [p for p in self.policies if p.steps < p.total_steps and p.episodes_from is None]
                 if not todo:
                     break
-                p = min(todo, key=lambda q: q.share())  # min() keeps the first of equals: the order written
+                t_choose = time.monotonic()
+                p, passed_over = self._next_policy(todo)
                 first = self.step + 1
-                self._policy_step(p, t_run)
+                self._policy_step(p, t_run, passed_over, time.monotonic() - t_choose)
                 for q in p.fed:
                     self._policy_step(q, t_run)
                 if hold_at is not None and first <= hold_at <= self.step:
@@ -432,7 +435,31 @@ class MultiPolicyTrainer(Trainer):
             }  # fmt: skip
         return result
 
-    def _policy_step(self, p: Policy, t_run: float) -> None:
+    def _next_policy(self, todo: list[Policy]) -> tuple[Policy, int]:
+        """The policy that takes the next step, and how many policies
+        further behind their share it passed over (``trainer.policy_order``).
+
+        ``weight``: the one with the fewest steps per unit of weight (the
+        first written on a tie), whose batch is then waited for. ``ready``:
+        in the same order of preference, the first whose batch is ready
+        (``RolloutExecutor.ready``); while none is, wait for the first to be."""
+        # sorted() is stable: equal shares stay in the order written.
+        by_share = sorted(todo, key=lambda q: q.share())
+        if self.cfg.trainer.policy_order == "weight":
+            return by_share[0], 0
+        while True:
+            for i, q in enumerate(by_share):
+                assert q.executor is not None, SETUP_FIRST  # fed policies are not in todo
+                if q.executor.ready(q.cfg.trainer.batch_size):
+                    return q, i
+            if INTERRUPT.requested.is_set():
+                return by_share[0], 0  # its get_batch returns at once, and the loop stops
+            time.sleep(0.02)
+
+    def _policy_step(self, p: Policy, t_run: float, passed_over: int = 0, waited: float = 0.0) -> None:
+        """One RL step of ``p``; ``waited``: seconds spent choosing it
+        (waiting for any policy's batch to be ready), counted as waiting
+        for rollouts."""
         from areal_kernel.algo.rl import rl_train_step
         from areal_kernel.trainer.run import _batch_metrics
 
@@ -495,12 +522,14 @@ class MultiPolicyTrainer(Trainer):
             metrics.update(p.executor.stats.snapshot_and_reset())
         metrics.update(
             {
-                "perf/step_s": time.monotonic() - t0,
-                "perf/wait_rollout_s": t_wait,
+                "perf/step_s": time.monotonic() - t0 + waited,
+                "perf/wait_rollout_s": t_wait + waited,
                 "perf/train_s": t2 - t1,
                 "perf/train_tokens_per_s": batch.n_tokens / max(t2 - t1, 1e-9),
                 "version": p.version,
                 "step": p.steps,
+                # Policies further behind their share whose batch was not ready (policy_order: ready).
+                "sched/passed_over": float(passed_over),
             }
         )
         out = {f"policy/{p.name}/{k}": v for k, v in metrics.items()}

@@ -2,7 +2,9 @@
 
 Both keep generation interruptible: servers are paused only for the moment
 the weights change (running requests return their partial output and resume
-afterwards on the new version).
+afterwards on the new version). An adapter's update pauses nothing where the
+server interrupts that adapter's rows alone (``ServerProtocol.adapter_update_scoped``):
+the base's and other adapters' requests go on undisturbed.
 
 When the train engine trains a LoRA adapter (``TrainEngine.adapter_spec``),
 both send the adapter alone (``WeightUpdateMeta.adapter``): ``disk`` writes a
@@ -22,6 +24,13 @@ from typing import Any
 from areal_kernel.api.engine import TrainEngine, WeightUpdateMeta
 from areal_kernel.api.weight_transport import WeightTransport
 from areal_kernel.errors import ServerError
+
+
+def pauses_for(infer: Any, adapter: str | None) -> bool:
+    """Whether an update must pause every generation: always for the base
+    weights; for an adapter only where the servers cannot interrupt that
+    adapter's rows alone."""
+    return adapter is None or not getattr(getattr(infer, "protocol", None), "adapter_update_scoped", False)
 
 
 def _dir_bytes(path: str) -> int:
@@ -51,11 +60,14 @@ class DiskTransport(WeightTransport):
         # Saving happens while servers keep generating with the old weights.
         self.train.send_weights(WeightUpdateMeta(kind="disk", version=version, path=path, adapter=adapter))
         t1 = time.monotonic()
-        self.infer.pause()
+        pause = pauses_for(self.infer, adapter)
+        if pause:
+            self.infer.pause()
         try:
             self.infer.update_weights(WeightUpdateMeta(kind="disk", version=version, path=path, adapter=adapter))
         finally:
-            self.infer.resume()
+            if pause:
+                self.infer.resume()
         t2 = time.monotonic()
         nbytes = _dir_bytes(path)
         if self._last and self._last != path:
@@ -64,7 +76,7 @@ class DiskTransport(WeightTransport):
         return {
             "weights/save_s": t1 - t0,
             "weights/load_s": t2 - t1,
-            "weights/pause_s": t2 - t1,
+            "weights/pause_s": t2 - t1 if pause else 0.0,
             "weights/mb": nbytes / 2**20,
         }
 
@@ -181,7 +193,9 @@ class BroadcastTransport(WeightTransport):
             # pause, while the servers still generate.
             out["weights/reform_s"] = self._form(members)
         t0 = time.monotonic()
-        self.infer.pause()
+        pause = pauses_for(self.infer, None if spec is None else spec.name)
+        if pause:
+            self.infer.pause()
         broken = False
         try:
             try:
@@ -199,12 +213,12 @@ class BroadcastTransport(WeightTransport):
                 ) from e
             self.infer.set_version(version)
         finally:
-            if not broken:
+            if pause and not broken:
                 self.infer.resume()
         dt = time.monotonic() - t0
         if members is not None:
             self._release_stale(members)
-        out.update({"weights/broadcast_s": dt, "weights/pause_s": dt, "weights/mb": nbytes / 2**20})
+        out.update({"weights/broadcast_s": dt, "weights/pause_s": dt if pause else 0.0, "weights/mb": nbytes / 2**20})
         out["weights/group_reforms"] = float(self.reforms)
         return out
 

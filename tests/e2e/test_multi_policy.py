@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 
@@ -126,6 +127,42 @@ def test_weights_decide_the_order_and_each_policy_keeps_its_own_knobs(run_areal,
     assert "digits: held-out" in proc.stdout and "letters: held-out" in proc.stdout
 
 
+def test_policy_order_ready_lets_a_ready_policy_pass_a_slow_one(run_areal, policy_model, tmp_path):
+    """``trainer.policy_order: ready``: policy ``slow``, written first, has a
+    reward that waits 0.5 s per call (a test-only plugin: 8 calls, at least
+    4 s, per batch) and ``fast`` the kernel's ``char_share``. By weight the
+    order would be S F S F S F (``slow`` first on every tie); instead the
+    first step is ``fast``'s, passing over ``slow``, and ``slow``'s first
+    step comes after ``fast`` has taken more than one. Both still take all
+    their steps, each on its own batches and versions."""
+    from areal_kernel.testing.packages import pip_install_private
+
+    site = pip_install_private(Path(__file__).parent / "plugin_packages" / "areal-test-rft-reward", tmp_path / "pkg")
+    run_dir = str(tmp_path / "run")
+    policies = "policies={slow: {reward: {type: slow_char_share}}, fast: {reward: {type: char_share}}}"
+    proc = run_areal(
+        "train", EXAMPLE, f"model.path={policy_model}", f"run_dir={run_dir}", "trainer.max_steps=3",
+        "trainer.batch_size=2", "rollout.gconfig.n_samples=4", "rollout.gconfig.max_new_tokens=6",
+        "trainer.eval_size=0", "logging.sinks=[jsonl]", "trainer.policy_order=ready", policies,
+        env={"PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)},
+        timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        lines = [json.loads(line) for line in f if line.strip()]
+    steps = [(n, r) for r in lines for n in ("slow", "fast") if f"policy/{n}/step" in r]
+    order = "".join(n[0].upper() for n, _ in steps)
+    print(f"\norder: {order}; passed over: {[r[f'policy/{n}/sched/passed_over'] for n, r in steps]}")
+    assert sorted(order) == sorted("SSSFFF"), order
+    assert order[0] == "F" and steps[0][1]["policy/fast/sched/passed_over"] == 1, order
+    assert order.index("S") >= 2, order
+    for name in ("slow", "fast"):
+        rows = policy_rows(run_dir, name)
+        assert [r["version"] for r in rows] == [1, 2, 3]
+        assert all(r["rollout/staleness_max"] <= 1 and r["batch/sequences"] == 8 for r in rows)
+        assert any(r["reward/mean"] > 0 for r in rows), rows  # the slow reward ran (a failed call scores 0)
+
+
 def _recovery_args(model: str, run_dir: str) -> list[str]:
     return [
         "train", EXAMPLE, f"model.path={model}", f"run_dir={run_dir}", "trainer.max_steps=4", "trainer.batch_size=2",
@@ -148,6 +185,14 @@ def test_a_killed_multi_policy_run_resumes_every_policy_exactly(policy_model, tm
     ref_dir, run_dir = str(tmp_path / "reference"), str(tmp_path / "killed")
     ref = run_train(_recovery_args(policy_model, ref_dir))
     assert ref.returncode == 0, ref.stdout[-3000:] + ref.stderr[-3000:]
+    # An adapter's update interrupts that adapter's rows alone, and with
+    # max_staleness 0 a policy has none running when its update lands: no
+    # generation of either policy was cut (pausing the servers for every
+    # update cut the other policy's).
+    with open(os.path.join(ref_dir, "metrics.jsonl")) as f:
+        cut = [json.loads(line).get("rollout/interruptions") for line in f if line.strip()]
+    cut = [c for c in cut if c is not None]
+    assert len(cut) == 8 and cut[-1] == 0, cut
     kill_after_checkpoint(_recovery_args(policy_model, run_dir), run_dir, step=3)
     assert not os.path.exists(os.path.join(run_dir, "result.json"))
     assert [s["step"] for s in read_samples(run_dir)] == [1, 2, 3, 4]  # step 4 trained after the checkpoint
@@ -163,13 +208,13 @@ def test_a_killed_multi_policy_run_resumes_every_policy_exactly(policy_model, tm
         (s["uids"], {x["adapter"] for x in s["samples"]}) for s in want
     ]
     # The adapters: the resumed run continued from the checkpoint. Not bit for
-    # bit: while one policy's adapter is updated, the servers pause every
-    # generation, so the other policy's running episodes are interrupted and
-    # resumed at timing-dependent points, which moves their logprobs in the
-    # last bits (two uninterrupted runs side by side came out identical; the
-    # resumed one differed by 1e-8 to 1e-4 on adapters whose lora_B moved
-    # by about 0.1 from zero). A resume that lost the engine's state (started
-    # the adapters over) lands about as far away as training moved them.
+    # bit: the servers' logprobs (the behaviour policy of the loss) depend in
+    # their last bits on which other rows share a batch, which follows timing
+    # (the resumed run's servers start empty). The resumed adapters differed
+    # by 1e-8 to 1e-4 where lora_B moved by about 0.1 from zero, with and
+    # without the servers paused for every adapter update. A resume that lost
+    # the engine's state (started the adapters over) lands about as far away
+    # as training moved them.
     for name in TINY_POLICY_CHARS:
         a = load_weights(os.path.join(ref_dir, "checkpoints", f"final-{name}"))
         b = load_weights(os.path.join(run_dir, "checkpoints", f"final-{name}"))

@@ -22,6 +22,8 @@ _FINISH = {"stop": StopReason.STOP, "length": StopReason.LENGTH, "abort": StopRe
 class EmbeddedProtocol(ServerProtocol):
     health_path = "/health"
     adapter_broadcast = True
+    # The engine aborts that adapter's rows only (EmbeddedEngine.load_adapter).
+    adapter_update_scoped = True
     supports_images = True
 
     def add_images(self, call: HttpCall, images: ImageInputs) -> HttpCall:
