@@ -160,9 +160,7 @@ class AgentWorkflow(RewardScoring, Workflow):
         if self.config.mode == "online":
             raise ArealError("workflow.agent: mode 'online' has no held-out records to evaluate (trainer.eval_size: 0)")
         self.proxy.start()
-        g = GenerationConfig(
-            max_new_tokens=max_new_tokens, greedy=True, stop_token_ids=list(self.proxy.gconfig.stop_token_ids)
-        )
+        g = self.proxy.gconfig.for_evaluation(max_new_tokens)
         session = self.proxy.open_session(engine=engine, gconfig=g, group=str(record.get("id")))
         try:
             agent_reward = await self._drive(session, record)

@@ -77,6 +77,19 @@ class GenerationConfig:
     # trains, if any), else the base model.
     adapter: str | None = None
 
+    def for_evaluation(self, max_new_tokens: int) -> "GenerationConfig":
+        """Greedy decoding of up to ``max_new_tokens`` with this config's stop
+        tokens and adapter: what a workflow's held-out ``aevaluate`` samples
+        with (in a multi-policy run the adapter is the policy's, so each
+        policy is evaluated with its own adapter, not the base)."""
+        return GenerationConfig(
+            max_new_tokens=max_new_tokens,
+            greedy=True,
+            temperature=1.0,
+            stop_token_ids=list(self.stop_token_ids),
+            adapter=self.adapter,
+        )
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "max_new_tokens": self.max_new_tokens,

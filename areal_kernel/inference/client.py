@@ -459,6 +459,16 @@ class RemoteInferenceEngine(InferenceEngine):
             self._server(address)
             self.servers = [s for s in self.servers if s.address != address]
 
+    def endpoint(self, address: str) -> ServerEndpoint:
+        """The tracked server at ``address`` (its state: ``inflight``,
+        ``draining``, ``held``...); ``ServerError`` if it is not one."""
+        return self._server(address)
+
+    def drain(self, address: str) -> None:
+        """Send no new requests to ``address``; the running ones finish there
+        (the fleet releases it once none is left)."""
+        self._server(address).draining = True
+
     def hold(self, address: str) -> None:
         """Send nothing to ``address`` (it is being restarted) until ``release``."""
         self._server(address).held = True

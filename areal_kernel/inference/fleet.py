@@ -272,7 +272,7 @@ class Fleet:
                     f"cannot drain {address}: {left} server(s) would be left, fewer than the minimum {self.min}"
                     + (" (rollout.elastic.min)" if self.elastic is not None else " (a run keeps one server)"),
                 )
-            self.client._server(address).draining = True
+            self.client.drain(address)
             self._drains[address] = time.monotonic() + self.drain_timeout_s
         self._event(f"drain {why}", address)
         return {"ok": True, "address": address, "state": "draining"}
@@ -361,7 +361,7 @@ class Fleet:
         now = time.monotonic()
         for address, deadline in list(self._drains.items()):
             try:
-                s = self.client._server(address)
+                s = self.client.endpoint(address)
             except Exception:
                 self._drains.pop(address, None)
                 continue

@@ -268,12 +268,7 @@ class MultiTurnWorkflow(ChatWorkflow[MultiTurnConfig]):
         """One greedy answer, scored once: tool calls are answered (up to
         ``max_turns`` turns) but a wrong answer gets no second try, so the
         held-out accuracy is that of the first answer."""
-        gconfig = GenerationConfig(
-            max_new_tokens=max_new_tokens,
-            greedy=True,
-            temperature=1.0,
-            stop_token_ids=list(self.gconfig.stop_token_ids),
-        )
+        gconfig = self.gconfig.for_evaluation(max_new_tokens)
         ids = self.encode_prompt(record)
         text = ""
         for k in range(self.config.max_turns):

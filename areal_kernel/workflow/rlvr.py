@@ -133,14 +133,7 @@ class RLVRWorkflow(ChatWorkflow[RLVRConfig]):
 
     async def aevaluate(self, engine: Any, record: dict[str, Any], max_new_tokens: int) -> tuple[float, str]:
         """Greedy answer to one record: (reward, completion)."""
-        gconfig = GenerationConfig(
-            max_new_tokens=max_new_tokens,
-            greedy=True,
-            temperature=1.0,
-            stop_token_ids=list(self.gconfig.stop_token_ids),
-            # The adapter the workflow samples with (a multi-policy run's policy).
-            adapter=self.gconfig.adapter,
-        )
+        gconfig = self.gconfig.for_evaluation(max_new_tokens)
         input_ids, images = self.prompt(record)
         resp = await engine.agenerate(ModelRequest(input_ids=input_ids, gconfig=gconfig, images=images))
         text = self.decode(resp.output_ids)

@@ -29,7 +29,7 @@ import dataclasses
 import re
 from typing import Any
 
-from areal_kernel.api.io import ADAPTER_KEY, GenerationConfig, ModelRequest, Trajectory, TrajectoryGroup
+from areal_kernel.api.io import ADAPTER_KEY, ModelRequest, Trajectory, TrajectoryGroup
 from areal_kernel.api.workflow import COMPLETION_KEY, SAMPLE_METRICS_KEY
 from areal_kernel.errors import ArealError, ConfigError
 from areal_kernel.workflow.rlvr import ChatWorkflow, fill_prompt_template, sample_gconfig
@@ -157,13 +157,7 @@ class SelfPlayWorkflow(ChatWorkflow[Any]):
 
     async def aevaluate(self, engine: Any, record: dict[str, Any], max_new_tokens: int) -> tuple[float, str]:
         """The asker's greedy question to one record, scored as in training."""
-        gconfig = GenerationConfig(
-            max_new_tokens=max_new_tokens,
-            greedy=True,
-            temperature=1.0,
-            stop_token_ids=list(self.gconfig.stop_token_ids),
-            adapter=self.asker,
-        )
+        gconfig = dataclasses.replace(self.gconfig.for_evaluation(max_new_tokens), adapter=self.asker)
         resp = await engine.agenerate(ModelRequest(input_ids=self.encode_prompt(record), gconfig=gconfig))
         question = self.decode(resp.output_ids)
         return await self._question_reward(question, self.question_value(question), record["answer"]), question

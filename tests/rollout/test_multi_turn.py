@@ -191,6 +191,24 @@ def test_greedy_evaluation_answers_tool_calls_and_scores_once(tok, engine, pool)
     assert (score, text) == (0.0, " hello") and wf.reward_calls == calls + 1  # no second try in evaluation
 
 
+def test_greedy_evaluation_samples_with_the_workflows_adapter(tok, engine, pool):
+    """A multi-policy run gives each policy's workflow its adapter in its
+    gconfig; the held-out evaluation samples with it too (it used the base).
+    The engine here serves no adapter: the recorder notes the name and sends
+    the request on without it."""
+    g = GenerationConfig(max_new_tokens=48, greedy=True, n_samples=1, adapter="pol")
+    wf = _workflow(tok, pool=pool, max_turns=2, tools=["calculator"], gconfig=g)
+    asked = []
+
+    class Strip:
+        async def agenerate(self, req):
+            asked.append((req.gconfig.adapter, req.gconfig.greedy))
+            return await engine.agenerate(dataclasses.replace(req, gconfig=dataclasses.replace(req.gconfig, adapter=None)))
+
+    _run(engine, wf.aevaluate(Strip(), {"id": "t1", "prompt": TOOL_PROMPT, "answer": "5"}, 16))
+    assert len(asked) == 2 and set(asked) == {("pol", True)}, asked  # both turns (a tool call, then the answer)
+
+
 def test_bad_settings_name_the_field():
     from areal_kernel.config.loader import validate_config
     from areal_kernel.plugins import get_registry
