@@ -224,11 +224,5 @@ def check_policies(cfg: ExperimentConfig, registry: PluginLookup) -> dict[str, E
             text = str(e)
             # Errors of plugin sections name the field only: say whose field it is.
             raise ConfigError(text if text.startswith(f"policies.{name}") else f"policies.{name}: {text}") from None
-        a = pcfg.algorithm
-        if a.kl_coef > 0:
-            raise ConfigError(
-                f"policies.{name}.algorithm.kl_coef: a reference model per policy is not supported in "
-                "multi-policy runs yet; set it to 0"
-            )
         out[name] = pcfg
     return out

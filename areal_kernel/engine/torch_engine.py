@@ -202,6 +202,19 @@ class TorchTrainEngine(TrainEngine):
             self.active_adapter = adapter
         return runner
 
+    def score_base(self, batch: TrajectoryBatch, only_loss_tokens: bool = False) -> list[list[float]]:
+        """Per-token logprobs of the frozen base with every adapter switched
+        off (peft's ``disable_adapter``), for an engine with ``adapters``.
+        Adapters start as no-ops (``lora_B`` is zero), so this is every
+        policy's initial policy: a multi-policy run's reference model for
+        ``kl_coef``, with no second copy of the model."""
+        runner = self.require_model()
+        if not self._policies:
+            raise ConfigError("score_base: this engine holds no adapters (adapters:); score with a reference engine")
+        check_batch(batch)
+        with self.model.disable_adapter():
+            return runner.score(batch, only_loss_tokens)[0]
+
     def current_lr(self) -> float:
         return scheduled_lr(self.config, self._step, self.total_train_steps)
 

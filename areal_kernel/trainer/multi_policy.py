@@ -31,7 +31,10 @@ interrupt) hold the engine (every adapter, its optimizer and schedule step,
 the dropout RNG) and, per policy, its version, step count, stream position
 and executor state; ``recover: auto`` resumes every policy from them.
 
-Not yet: a reference model (``kl_coef``) or a critic per policy.
+A policy with ``algorithm.kl_coef > 0`` is held near its reference: the
+shared base scored with every adapter off (``score_base``), which is where
+its adapter started (LoRA starts as a no-op), so no reference model is
+loaded. Not yet: a critic per policy.
 """
 
 from __future__ import annotations
@@ -217,6 +220,12 @@ class MultiPolicyTrainer(Trainer):
             raise ConfigError(
                 f"policies: actor.backend {cfg.actor.allocation.backend!r} does not hand out per-policy views "
                 "(engine.policy(name)); use actor.backend: torch"
+            )
+        with_kl = [p.name for p in self.policies if p.cfg.algorithm.kl_coef > 0]
+        if with_kl and not hasattr(self.train_engine, "score_base"):
+            raise ConfigError(
+                f"policies.{with_kl[0]}.algorithm.kl_coef: actor.backend {cfg.actor.allocation.backend!r} cannot "
+                "score with its adapters off (score_base), the reference of a multi-policy run; set kl_coef: 0"
             )
         plan = plan_start(cfg, self.run_dir)
         names = f"{len(self.policies)} policies ({', '.join(p.name for p in self.policies)})"
@@ -493,8 +502,11 @@ class MultiPolicyTrainer(Trainer):
         metrics = _batch_metrics(batch, p.version)
         hist = staleness_histogram(groups, p.version)
         t1 = time.monotonic()
+        # The reference policy (kl_coef): the base with every adapter off,
+        # which is where each adapter started.
+        ref = self.train_engine.score_base(batch, only_loss_tokens=True) if p.rl_cfg.kl_coef > 0 else None
         stats = rl_train_step(
-            batch, p.engine, p.rl_cfg, estimator=p.estimator, loss=p.loss,
+            batch, p.engine, p.rl_cfg, estimator=p.estimator, loss=p.loss, ref_logprobs=ref,
             mismatch_threshold=p.cfg.monitor.mismatch.token_threshold,
         )  # fmt: skip
         t2 = time.monotonic()

@@ -100,11 +100,14 @@ def test_weights_decide_the_order_and_each_policy_keeps_its_own_knobs(run_areal,
     """Weights 2 and 1, 3 steps each: the policy with the fewest steps per
     unit of weight goes next, the first written on a tie (L D L L, then D
     alone once L is done); the second policy trains its own batch size under
-    its own staleness bound (0)."""
+    its own staleness bound (0). The first has ``kl_coef`` (its reference:
+    the base with the adapters off): its KL to the base starts at about 0
+    (measured: exactly 0; its adapter is still a no-op) and grows as it trains; the second
+    has none and logs none."""
     run_dir = str(tmp_path / "run")
     policies = (
-        "policies={letters: {weight: 2, reward: {type: char_share, char_share: {chars: abc}}}, "
-        "digits: {weight: 1, batch_size: 2, max_staleness: 0}}"
+        "policies={letters: {weight: 2, reward: {type: char_share, char_share: {chars: abc}}, "
+        "algorithm: {kl_coef: 0.1}}, digits: {weight: 1, batch_size: 2, max_staleness: 0}}"
     )
     proc = run_areal(
         "train", EXAMPLE, f"model.path={policy_model}", f"run_dir={run_dir}", "trainer.max_steps=3",
@@ -124,6 +127,10 @@ def test_weights_decide_the_order_and_each_policy_keeps_its_own_knobs(run_areal,
     assert [r["batch/sequences"] for r in letters] == [4 * n] * 3
     assert [r["batch/sequences"] for r in digits] == [2 * n] * 3
     assert all(r["rollout/staleness_max"] == 0 for r in digits)
+    kl = [r["train/kl"] for r in letters]
+    print(f"\nletters: KL to the base per step {kl}")
+    assert kl[-1] > kl[0] >= 0, kl
+    assert not any("train/kl" in r for r in digits)
     assert "digits: held-out" in proc.stdout and "letters: held-out" in proc.stdout
 
 

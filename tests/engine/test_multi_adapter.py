@@ -116,6 +116,30 @@ def test_training_one_adapter_leaves_the_other_exactly(tiny_model_dir):
     assert max_abs_diff(a.compute_logprobs(probe), lp_a) > 0.0
 
 
+def test_the_base_with_adapters_off_is_every_policys_reference(tiny_model_dir):
+    """``score_base``: the frozen base with every adapter off, a multi-policy
+    run's reference for ``kl_coef``. It scores exactly as a plain engine on
+    the same model, before and after both adapters trained (they no longer
+    score like it), and as each policy did before its first step."""
+    m = multi_engine(tiny_model_dir)
+    a, b = m.policy("A"), m.policy("b.v2")
+    probe = make_batch(LENGTHS, seed=3)
+    plain = make_engine(tiny_model_dir, **COMMON).compute_logprobs(probe)
+    assert max_abs_diff(m.score_base(probe), plain) == 0.0
+    assert max_abs_diff(a.compute_logprobs(probe), plain) == 0.0  # an untrained adapter is a no-op
+    train(a, [10])
+    train(b, [20])
+    assert max_abs_diff(m.score_base(probe), plain) == 0.0
+    # Negative control: the trained policies moved away from it.
+    assert max_abs_diff(a.compute_logprobs(probe), plain) > 0.0 and max_abs_diff(b.compute_logprobs(probe), plain) > 0.0
+    # Scoring the base leaves the active adapter as it was.
+    lp_a = a.compute_logprobs(probe)
+    m.score_base(probe)
+    assert max_abs_diff(a.compute_logprobs(probe), lp_a) == 0.0
+    with pytest.raises(ConfigError, match="holds no adapters"):
+        make_engine(tiny_model_dir, **COMMON).score_base(probe)
+
+
 def test_per_adapter_export_and_weight_update(tiny_model_dir, tmp_path):
     from peft import PeftModel
 

@@ -54,7 +54,7 @@ def test_each_policy_is_the_runs_config_with_its_own_sections(tmp_path):
         (["policies={a: {lora: {rank: 0}}}"], "policies.a.lora.rank: Input should be greater than or equal to 1"),
         (["policies={a: {dataset: {arithmetic: {op: x}}}}"], "policies.a: dataset.arithmetic.op: unknown key"),
         (["policies={a: {batch_size: 0}}"], "policies.a.batch_size: Input should be greater than or equal to 1"),
-        (["policies={a: {algorithm: {kl_coef: 0.1}}}"], "policies.a.algorithm.kl_coef: a reference model"),
+        (["policies={a: {algorithm: {kl_coef: -1}}}"], "algorithm.kl_coef: Input should be greater than or equal to 0"),
         (["policies={'a/b': {}}"], "policy name 'a/b'"),
         (["policies={a: {}}", "actor.torch.lora={rank: 4}"], "drop actor.torch.lora"),
         (["policies={a: {}}", "actor.backend=megatron"], "actor.backend 'megatron' does not hold one adapter per policy"),
