@@ -31,7 +31,12 @@ from safetensors.torch import load_file
 
 from areal_kernel.engine.torch_engine import TorchTrainEngine
 from areal_kernel.testing.noise import assert_within_noise, measure_noise_floor
-from areal_kernel.testing.rank_engines import random_batch, state_round_trip, train_beside_references
+from areal_kernel.testing.rank_engines import (
+    RankEngineWeightUpdateSuite,
+    random_batch,
+    state_round_trip,
+    train_beside_references,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -162,3 +167,21 @@ def test_dcp_round_trip_continues_identically(trained, tmp_path):
     trip = state_round_trip(ep, str(tmp_path / "state"), LOSS)
     assert trip.loaded_step == len(STEP_BATCHES)
     trip.assert_continues_identically()
+
+
+class TestExpertParallelWeightUpdate(RankEngineWeightUpdateSuite):
+    """The in-memory broadcast from 2 expert ranks into a real embedded
+    server serving the tiny Qwen3-MoE (the kernel's suite): rank 0 gathers
+    each expert tensor from its owners and sends; the server then computes
+    what the ranks hold, and the weight-delivery check samples the experts
+    where they live."""
+
+    ENGINE_NAME = "fsdp"
+
+    @pytest.fixture(scope="class")
+    def tiny_model_dir(self, moe_model):
+        return moe_model  # the server serves the model the engine holds
+
+    @pytest.fixture
+    def update_engine(self, trained):
+        return trained[0]
