@@ -34,12 +34,12 @@ class MixedPrecisionConfig(BaseModel):
 class FSDPEngineConfig(TorchEngineConfig):
     """Settings of the ``fsdp`` train engine (``actor.fsdp: {...}``). The rank
     layout is not here: it comes from the allocation (``actor.backend: fsdp:d2``,
-    ``fsdp:t2``, ``fsdp:d2t2``, ``fsdp:p2``, ``fsdp:d2e2``; see ``areal_fsdp.layout``)."""
+    ``fsdp:t2``, ``fsdp:d2t2``, ``fsdp:p2``, ``fsdp:d2e2``, ``fsdp:d2c2``; see ``areal_fsdp.layout``)."""
 
     @classmethod
     def check_allocation(cls, allocation: Any, where: str = "actor.backend") -> None:
         """Called by the kernel when it validates ``actor.backend``: one
-        ConfigError for dims this engine cannot run (c; p combined with d or t;
+        ConfigError for dims this engine cannot run (c combined with t, p or e; p combined with d or t;
         e other than e = d without t or p)."""
         from areal_fsdp.layout import layout_of
 

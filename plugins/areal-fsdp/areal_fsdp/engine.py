@@ -42,6 +42,12 @@ The ranks report raw router sums with their answers; ``train_batch`` turns
 the summed values into the load-balancing loss and per-expert load metrics
 (``moe_*``; a metric only, not added to the loss, as in the torch engine).
 
+Context parallelism (``fsdp:c2``, ``fsdp:d2c2``; ``areal_fsdp.context_parallel``):
+the batch is split into ``d`` parts; the ``c`` ranks of one replica receive
+the same part, each runs its chunk of every micro-batch's sequence, and all
+of them end with the whole row's logprobs and loss; context rank 0 of each
+replica answers for the part.
+
 Failure handling: a rank that raises reports its traceback; if the other
 ranks also answer, the engine stays usable and the error is re-raised
 (same type for kernel errors). If a rank dies or the others hang in a
@@ -77,7 +83,7 @@ class FSDPTrainEngine(RankedTrainEngine):
 
     The kernel builds it with ``FSDPTrainEngine.from_context(context)``: the
     allocation (``actor.backend: fsdp:d2``, ``fsdp:t2``, ``fsdp:d2t2``,
-    ``fsdp:p2``, ``fsdp:d2e2``) gives the layout, the run's scheduler starts
+    ``fsdp:p2``, ``fsdp:d2e2``, ``fsdp:d2c2``) gives the layout, the run's scheduler starts
     the ranks, their logs go to
     ``<run_dir>/fsdp-ranks`` (``fsdp-ranks-<role>`` for a reference model).
     Built directly (tests, scripts): ``allocation`` is ``"fsdp:d2"`` or an
@@ -120,7 +126,7 @@ class FSDPTrainEngine(RankedTrainEngine):
         self.layout: Layout = layout_of(allocation)
         check_layout_settings(self.layout, settings)
         self.allocation = Allocation(
-            backend="fsdp", d=self.layout.dp, t=self.layout.tp, p=self.layout.pp, e=self.layout.ep
+            backend="fsdp", d=self.layout.dp, t=self.layout.tp, p=self.layout.pp, e=self.layout.ep, c=self.layout.cp
         )
         super().__init__(
             settings,
@@ -154,7 +160,13 @@ class FSDPTrainEngine(RankedTrainEngine):
         return self.layout.dp
 
     def create_kwargs(self) -> dict[str, Any]:
-        return {"config": self.config.model_dump(), "tp": self.layout.tp, "pp": self.layout.pp, "ep": self.layout.ep}
+        return {
+            "config": self.config.model_dump(),
+            "tp": self.layout.tp,
+            "pp": self.layout.pp,
+            "ep": self.layout.ep,
+            "cp": self.layout.cp,
+        }
 
     def on_initialized(self, answers: list[Any]) -> None:
         self._adapter_config = answers[0].get("adapter_config")
@@ -166,7 +178,7 @@ class FSDPTrainEngine(RankedTrainEngine):
         self.rank_experts: list[list[int]] = [a.get("experts", []) for a in answers]
         moe = answers[0].get("moe_shape")
         self._moe_shape = (int(moe[0]), int(moe[1])) if moe else None
-        parallel = self.layout.tp > 1 or self.layout.pp > 1 or self.layout.ep > 1
+        parallel = self.layout.tp > 1 or self.layout.pp > 1 or self.layout.ep > 1 or self.layout.cp > 1
         log.info(
             "fsdp engine ready", layout=str(self.layout), logs=self.log_dir,
             wrapped_blocks=answers[0]["wrapped_blocks"], tp_layers=answers[0].get("tp_layers", 0),
@@ -183,10 +195,10 @@ class FSDPTrainEngine(RankedTrainEngine):
         per_part: list[dict[str, Any]],
         common: dict[str, Any],
     ) -> list[Any]:
-        """Rank ``r`` gets part ``r // (t*p)`` (its replica's); tensor rank 0
-        of each replica answers for it; with pipeline stages the rank of the
-        last stage answers (the others answer None)."""
-        inner = self.layout.tp * self.layout.pp
+        """Rank ``r`` gets part ``r // (t*p*c)`` (its replica's); tensor (or
+        context) rank 0 of each replica answers for it; with pipeline stages
+        the rank of the last stage answers (the others answer None)."""
+        inner = self.layout.tp * self.layout.pp * self.layout.cp
         answers = self.call_ranks(
             cmd, [{"part": parts[r // inner], **per_part[r // inner], **common} for r in range(self.world_size)]
         )

@@ -1,7 +1,7 @@
 """The parallel layout of an ``fsdp`` allocation (no torch).
 
 ``actor.backend: fsdp:d2t2`` -> 2 data-parallel replicas x 2 tensor-parallel
-ranks (world size d*t*p). Ranks are numbered data-major: rank ``r`` is replica
+ranks (world size d*t*p*c). Ranks are numbered data-major: rank ``r`` is replica
 ``r // t``, tensor rank ``r % t`` (the inner dimension of the 2-D device
 mesh, so the ranks of one tensor group are neighbours). What the engine runs:
 
@@ -16,7 +16,13 @@ mesh, so the ranks of one tensor group are neighbours). What the engine runs:
   ranks as d*t*p*c and experts reuse them, so ``fsdp:d2e2`` is 2 ranks,
   each holding half of the experts; this engine runs ``e == d`` with neither
   t nor p (``fsdp:e2`` alone would be one rank: refused with the form to write);
-- c (context): not implemented in this engine; refused with the allocation named.
+- c (context): every micro-batch's packed row is cut into ``c`` contiguous
+  chunks along the sequence, one per context rank (``areal_fsdp.context_parallel``):
+  each rank runs the model on its chunk and its attention reads the keys and
+  values of the whole row (all-gathered); with d only (``fsdp:c2``,
+  ``fsdp:d2c2``): ranks are numbered data-major, rank ``r`` is replica
+  ``r // c``, context rank ``r % c``; FSDP shards the parameters over all
+  d*c ranks. Combined with t, p or e it is refused with one line.
 
 The pipeline helpers here (``split_layers``, ``stage_rank``) are pure
 arithmetic, shared by the rank processes and the tests.
@@ -30,7 +36,7 @@ from typing import Any
 from areal_kernel.config.allocation import Allocation, allocation_at
 from areal_kernel.errors import ConfigError
 
-EXAMPLES = "'fsdp:d2', 'fsdp:t2', 'fsdp:d2t2', 'fsdp:p2' or 'fsdp:d2e2'"
+EXAMPLES = "'fsdp:d2', 'fsdp:t2', 'fsdp:d2t2', 'fsdp:p2', 'fsdp:d2e2' or 'fsdp:d2c2'"
 
 # actor.fsdp.pipeline_schedule -> (torch.distributed.pipelining schedule class,
 # stages per rank). A schedule with more than one stage per rank places them
@@ -44,34 +50,37 @@ PIPELINE_SCHEDULES: dict[str, tuple[str, int]] = {
 @dataclass(frozen=True)
 class Layout:
     """Sizes of the mesh dimensions (all >= 1; ``pp > 1`` only with ``dp == tp == 1``;
-    ``ep > 1`` only with ``ep == dp`` and ``tp == pp == 1``: the expert ranks are the data ranks)."""
+    ``ep > 1`` only with ``ep == dp`` and ``tp == pp == 1``: the expert ranks are the data ranks;
+    ``cp > 1`` only with ``tp == pp == ep == 1``)."""
 
     dp: int
     tp: int
     pp: int = 1
     ep: int = 1
+    cp: int = 1
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.tp * self.pp * self.cp
 
     def coords(self, rank: int) -> tuple[int, int]:
         """``(data-parallel index, tensor-parallel index)`` of a global rank;
         with pipeline parallelism ``(data-parallel index, pipeline rank)``;
-        with expert parallelism ``(data-parallel index, expert rank)``
+        with expert parallelism ``(data-parallel index, expert rank)``;
+        with context parallelism ``(data-parallel index, context rank)``
         (``coord_names`` says which)."""
         if self.ep > 1:
             return rank, rank % self.ep
-        inner = self.pp if self.pp > 1 else self.tp
+        inner = self.pp if self.pp > 1 else self.cp if self.cp > 1 else self.tp
         return rank // inner, rank % inner
 
     @property
     def coord_names(self) -> str:
-        return "dp" if self.pp > 1 else "de" if self.ep > 1 else "dt"
+        return "dp" if self.pp > 1 else "de" if self.ep > 1 else "dc" if self.cp > 1 else "dt"
 
     def rank_coords(self, rank: int) -> dict[str, int]:
-        """``{"d": .., "t": ..}``, ``{"d": .., "p": ..}`` or ``{"d": .., "e": ..}``
-        of a global rank (what the engine logs)."""
+        """``{"d": .., "t": ..}``, ``{"d": .., "p": ..}``, ``{"d": .., "e": ..}``
+        or ``{"d": .., "c": ..}`` of a global rank (what the engine logs)."""
         return dict(zip(self.coord_names, self.coords(rank)))
 
     def __str__(self) -> str:
@@ -79,6 +88,8 @@ class Layout:
             return f"fsdp:d{self.dp}p{self.pp}"
         if self.ep > 1:
             return f"fsdp:d{self.dp}e{self.ep}"
+        if self.cp > 1:
+            return f"fsdp:d{self.dp}c{self.cp}"
         return f"fsdp:d{self.dp}t{self.tp}"
 
 
@@ -88,10 +99,11 @@ def layout_of(allocation: Allocation | str | None, where: str = "actor.backend")
     if allocation is None:
         allocation = "fsdp"
     a = allocation_at(allocation, where)
-    if a.c != 1:
+    if a.c > 1 and (a.t > 1 or a.p > 1 or a.e > 1):
+        others = "".join(f"{k}{getattr(a, k)}" for k in ("t", "p", "e") if getattr(a, k) > 1)
         raise ConfigError(
-            f"{where}: {a} asks for context parallelism (c{a.c}), which the fsdp engine does not do; valid dims "
-            f"are d (data), t (tensor), p (pipeline, alone) and e (expert, e = d), e.g. {EXAMPLES}"
+            f"{where}: {a} combines context parallelism (c{a.c}) with {others}, which the fsdp engine does not do "
+            f"yet; valid: c with data parallelism only, e.g. 'fsdp:c{a.c}' or 'fsdp:d{a.d}c{a.c}'"
         )
     if a.e > 1:
         _check_expert_dims(a, where)
@@ -101,7 +113,7 @@ def layout_of(allocation: Allocation | str | None, where: str = "actor.backend")
             f"{where}: {a} combines pipeline parallelism (p{a.p}) with {others}, which the fsdp engine does not "
             f"do yet; valid: p alone ('fsdp:p{a.p}') or d/t without p ('fsdp:d{a.d}t{a.t}')"
         )
-    return Layout(dp=a.d, tp=a.t, pp=a.p, ep=a.e)
+    return Layout(dp=a.d, tp=a.t, pp=a.p, ep=a.e, cp=a.c)
 
 
 def _check_expert_dims(a: Allocation, where: str) -> None:
@@ -128,12 +140,14 @@ def _check_expert_dims(a: Allocation, where: str) -> None:
 
 
 def check_layout_settings(layout: Layout, settings: Any, where: str = "actor.backend") -> None:
-    """Settings the tensor-, pipeline- and expert-parallel paths do not
-    support yet: one ``ConfigError`` naming the allocation and the setting
+    """Settings the tensor-, pipeline-, expert- and context-parallel paths do
+    not support yet: one ``ConfigError`` naming the allocation and the setting
     (never a run that would silently compute something else)."""
-    if layout.tp == 1 and layout.pp == 1 and layout.ep == 1:
+    if layout.tp == 1 and layout.pp == 1 and layout.ep == 1 and layout.cp == 1:
         return
-    if layout.ep > 1:
+    if layout.cp > 1:
+        kind, dim = "context parallelism", f"c{layout.cp}"
+    elif layout.ep > 1:
         kind, dim = "expert parallelism", f"e{layout.ep}"
     elif layout.pp > 1:
         kind, dim = "pipeline parallelism", f"p{layout.pp}"
@@ -144,6 +158,10 @@ def check_layout_settings(layout: Layout, settings: Any, where: str = "actor.bac
         "gradient_checkpointing": f"activation recomputation is not validated with {kind}",
         "cpu_offload": f"offloading is not validated with {kind}",
     }
+    if layout.cp > 1:
+        # The context ranks exchange keys and values in the dtype the model
+        # computes in; lower precision there is not validated.
+        refused["autocast_bf16"] = f"bf16 autocast is not validated with {kind}"
     if layout.pp > 1 or layout.ep > 1:
         # The stages / the experts are not FSDP units: FSDP's mixed-precision
         # policy would silently not apply to them, and bf16 autocast changes
@@ -158,15 +176,20 @@ def check_layout_settings(layout: Layout, settings: Any, where: str = "actor.bac
             )
     mp = getattr(settings, "mixed_precision", None)
     if (
-        (layout.pp > 1 or layout.ep > 1)
+        (layout.pp > 1 or layout.ep > 1 or layout.cp > 1)
         and mp is not None
         and any(v is not None for v in (mp.param_dtype, mp.reduce_dtype, mp.output_dtype))
     ):
-        what = "pipeline stages are" if layout.pp > 1 else "the experts are"
+        why = (
+            "pipeline stages are not FSDP units, so the policy would not apply"
+            if layout.pp > 1
+            else "the experts are not FSDP units, so the policy would not apply"
+            if layout.ep > 1
+            else "keys and values exchanged in lower precision are not validated"
+        )
         raise ConfigError(
-            f"{where}: {layout} ({dim}) with actor.fsdp.mixed_precision is not supported ({what} not "
-            "FSDP units, so the policy would not apply); drop mixed_precision or use 'fsdp:d"
-            f"{layout.world_size}'"
+            f"{where}: {layout} ({dim}) with actor.fsdp.mixed_precision is not supported ({why}); "
+            f"drop mixed_precision or use 'fsdp:d{layout.world_size}'"
         )
 
 

@@ -25,6 +25,10 @@ embedding's two copies kept equal. With ``e > 1`` (``e == d``) every MoE
 block's experts are split over the ranks as DTensors that FSDP ignores,
 and the block dispatches its tokens by all-to-all
 (``areal_fsdp.expert_parallel``); the rest is FSDP over the same ranks.
+With ``c > 1`` every micro-batch's row is split along the sequence over the
+context ranks of a replica (``areal_fsdp.context_parallel``): each runs its
+chunk with an attention that all-gathers the row's keys and values, and FSDP
+shards the weights over all ranks.
 
 A rank exits when its control connection closes or when the controller (its
 parent) disappears, so no rank outlives the run that started it.
@@ -161,17 +165,21 @@ class FSDPRankEngine:
         tp: int = 1,
         pp: int = 1,
         ep: int = 1,
+        cp: int = 1,
     ) -> None:
         self.config = FSDPEngineConfig.parse(config)
         self.rank = rank
         self.world_size = world_size
-        if tp < 1 or pp < 1 or world_size % (tp * pp):
+        if tp < 1 or pp < 1 or cp < 1 or world_size % (tp * pp * cp):
             raise ConfigError(
-                f"fsdp rank: tensor x pipeline size {tp}x{pp} does not divide the world size {world_size}"
+                f"fsdp rank: tensor x pipeline x context size {tp}x{pp}x{cp} does not divide the world size "
+                f"{world_size}"
             )
-        if ep > 1 and (tp > 1 or pp > 1 or ep != world_size):
-            raise ConfigError(f"fsdp rank: expert size {ep} must equal the world size {world_size} without t or p")
-        self.layout = Layout(dp=world_size // (tp * pp), tp=tp, pp=pp, ep=ep)
+        if ep > 1 and (tp > 1 or pp > 1 or cp > 1 or ep != world_size):
+            raise ConfigError(f"fsdp rank: expert size {ep} must equal the world size {world_size} without t, p or c")
+        if cp > 1 and (tp > 1 or pp > 1):
+            raise ConfigError(f"fsdp rank: context size {cp} is not combined with t or p")
+        self.layout = Layout(dp=world_size // (tp * pp * cp), tp=tp, pp=pp, ep=ep, cp=cp)
         check_layout_settings(self.layout, self.config)
         self.model: Any = None
         self.optimizer: Any = None
@@ -199,6 +207,8 @@ class FSDPRankEngine:
         self.tied_param: Any = None
         # Expert parallelism (areal_fsdp.expert_parallel): the router sums of the current step.
         self.router_stats: Any = None
+        # Context parallelism (areal_fsdp.context_parallel): this rank's context group.
+        self.cp_group: Any = None
 
     @property
     def device(self) -> Any:
@@ -259,6 +269,8 @@ class FSDPRankEngine:
                     f"use 'fsdp:d{self.world_size}'"
                 )
             return self._initialize_pipeline(model, model_path, total_train_steps)
+        if self.layout.cp > 1:
+            self._prepare_context_parallel(model, vision_model)
         if cfg.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
@@ -347,6 +359,14 @@ class FSDPRankEngine:
             runner = ExpertRunner(model, cfg, self.device, hooks=RankSync(self.world_size), split_head=False)
             runner.router_stats = self.router_stats
             self.runner = runner
+        elif self.layout.cp > 1:
+            from areal_fsdp.context_parallel import ContextRunner
+
+            # Plain packing: a shared-prompt tree row's 4-D mask is not split by the context attention.
+            self.runner = ContextRunner(
+                model, cfg.model_copy(update={"share_prompts": False}), self.device, hooks=RankSync(self.world_size),
+                split_head=False, group=self.cp_group, rank=self.rank % self.layout.cp, size=self.layout.cp,
+            )  # fmt: skip
         else:
             self.runner = MicroBatchRunner(model, cfg, self.device, hooks=RankSync(self.world_size), split_head=False)
         if vision_model:
@@ -390,6 +410,30 @@ class FSDPRankEngine:
             "moe_blocks": len(params) // 2,
         }
         return params, info
+
+    def _prepare_context_parallel(self, model: Any, vision_model: bool) -> None:
+        """``fsdp:dNcM``: check the model, switch its attention to the
+        context-parallel one and make the context groups (every rank takes
+        part in every ``new_group``; a rank keeps its own replica's)."""
+        import torch.distributed as dist
+
+        from areal_fsdp.context_parallel import ATTENTION_NAME, check_cp_model, register_attention
+
+        cp = self.layout.cp
+        if vision_model:
+            raise ConfigError(
+                f"actor.backend: {self.layout}: context parallelism is not validated for vision-language models; "
+                f"use 'fsdp:d{self.world_size}'"
+            )
+        check_cp_model(model.config, cp, str(self.layout))
+        register_attention()
+        model.set_attn_implementation(ATTENTION_NAME)
+        # Groups of their own, so the key/value gathers never interleave with
+        # FSDP's gathers and reductions on the mesh's group.
+        for replica in range(self.layout.dp):
+            group = dist.new_group(list(range(replica * cp, (replica + 1) * cp)))
+            if replica == self.rank // cp:
+                self.cp_group = group
 
     def _initialize_pipeline(self, model: Any, model_path: str, total_train_steps: int) -> dict[str, Any]:
         """``fsdp:pN``: cut this rank's stages out of the whole model
@@ -790,7 +834,9 @@ def main(argv: list[str] | None = None) -> int:
     """The rank process: the kernel's rank loop (``areal_kernel.engine.ranks``)
     serving an ``FSDPRankEngine``."""
     return rank_main(
-        lambda rank, world_size, config, tp=1, pp=1, ep=1: FSDPRankEngine(config, rank, world_size, tp, pp, ep),
+        lambda rank, world_size, config, tp=1, pp=1, ep=1, cp=1: FSDPRankEngine(
+            config, rank, world_size, tp, pp, ep, cp
+        ),
         "fsdp",
         argv,
     )

@@ -51,17 +51,36 @@ def test_torch_settings_under_fsdp_backend_point_to_the_right_section():
         _cfg({"backend": "fsdp:d2", "torch": {"lr": 1e-5}})
 
 
-@pytest.mark.parametrize("alloc", ["fsdp:t2c2", "fsdp:d2c2e2"])
-def test_context_dims_are_refused(alloc):
-    """One line naming the allocation, the dim it cannot run and what is
+@pytest.mark.parametrize(
+    "alloc, others",
+    [("fsdp:t2c2", "t2"), ("fsdp:d2c2e2", "e2"), ("fsdp:p2c2", "p2"), ("fsdp:d2t2c2", "t2")],
+)
+def test_context_with_other_model_dims_is_refused(alloc, others):
+    """One line naming the allocation, the dims it cannot combine and what is
     valid: from the engine and from `areal validate` (the kernel's check)."""
     from areal_fsdp.engine import FSDPTrainEngine
 
-    line = rf"{alloc} asks for context parallelism \(c2\).*valid dims are d \(data\), t \(tensor\), p .* e \(expert"
+    line = rf"{alloc} combines context parallelism \(c2\) with {others}, .*valid: c with data parallelism only"
     with pytest.raises(ConfigError, match=line):
         FSDPTrainEngine({}, allocation=alloc)
     with pytest.raises(ConfigError, match=rf"actor.backend: {line}"):
         _cfg({"backend": alloc})
+
+
+def test_context_layout():
+    """fsdp:c2 and fsdp:d2c2: d*c ranks, data-major (the context ranks of a
+    replica are neighbours), coordinates (d, c), the part per replica."""
+    from areal_fsdp.engine import FSDPTrainEngine
+
+    c2 = FSDPTrainEngine({}, allocation="fsdp:c2")
+    assert (c2.world_size, c2.data_parallel_size, str(c2.layout), str(c2.allocation)) == (2, 1, "fsdp:d1c2", "fsdp:c2")
+    assert c2.create_kwargs()["cp"] == 2 and FSDPTrainEngine({}, allocation="fsdp:d2").create_kwargs()["cp"] == 1
+    d2c2 = FSDPTrainEngine({}, allocation="fsdp:d2c2")
+    assert (d2c2.world_size, d2c2.data_parallel_size, str(d2c2.layout)) == (4, 2, "fsdp:d2c2")
+    assert [d2c2.layout.rank_coords(r) for r in range(4)] == [
+        {"d": 0, "c": 0}, {"d": 0, "c": 1}, {"d": 1, "c": 0}, {"d": 1, "c": 1},
+    ]  # fmt: skip
+    assert _cfg({"backend": "fsdp:d2c2"}).actor.allocation.world_size == 4
 
 
 def test_expert_layout():
@@ -95,7 +114,7 @@ def test_expert_forms_this_engine_does_not_run_are_refused(alloc, line):
         _cfg({"backend": alloc})
 
 
-# Settings the expert- and pipeline-parallel layouts refuse (data parallelism alone keeps them).
+# Settings the expert-, pipeline- and context-parallel layouts refuse (data parallelism alone keeps them).
 SPLIT_UNSUPPORTED = [
     ({"lora": {"rank": 4}}, "lora"),
     ({"gradient_checkpointing": True}, "gradient_checkpointing"),
@@ -179,6 +198,14 @@ def test_pipeline_layout_and_schedule_setting():
         _cfg({"backend": "fsdp:p2", "fsdp": {"pipeline_schedule": "zero_bubble"}})
     assert "actor.fsdp.pipeline_schedule" in str(e.value) and "'1f1b'" in str(e.value)
     print(e.value)
+
+
+@pytest.mark.parametrize("section, field", SPLIT_UNSUPPORTED)
+def test_settings_context_parallelism_does_not_support_are_refused(section, field):
+    from areal_fsdp.engine import FSDPTrainEngine
+
+    with pytest.raises(ConfigError, match=rf"fsdp:d1c2 \(c2\) with actor.fsdp.{field} is not supported"):
+        FSDPTrainEngine(section, allocation="fsdp:c2")
 
 
 @pytest.mark.parametrize("section, field", SPLIT_UNSUPPORTED)
@@ -292,6 +319,8 @@ def test_local_scheduler_plans_one_process_per_rank():
     assert LocalScheduler(_cfg({"backend": "fsdp:p2"})).device_plan()["actor"] == [[], []]
     # Experts reuse the data ranks: d2e2 is 2.
     assert LocalScheduler(_cfg({"backend": "fsdp:d2e2"})).device_plan()["actor"] == [[], []]
+    # A context rank is a process: d2c2 is 4.
+    assert LocalScheduler(_cfg({"backend": "fsdp:d2c2"})).device_plan()["actor"] == [[], [], [], []]
 
 
 def test_areal_plan_shows_every_ranks_mesh_coordinates():
@@ -309,3 +338,5 @@ def test_areal_plan_shows_every_ranks_mesh_coordinates():
     assert [p["mesh"] for p in plan["placement"]["roles"]["actor"]] == want
     ep = make_plan(validate_config({"actor": {"backend": "fsdp:d2e2"}}, registry=get_registry()))
     assert ep["roles"][0]["mesh"] == [{"d": 0, "e": 0}, {"d": 1, "e": 1}]
+    cp = make_plan(validate_config({"actor": {"backend": "fsdp:c2"}}, registry=get_registry()))
+    assert cp["roles"][0]["mesh"] == [{"d": 0, "c": 0}, {"d": 0, "c": 1}]
