@@ -1,7 +1,7 @@
 """The N-D train engines on CPU, side by side on the same batches: training
 tokens/s of every layout of the torch-native engine (areal-fsdp: d2, t2
 (DTensor tensor parallel), d2t2 (4 ranks), p2 with 1F1B and interleaved 1F1B
-(torch.distributed.pipelining)) and of megatron-core (d2, t2, p2), against the
+(torch.distributed.pipelining), c2 (context parallel)) and of megatron-core (d2, t2, p2), against the
 kernel's single-process torch engine and ``fsdp:d2``; then, on a mixture-of-
 experts model, ``fsdp:d2e2`` (expert parallel) against ``fsdp:d2``.
 
@@ -59,6 +59,7 @@ def main() -> None:
         "fsdp d2t2": lambda: FSDPTrainEngine(cfg, "fsdp:d2t2"),
         "fsdp p2": lambda: FSDPTrainEngine(cfg, "fsdp:p2"),
         "fsdp p2 interleaved": lambda: FSDPTrainEngine(interleaved, "fsdp:p2"),
+        "fsdp c2": lambda: FSDPTrainEngine(cfg, "fsdp:c2"),
         "megatron d2": lambda: MegatronTrainEngine(cfg, "megatron:d2"),
         "megatron t2": lambda: MegatronTrainEngine(cfg, "megatron:t2"),
         "megatron p2": lambda: MegatronTrainEngine(cfg, "megatron:p2"),
