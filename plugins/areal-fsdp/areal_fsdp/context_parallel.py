@@ -61,15 +61,25 @@ ATTENTION_NAME = "areal_context_parallel"
 
 @dataclass
 class ContextShard:
-    """What one rank's attention needs to know about the row it runs a chunk of:
-    its context group, its place in it, where its chunk starts in the padded
-    row, and the sequence id of every token of the padded row."""
+    """What one rank's attention needs to know about the row it runs a chunk
+    of: its context group and size, and which keys of the padded row each of
+    its queries sees (``chunk_mask``; built once per micro-batch, used by every layer)."""
 
     group: Any
-    rank: int
     size: int
-    start: int
-    seq_ids: Any  # (N,) long: the sequence of each token of the padded row
+    allowed: Any  # (L, N) bool
+
+
+def chunk_mask(seq_ids: Any, start: int, chunk: int) -> Any:
+    """``(chunk, N)`` bool: query ``start + i`` of the padded row sees key
+    ``j`` when ``j <= start + i`` (causal over the *global* positions: the
+    chunk's offset in the row) and both belong to the same sequence
+    (``seq_ids``, ``(N,)``: the sequence of each token of the padded row)."""
+    import torch
+
+    q_pos = torch.arange(start, start + chunk, device=seq_ids.device)
+    k_pos = torch.arange(seq_ids.shape[0], device=seq_ids.device)
+    return (k_pos[None, :] <= q_pos[:, None]) & (seq_ids[None, :] == seq_ids[q_pos][:, None])
 
 
 def check_cp_model(hf_config: Any, cp: int, layout: str) -> None:
@@ -164,7 +174,7 @@ def context_attention(
         )
     s = context_shard
     gather_seq, _ = _autograd_functions()
-    b, kv_heads, n_local, d = key.shape
+    kv_heads = key.shape[1]
     # One collective per layer for keys and values together, sequence first
     # (the gather concatenates along dim 0).
     kv = torch.cat([key, value], dim=1).permute(2, 0, 1, 3)
@@ -174,18 +184,11 @@ def context_attention(
     if groups > 1:
         k = k.repeat_interleave(groups, dim=1)
         v = v.repeat_interleave(groups, dim=1)
-    n_total = k.shape[2]
-    dev = query.device
-    q_pos = torch.arange(s.start, s.start + n_local, device=dev)
-    k_pos = torch.arange(n_total, device=dev)
-    seq = s.seq_ids.to(dev)
-    # Causal over the global positions (the chunk's offset in the row), within one sequence.
-    allowed = (k_pos[None, :] <= q_pos[:, None]) & (seq[None, :] == seq[q_pos][:, None])
     out = F.scaled_dot_product_attention(
         query,
         k,
         v,
-        attn_mask=allowed[None, None],
+        attn_mask=s.allowed.to(query.device)[None, None],
         dropout_p=dropout if module.training else 0.0,
         scale=scaling,
     )
@@ -234,7 +237,7 @@ class ContextRunner(MicroBatchRunner):
         # Padding: one sequence of its own after the last, attending only to itself.
         seq = torch.cat([seq, torch.full_like(fill, int(seq[-1]) + 1)])
         a = r * chunk
-        shard = ContextShard(self.group, r, c, a, seq)
+        shard = ContextShard(self.group, c, chunk_mask(seq, a, chunk))
         with self.autocast():
             out = self.model(
                 input_ids=ids[a : a + chunk][None],

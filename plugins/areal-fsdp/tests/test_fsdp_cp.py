@@ -164,3 +164,20 @@ def test_a_sliding_window_model_is_refused():
     check_cp_model(SimpleNamespace(model_type="llama"), 2, "fsdp:d1c2")
     with pytest.raises(ConfigError, match=r"fsdp:d1c2 \(c2\): the model \('mistral'\) uses sliding-window .*'fsdp:d2'"):
         check_cp_model(SimpleNamespace(model_type="mistral", sliding_window=4096), 2, "fsdp:d1c2")
+
+
+def test_a_chunk_sees_every_earlier_key_of_its_sequence():
+    """The masks of the two chunks of a 6-token row ``[a a a | b b p]`` (``p``:
+    padding, a sequence of its own): in the second chunk query 3 (b's first
+    token) sees only itself, query 4 keys 3-4, the padding only itself; the
+    first chunk is plain causal over a. A sequence crossing the boundary
+    (``[a a | a a]``): the second chunk's queries see every earlier a."""
+    from areal_fsdp.context_parallel import chunk_mask
+
+    seq = torch.tensor([0, 0, 0, 1, 1, 2])
+    second = chunk_mask(seq, 3, 3).int().tolist()
+    assert second == [[0, 0, 0, 1, 0, 0], [0, 0, 0, 1, 1, 0], [0, 0, 0, 0, 0, 1]]
+    first = chunk_mask(seq, 0, 3).int().tolist()
+    assert first == [[1, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0], [1, 1, 1, 0, 0, 0]]
+    # A sequence crossing the boundary: [a a | a a] -> the second chunk sees all earlier a's.
+    assert chunk_mask(torch.tensor([0, 0, 0, 0]), 2, 2).int().tolist() == [[1, 1, 1, 0], [1, 1, 1, 1]]
