@@ -140,18 +140,24 @@ class FSDPTrainEngine(RankedTrainEngine):
         self._moe_shape: tuple[int, int] | None = None
 
     def initialize(self, model_path: str, total_train_steps: int) -> None:
-        """As the base class; with an ``e`` dim the model's config.json is
-        checked first (a mixture-of-experts model whose experts divide by
-        ``e``), so a wrong model is refused before any rank starts."""
-        if self.layout.ep > 1:
-            from areal_fsdp.expert_parallel import check_ep_model
+        """As the base class; with an ``e`` or ``c`` dim the model's
+        config.json is checked first (a mixture-of-experts model whose experts
+        divide by ``e``; an attention the context ranks compute), so a wrong
+        model is refused before any rank starts."""
+        cfg_file = os.path.join(model_path, "config.json")
+        # Else the base class names the missing file.
+        if (self.layout.ep > 1 or self.layout.cp > 1) and os.path.isfile(cfg_file):
+            with open(cfg_file, encoding="utf-8") as f:
+                hf = json.load(f)
+            fields = SimpleNamespace(**(hf.get("text_config") or hf))
+            if self.layout.ep > 1:
+                from areal_fsdp.expert_parallel import check_ep_model
 
-            cfg_file = os.path.join(model_path, "config.json")
-            if os.path.isfile(cfg_file):  # else the base class names the missing file
-                with open(cfg_file, encoding="utf-8") as f:
-                    hf = json.load(f)
-                fields = SimpleNamespace(**(hf.get("text_config") or hf))
                 check_ep_model(fields, self.layout.ep, str(self.allocation))
+            if self.layout.cp > 1:
+                from areal_fsdp.context_parallel import check_cp_model
+
+                check_cp_model(fields, self.layout.cp, str(self.layout))
         super().initialize(model_path, total_train_steps)
 
     # ------------------------------------------------------- base-class hooks

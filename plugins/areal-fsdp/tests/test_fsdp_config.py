@@ -164,6 +164,21 @@ def test_a_dense_model_is_refused_before_any_rank_starts(tmp_path):
     assert e.ranks is None
 
 
+def test_a_sliding_window_model_is_refused_by_context_parallelism_before_any_rank_starts(tmp_path):
+    """The controller reads config.json first: a model with sliding-window
+    attention and fsdp:c2 is one line naming the layout, and no rank was started."""
+    import json
+
+    from areal_fsdp.engine import FSDPTrainEngine
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "mistral", "sliding_window": 4096}))
+    e = FSDPTrainEngine({}, allocation="fsdp:c2")
+    with pytest.raises(ConfigError, match=r"actor.backend: fsdp:d1c2 \(c2\): the model \('mistral'\) uses "
+                       r"sliding-window attention, which the context-parallel attention does not compute"):  # fmt: skip
+        e.initialize(str(tmp_path), 10)
+    assert e.ranks is None
+
+
 @pytest.mark.parametrize("alloc, others", [("fsdp:d2p2", "d2"), ("fsdp:t2p2", "t2"), ("fsdp:d2t2p2", "d2t2")])
 def test_pipeline_with_other_dims_is_refused(alloc, others):
     """p runs alone for now: one line naming the allocation, what it combines
