@@ -1,9 +1,13 @@
 """Exact recovery with the FSDP engine (2 ranks, gloo): ``kill -9`` a real
-``areal train`` with ``actor.backend: fsdp:d2`` after a recovery checkpoint,
-run it again (``recover: auto``) and compare with an uninterrupted run (the
-kernel's ``areal_kernel.testing.rank_engines.RankEngineRecoverySuite``). The
-engine state goes through ``torch.distributed.checkpoint`` (each rank its
-shards)."""
+``areal train`` after a recovery checkpoint, run it again (``recover:
+auto``) and compare with an uninterrupted run (the kernel's
+``areal_kernel.testing.rank_engines.RankEngineRecoverySuite``), on each
+layout whose state is stored differently: ``fsdp:d2`` (every weight and its
+optimizer state sharded over the data ranks), ``fsdp:t2`` (DTensor shards
+of the split projections, replicated norms and embedding) and ``fsdp:p2``
+(each rank its own pipeline stage and optimizer). The engine state goes
+through ``torch.distributed.checkpoint`` (each rank its shards). The
+suite's tiny Llama (4 heads, 2 KV heads, 2 layers) splits t2 and p2."""
 
 from __future__ import annotations
 
@@ -14,3 +18,17 @@ class TestFSDPRecovery(RankEngineRecoverySuite):
     ENGINE_NAME = "fsdp"
     EXAMPLE = plugin_example(__file__, "grpo_arithmetic_fsdp.yaml")
     STEPS = 4
+
+
+class TestFSDPTensorParallelRecovery(RankEngineRecoverySuite):
+    ENGINE_NAME = "fsdp"
+    EXAMPLE = plugin_example(__file__, "grpo_arithmetic_fsdp.yaml")
+    STEPS = 3
+    EXTRA_ARGS = ("actor.backend=fsdp:t2",)
+
+
+class TestFSDPPipelineRecovery(RankEngineRecoverySuite):
+    ENGINE_NAME = "fsdp"
+    EXAMPLE = plugin_example(__file__, "grpo_arithmetic_fsdp.yaml")
+    STEPS = 3
+    EXTRA_ARGS = ("actor.backend=fsdp:p2",)
