@@ -154,7 +154,6 @@ def check_layout_settings(layout: Layout, settings: Any, where: str = "actor.bac
     else:
         kind, dim = "tensor parallelism", f"t{layout.tp}"
     refused = {
-        "lora": f"LoRA adapters are not split by {kind} yet",
         "gradient_checkpointing": f"activation recomputation is not validated with {kind}",
         "cpu_offload": f"offloading is not validated with {kind}",
     }
@@ -162,6 +161,10 @@ def check_layout_settings(layout: Layout, settings: Any, where: str = "actor.bac
         # The context ranks exchange keys and values in the dtype the model
         # computes in; lower precision there is not validated.
         refused["autocast_bf16"] = f"bf16 autocast is not validated with {kind}"
+    if layout.pp > 1 or layout.ep > 1:
+        # Tensor parallelism splits the adapters with their base layers
+        # (areal_fsdp.tensor_parallel.module_plan); stages and experts do not yet.
+        refused["lora"] = f"LoRA adapters are not split by {kind} yet"
     if layout.pp > 1 or layout.ep > 1:
         # The stages / the experts are not FSDP units: FSDP's mixed-precision
         # policy would silently not apply to them, and bf16 autocast changes
@@ -174,6 +177,15 @@ def check_layout_settings(layout: Layout, settings: Any, where: str = "actor.bac
                 f"{where}: {layout} ({dim}) with actor.fsdp.{field} is not supported ({why}); "
                 f"drop {field} or use data parallelism only, e.g. 'fsdp:d{layout.world_size}'"
             )
+    lora = getattr(settings, "lora", None)
+    if layout.tp > 1 and lora is not None and lora.dropout > 0:
+        # Every tensor rank draws the same dropout mask (same seed, same
+        # calls): right for a replicated input, but a row-wise layer's input
+        # slices would all get one slice's mask repeated (not validated).
+        raise ConfigError(
+            f"{where}: {layout} ({dim}) with actor.fsdp.lora.dropout={lora.dropout} is not supported (adapter "
+            f"dropout is not split by {kind}); set lora.dropout: 0 or use 'fsdp:d{layout.world_size}'"
+        )
     mp = getattr(settings, "mixed_precision", None)
     if (
         (layout.pp > 1 or layout.ep > 1 or layout.cp > 1)

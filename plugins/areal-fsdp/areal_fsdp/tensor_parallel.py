@@ -17,6 +17,13 @@ they act on the local heads only, so each tensor rank's gradient of their
 weight is a partial sum over its heads: ``per_head_params`` names them and
 the rank sums their gradients over the tensor group after the backward.
 
+LoRA (``actor.fsdp.lora``, applied before the split): a planned projection
+that carries a peft adapter is split through its ``base_layer``, and its
+``lora_A`` / ``lora_B`` so that the update lands on the same local output
+slice as the base (``module_plan``); adapters on other linear layers (the
+LM head) stay replicated like their base. Adapter dropout is refused with
+t > 1 (``areal_fsdp.layout.check_layout_settings``).
+
 Attention heads: the installed transformers' attention reshapes the
 projections with ``view(..., -1, head_dim)``, so it runs on the local head
 count without touching the module; ``num_key_value_groups`` (heads per kv
@@ -123,8 +130,43 @@ def apply_tensor_parallel(model: Any, tp_mesh: Any) -> int:
                 f"tensor parallelism: {type(layer).__name__} has no {', '.join(missing)}; the plan is for "
                 f"Llama-family layers ({', '.join(TP_FAMILIES)})"
             )
-        parallelize_module(layer, tp_mesh, {path: styles[kind]() for path, kind in LAYER_PLAN.items()})
+        plan: dict[str, Any] = {}
+        for path, kind in LAYER_PLAN.items():
+            for sub, sub_kind in module_plan(layer.get_submodule(path), path, kind).items():
+                plan[sub] = styles[sub_kind]()
+        parallelize_module(layer, tp_mesh, plan)
     return len(layers)
+
+
+def module_plan(module: Any, path: str, kind: str) -> dict[str, str]:
+    """The plan entries of one planned projection: ``{path: kind}`` for a
+    plain linear layer; for a peft LoRA layer (the base linear under
+    ``base_layer``, its adapters' ``lora_A`` / ``lora_B`` beside it) the base
+    is split as planned and each adapter so that ``B @ A`` is split like the
+    base weight, the update landing on the same local output slice:
+
+    - column-wise base (``W`` split over its output rows, input replicated):
+      ``lora_A`` replicated (it reads the whole input), ``lora_B`` column-wise
+      (each rank its slice of the update's outputs). Its input's gradient is
+      the sum of the ranks' partial gradients: ``ColwiseParallel`` all-reduces
+      it in the backward, so ``lora_A``'s gradient is whole on every rank;
+    - row-wise base (``W`` split over its input columns, input sharded):
+      ``lora_A`` row-wise (each rank multiplies its input slice by its columns
+      of ``A``; the all-reduce sums the ``r`` partial products), ``lora_B``
+      replicated (the whole update, added to the base's all-reduced output).
+
+    Adapters left unplanned stay replicated plain parameters: FSDP shards them
+    over the data axis only, and the grad norm counts them once
+    (``areal_fsdp.rank.replicas``)."""
+    if not (hasattr(module, "base_layer") and hasattr(module, "lora_A") and hasattr(module, "lora_B")):
+        return {path: kind}
+    plan = {f"{path}.base_layer": kind}
+    for adapter in module.lora_A:
+        if kind == "colwise":
+            plan[f"{path}.lora_B.{adapter}"] = "colwise"
+        else:
+            plan[f"{path}.lora_A.{adapter}"] = "rowwise"
+    return plan
 
 
 def _has_submodule(module: Any, path: str) -> bool:

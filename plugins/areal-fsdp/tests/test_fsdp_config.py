@@ -114,7 +114,8 @@ def test_expert_forms_this_engine_does_not_run_are_refused(alloc, line):
         _cfg({"backend": alloc})
 
 
-# Settings the expert-, pipeline- and context-parallel layouts refuse (data parallelism alone keeps them).
+# Settings the expert-, pipeline- and context-parallel layouts refuse (data parallelism alone keeps them;
+# tensor parallelism keeps LoRA without dropout).
 SPLIT_UNSUPPORTED = [
     ({"lora": {"rank": 4}}, "lora"),
     ({"gradient_checkpointing": True}, "gradient_checkpointing"),
@@ -249,7 +250,7 @@ def test_data_and_tensor_dims_are_accepted():
 @pytest.mark.parametrize(
     "section, field",
     [
-        ({"lora": {"rank": 4}}, "lora"),
+        ({"lora": {"rank": 4, "dropout": 0.1}}, "lora.dropout=0.1"),
         ({"gradient_checkpointing": True}, "gradient_checkpointing"),
         ({"cpu_offload": True}, "cpu_offload"),
     ],
@@ -260,6 +261,14 @@ def test_settings_tensor_parallelism_does_not_support_are_refused(section, field
     with pytest.raises(ConfigError, match=rf"fsdp:d1t2 \(t2\) with actor.fsdp.{field} is not supported"):
         FSDPTrainEngine(section, allocation="fsdp:t2")
     FSDPTrainEngine(section, allocation="fsdp:d2")  # data parallelism alone keeps them
+
+
+def test_lora_without_dropout_is_accepted_with_tensor_parallelism():
+    """The adapters are split with their base layers (tensor_parallel.module_plan)."""
+    from areal_fsdp.engine import FSDPTrainEngine
+
+    for alloc in ("fsdp:t2", "fsdp:d2t2"):
+        FSDPTrainEngine({"lora": {"rank": 4}}, allocation=alloc)
 
 
 def test_models_tensor_parallelism_cannot_split_are_refused():
