@@ -283,7 +283,7 @@ def test_models_tensor_parallelism_cannot_split_are_refused():
         check_tp_model(SimpleNamespace(**{**llama, "num_key_value_heads": 1}), 2, "fsdp:t2")
     with pytest.raises(ConfigError, match=r"fsdp:t4: .*num_attention_heads=6, num_key_value_heads=6"):
         check_tp_model(SimpleNamespace(**{**llama, "num_attention_heads": 6, "num_key_value_heads": 6}), 4, "fsdp:t4")
-    with pytest.raises(ConfigError, match=r"fsdp:t2: .*plan for model types llama, qwen3, not 'gpt2'"):
+    with pytest.raises(ConfigError, match=r"fsdp:t2: .*plan for model types llama, qwen3, qwen2, not 'gpt2'"):
         check_tp_model(SimpleNamespace(**{**llama, "model_type": "gpt2"}), 2, "fsdp:t2")
 
 
