@@ -7,7 +7,11 @@ optimizer state sharded over the data ranks), ``fsdp:t2`` (DTensor shards
 of the split projections, replicated norms and embedding) and ``fsdp:p2``
 (each rank its own pipeline stage and optimizer). The engine state goes
 through ``torch.distributed.checkpoint`` (each rank its shards). The
-suite's tiny Llama (4 heads, 2 KV heads, 2 layers) splits t2 and p2."""
+suite's tiny Llama (4 heads, 2 KV heads, 2 layers) splits t2 and p2.
+
+The split layouts run 3 steps (checkpoint 1, killed in step 2, resumed
+through step 3: enough to resume after a checkpoint and train on). Measured
+on 2 cores shared with other work: d2 24 s, t2 18-22 s, p2 12-21 s."""
 
 from __future__ import annotations
 
