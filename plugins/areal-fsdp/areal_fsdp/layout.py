@@ -165,7 +165,6 @@ def check_layout_settings(layout: Layout, settings: Any, where: str = "actor.bac
         # Tensor parallelism splits the adapters with their base layers
         # (areal_fsdp.tensor_parallel.module_plan); stages and experts do not yet.
         refused["lora"] = f"LoRA adapters are not split by {kind} yet"
-    if layout.pp > 1 or layout.ep > 1:
         # The stages / the experts are not FSDP units: FSDP's mixed-precision
         # policy would silently not apply to them, and bf16 autocast changes
         # the dtype the ranks send each other (not validated).
