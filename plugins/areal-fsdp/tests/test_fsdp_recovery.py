@@ -11,7 +11,10 @@ suite's tiny Llama (4 heads, 2 KV heads, 2 layers) splits t2 and p2.
 
 The split layouts run 3 steps (checkpoint 1, killed in step 2, resumed
 through step 3: enough to resume after a checkpoint and train on). Measured
-on 2 cores shared with other work: d2 24 s, t2 18-22 s, p2 12-21 s."""
+on 2 cores shared with other work: d2 17-24 s, t2 18-22 s, p2 12-21 s.
+Negative control, run by hand once (not kept as a test): ranks whose
+``dcp_load`` reads only the model entry (fresh AdamW moments) fail the
+weight check on t2 and on p2 (both name model.embed_tokens.weight)."""
 
 from __future__ import annotations
 
