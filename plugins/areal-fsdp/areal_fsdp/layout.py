@@ -157,17 +157,15 @@ def check_layout_settings(layout: Layout, settings: Any, where: str = "actor.bac
         "gradient_checkpointing": f"activation recomputation is not validated with {kind}",
         "cpu_offload": f"offloading is not validated with {kind}",
     }
-    if layout.cp > 1:
-        # The context ranks exchange keys and values in the dtype the model
-        # computes in; lower precision there is not validated.
-        refused["autocast_bf16"] = f"bf16 autocast is not validated with {kind}"
-    if layout.pp > 1 or layout.ep > 1:
+    if layout.pp > 1 or layout.ep > 1 or layout.cp > 1:
         # Tensor parallelism splits the adapters with their base layers
-        # (areal_fsdp.tensor_parallel.module_plan); stages and experts do not yet.
+        # (areal_fsdp.tensor_parallel.module_plan); stages, experts and the
+        # context attention's runner are not validated with adapters yet.
         refused["lora"] = f"LoRA adapters are not split by {kind} yet"
         # The stages / the experts are not FSDP units: FSDP's mixed-precision
         # policy would silently not apply to them, and bf16 autocast changes
-        # the dtype the ranks send each other (not validated).
+        # the dtype the ranks send each other (the context ranks: the keys and
+        # values they exchange); not validated.
         refused["autocast_bf16"] = f"bf16 autocast is not validated with {kind}"
     for field, why in refused.items():
         value = getattr(settings, field, None)
