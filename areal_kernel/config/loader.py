@@ -10,7 +10,7 @@ from pydantic import ValidationError
 
 from areal_kernel.config.models import ExperimentConfig
 from areal_kernel.config.overrides import apply_overrides
-from areal_kernel.config.policies import adapter_settings, policy_config_data
+from areal_kernel.config.policies import ServedAdapters, adapter_settings, policy_config_data
 from areal_kernel.config.resolve import PluginLookup, resolve
 from areal_kernel.config.sections import format_validation_error
 from areal_kernel.errors import ConfigError
@@ -215,7 +215,7 @@ def check_policies(cfg: ExperimentConfig, registry: PluginLookup) -> dict[str, E
             f"policies: actor.backend {backend!r} does not hold one adapter per policy (capability 'policies'); "
             f"train engines that do: {', '.join(able) or 'none installed'}"
         )
-    adapter_settings(cfg)
+    served = ServedAdapters.of(list(adapter_settings(cfg).adapters))
     out = {}
     for name in cfg.policies:
         try:
@@ -224,5 +224,6 @@ def check_policies(cfg: ExperimentConfig, registry: PluginLookup) -> dict[str, E
             text = str(e)
             # Errors of plugin sections name the field only: say whose field it is.
             raise ConfigError(text if text.startswith(f"policies.{name}") else f"policies.{name}: {text}") from None
+        pcfg._run_adapters = served  # the servers a policy's config starts serve every policy's adapter
         out[name] = pcfg
     return out

@@ -511,6 +511,10 @@ class ExperimentConfig(StrictModel):
         description="Several policies in one run, each a LoRA adapter on the shared base (docs/multi-policy.md); "
         "empty: one policy, the run's own sections.",
     )
+    # Set on each policy's own config (``config.loader.check_policies``): the
+    # adapters of the whole run (``ServedAdapters``), which the inference
+    # backends built from a policy's config must be able to serve.
+    _run_adapters: Any = PrivateAttr(default=None)
     recover: Literal["auto", "off"] = Field(
         "auto",
         description="auto: resume an interrupted run from the newest complete recovery checkpoint in run_dir; "

@@ -14,6 +14,7 @@ engine settings of all adapters together, so one ``ConfigError`` naming
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from areal_kernel.errors import ConfigError
@@ -93,3 +94,37 @@ def adapter_settings(cfg: "ExperimentConfig") -> Any:
         for i, name in enumerate(cfg.policies):
             msg = msg.replace(f"adapters.{i}.", f"policies.{name}.lora.")
         raise ConfigError(f"policies: the adapters' settings are invalid:\n{msg}") from None
+
+
+@dataclass(frozen=True)
+class ServedAdapters:
+    """What the inference servers of a run must serve beside the base: the
+    LoRA adapters it trains (one per policy, or the actor's ``lora``).
+    Backends size their adapter slots from it (``served_adapters``)."""
+
+    names: tuple[str, ...]
+    max_rank: int
+    # Every module some adapter targets, in first-seen order.
+    target_modules: tuple[str, ...]
+
+    @classmethod
+    def of(cls, adapters: list[Any]) -> "ServedAdapters":
+        modules: dict[str, None] = {}
+        for a in adapters:
+            modules.update(dict.fromkeys(a.target_modules))
+        return cls(tuple(a.name for a in adapters), max(a.rank for a in adapters), tuple(modules))
+
+
+def served_adapters(cfg: "ExperimentConfig") -> ServedAdapters | None:
+    """The adapters a run's servers must serve, or None (the full model is
+    trained): every policy's (a multi-policy run's config, or one policy's
+    config built by ``check_policies``, which carries the run's), else the
+    actor engine's ``lora``. For inference backends: ``--enable-lora`` and
+    its rank, module and slot limits."""
+    if cfg.policies:
+        return ServedAdapters.of(list(adapter_settings(cfg).adapters))
+    run = getattr(cfg, "_run_adapters", None)
+    if run is not None:
+        return run  # type: ignore[no-any-return]
+    lora = getattr(cfg.actor.plugin_config, "lora", None)
+    return ServedAdapters.of([lora]) if lora is not None else None

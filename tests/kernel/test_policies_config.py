@@ -8,7 +8,7 @@ import pytest
 
 from areal_kernel.config import load_config
 from areal_kernel.config.loader import check_policies
-from areal_kernel.config.policies import adapter_settings, policy_config_data
+from areal_kernel.config.policies import adapter_settings, policy_config_data, served_adapters
 from areal_kernel.errors import ConfigError
 from areal_kernel.plugins import get_registry
 
@@ -44,6 +44,25 @@ def test_each_policy_is_the_runs_config_with_its_own_sections(tmp_path):
     # The engine gets one adapter per policy, named after it.
     settings = adapter_settings(_load(tmp_path, TWO))
     assert [(a.name, a.rank, a.alpha) for a in settings.adapters] == [("add", 4, 8), ("sub", 8, 16)]
+
+
+def test_the_servers_serve_every_policys_adapter_also_from_one_policys_config(tmp_path):
+    """What an inference backend sizes its adapter slots from: every policy's
+    adapter (largest rank, every targeted module), also from the config of
+    the policy whose config starts the servers; the actor's lora in a
+    one-policy run; nothing for a full-model run."""
+    two = (
+        "policies={add: {lora: {rank: 4, alpha: 8}}, "
+        "sub: {lora: {rank: 8, target_modules: [q_proj, up_proj]}}}"
+    )
+    cfg = _load(tmp_path, two)
+    served = served_adapters(cfg)
+    assert served is not None and served.names == ("add", "sub") and served.max_rank == 8
+    assert served.target_modules == ("q_proj", "k_proj", "v_proj", "o_proj", "up_proj")
+    assert served_adapters(check_policies(cfg, get_registry())["add"]) == served
+    one = served_adapters(_load(tmp_path, "actor.torch.lora={rank: 16, name: mine}"))
+    assert one is not None and (one.names, one.max_rank) == (("mine",), 16)
+    assert served_adapters(_load(tmp_path)) is None
 
 
 @pytest.mark.parametrize(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import concurrent.futures
 from typing import Any
 
+from areal_kernel.config.policies import served_adapters
 from areal_kernel.inference.backend import InferenceBackend
 from areal_kernel.inference.client import RemoteInferenceEngine, client_options
 
@@ -83,12 +84,18 @@ class SGLangBackend(InferenceBackend):
         # The platform's variant of SGLang (e.g. --device npu and the ascend
         # attention backend) fills the fields the user left unset.
         self.server_config: SGLangServerConfig = current_platform().apply_server_defaults("sglang", section)
-        trained = getattr(config.actor.plugin_config, "lora", None)
-        if trained is not None and self.server_config.lora is None:
+        served = served_adapters(config)
+        if served is not None and self.server_config.lora is None:
             from areal_sglang.config import SGLangLoraSettings
 
-            # The actor trains an adapter: serve adapters of its rank on its modules.
-            lora = SGLangLoraSettings(max_rank=trained.rank, target_modules=list(trained.target_modules))
+            # The run trains adapters (the actor's, or one per policy): serve
+            # adapters of their largest rank on every module one targets, all
+            # of them and the base in one batch.
+            lora = SGLangLoraSettings(
+                max_rank=served.max_rank,
+                target_modules=list(served.target_modules),
+                max_loras_per_batch=max(2, len(served.names) + 1),
+            )
             self.server_config = self.server_config.model_copy(update={"lora": lora})
         self.launch_prefix = launch_prefix
         self.tp_size = 1

@@ -65,6 +65,9 @@ CASES: dict[str, tuple[list[str], dict[str, str]]] = {
               "workflow.fault_hot_rlvr.temperature_factor=0.25"], {}),
     "corrupt": (["rollout.backend=sglang:d2", "trainer.max_steps=4"], {"AREAL_FAULT_CORRUPT": f"2:{CORRUPTED}"}),
     "adapter_dropped": (["rollout.backend=sglang:d2", *LORA, "trainer.max_steps=4"], {"AREAL_FAULT_STALE": "2"}),
+    # Not a fault: several policies (docs/multi-policy.md) on two servers, the kernel's disk transport.
+    "policies": (["rollout.backend=sglang:d2", "trainer.max_steps=2", "weight_update.mode=disk",
+                  "policies={ask: {lora: {rank: 4, alpha: 8}}, tell: {lora: {rank: 2, alpha: 4}}}"], {}),
 }  # fmt: skip
 # Runs at once: each is a trainer plus one or two single-threaded servers.
 PARALLEL_RUNS = 2
@@ -260,10 +263,43 @@ def test_weight_check_names_the_server_an_adapter_update_never_reached(runs):
     assert (r.stdout + r.stderr).count("answers the version of adapter 'policy' only, not its bytes") == 1, r.explain()
 
 
+def test_two_policies_share_the_servers(runs):
+    """Several policies on two SGLang (stand-in) servers: each step trains
+    one policy and loads that adapter alone on both servers (unload + load:
+    SGLang replaces an adapter so); the weight-delivery check finds both
+    servers serving each policy's newest directory; every trained sample
+    names its policy's adapter, and both servers generated."""
+    r = runs["policies"].result()
+    assert r.returncode == 0, r.explain()
+    # Started from the first policy's config, the servers serve both adapters
+    # (largest rank 4, both and the base in one batch), checked by SGLang's parser.
+    command = next(
+        line for line in (next(r.run_dir.glob("**/sglang-0.log"))).read_text().splitlines() if "--model-path" in line
+    )
+    assert "--enable-lora --max-lora-rank 4" in command and "--max-loras-per-batch 3" in command, command
+    with open(r.run_dir / "metrics.jsonl", encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    order = [n for row in rows for n in ("ask", "tell") if f"policy/{n}/step" in row]
+    assert order == ["ask", "tell", "ask", "tell"], order
+    for name in ("ask", "tell"):
+        mine = [row for row in rows if f"policy/{name}/step" in row]
+        assert [row[f"policy/{name}/version"] for row in mine] == [1, 2]
+        assert all(row[f"policy/{name}/monitor/weights_servers"] == 2 for row in mine), mine
+        assert all(row[f"policy/{name}/monitor/weights_mismatch"] == 0 for row in mine), mine
+        assert all(0 < row[f"policy/{name}/weights/mb"] < 1 for row in mine)  # the adapter alone
+        # SGLang replaces an adapter between requests: the servers are paused for its update.
+        assert all(row[f"policy/{name}/weights/pause_s"] > 0 for row in mine)
+    with open(r.run_dir / "samples.jsonl", encoding="utf-8") as f:
+        logged = [json.loads(line) for line in f if line.strip()]
+    assert [{s["adapter"] for s in line["samples"]} for line in logged] == [{n} for n in order]
+    assert len({s["server"] for line in logged for s in line["samples"]}) == 2
+
+
 # The runs each test reads (only the selected tests' runs are started).
 NEEDS = {
     test_clean_run_passes_both_monitors.__name__: ("clean",),
     test_servers_sampling_at_another_temperature_trip_the_mismatch_alarm.__name__: ("cold", "clean"),
     test_weight_check_names_the_tensor_corrupted_in_transit.__name__: ("corrupt",),
     test_weight_check_names_the_server_an_adapter_update_never_reached.__name__: ("adapter_dropped",),
+    test_two_policies_share_the_servers.__name__: ("policies",),
 }

