@@ -187,6 +187,7 @@ PANELS: tuple[Panel, ...] = (
         (
             Series("rollout/server_restarts", "server restarts (total)"),
             Series("rollout/failovers", "failovers (total)"),
+            Series("rollout/interruptions", "generations interrupted and resumed (total)"),
             Series("rollout/failed", "failed rollouts (total)"),
             Series("rollout/stale_dropped", "dropped as too stale (total)"),
         ),
