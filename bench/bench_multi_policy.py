@@ -265,6 +265,10 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=4, help="prompts per step (x8 samples; default 4)")
     ap.add_argument("--probe-every", type=float, default=30.0, help="seconds between base-model probes")
     ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument(
+        "--policy-order", choices=("weight", "ready"), default="weight",
+        help="trainer.policy_order of the multi-policy run (default weight: the fixed order)",
+    )  # fmt: skip
     ap.add_argument("--keep", default=None, help="keep the runs' directories and logs here (default: a temp dir)")
     args = ap.parse_args()
     steps, eval_size = (2, 16) if args.quick else (args.steps, args.eval_size)
@@ -292,8 +296,9 @@ def main() -> None:
             + "}"
         )
         multi = run(
-            "multi", [*common, "actor.torch.lora=null", policies], root, 2 * steps, prompts, eos, args.probe_every
-        )
+            "multi", [*common, "actor.torch.lora=null", f"trainer.policy_order={args.policy_order}", policies],
+            root, 2 * steps, prompts, eos, args.probe_every,
+        )  # fmt: skip
 
     single_wall = sum(r.wall_s for r in singles.values())
     single_train = sum(r.result["train_seconds"] for r in singles.values())
@@ -301,7 +306,8 @@ def main() -> None:
     single_peak_max = max(r.peak_rss for r in singles.values())
     mib = 2**20
     print(f"\nSmolLM2-135M, LoRA rank 16 per policy, {steps} steps per policy, batch {args.batch_size} x 8 samples, "
-          f"{eval_size} held-out questions per policy; one run at a time on this machine")  # fmt: skip
+          f"{eval_size} held-out questions per policy, policy_order {args.policy_order}; one run at a time on this "
+          "machine")  # fmt: skip
     print(
         "\n| run | wall s | CPU s (tree) | training loop s | per step: waiting for the batch s / training s | "
         "peak RSS MiB (tree sum, procs) | base greedy outputs unchanged |"
