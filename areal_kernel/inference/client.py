@@ -230,6 +230,13 @@ class RemoteInferenceEngine(InferenceEngine):
             replace = name in self._adapters
             self._record_adapter(name, path, version)
             self.control_all(lambda a: self.protocol.load_adapter(name, path, version, replace))
+            if replace and self.paused:
+                # A request that reached a server while it was paused (sent
+                # just before the pause) waits there holding the adapter as the
+                # server resolved it on arrival, the replaced one: vLLM's worker
+                # would load the old directory again for it after the resume.
+                # Cut those too; they come back and resume on the new adapter.
+                self.control_all(lambda a: self.protocol.pause("abort"))
             if name == self.default_adapter or self.default_adapter is None:
                 self._version = version
 

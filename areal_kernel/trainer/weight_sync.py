@@ -47,6 +47,7 @@ class DiskTransport(WeightTransport):
         self.infer = infer_engine
         self.root = os.path.join(run_dir, "weights")
         self._last: str | None = None
+        self._previous: str | None = None  # an adapter's directory before ``_last``
 
     def setup(self) -> None:
         os.makedirs(self.root, exist_ok=True)
@@ -71,7 +72,15 @@ class DiskTransport(WeightTransport):
         t2 = time.monotonic()
         nbytes = _dir_bytes(path)
         if self._last and self._last != path:
-            shutil.rmtree(self._last, ignore_errors=True)
+            if adapter is None:
+                shutil.rmtree(self._last, ignore_errors=True)
+            else:
+                # An adapter's previous directory stays one update longer: a
+                # server may read it again for a request that was already on
+                # its way (vLLM reloads a replaced adapter lazily, per request).
+                if self._previous and self._previous != path:
+                    shutil.rmtree(self._previous, ignore_errors=True)
+                self._previous = self._last
         self._last = path
         return {
             "weights/save_s": t1 - t0,
@@ -90,13 +99,14 @@ class DiskTransport(WeightTransport):
         return {"weights/admit_s": time.monotonic() - t0}
 
     def close(self) -> None:
-        """Remove the last weight directory it wrote (the earlier ones went at
-        each update) and ``weights/`` if nothing else is there: once the
+        """Remove the last weight directories it wrote (the earlier ones went at
+        the updates) and ``weights/`` if nothing else is there: once the
         servers are stopped nobody reads it, and each SmolLM2 run left 0.5 GB
         behind. The run's checkpoints hold the weights worth keeping."""
-        if self._last:
-            shutil.rmtree(self._last, ignore_errors=True)
-            self._last = None
+        for d in (self._last, self._previous):
+            if d:
+                shutil.rmtree(d, ignore_errors=True)
+        self._last = self._previous = None
         try:
             os.rmdir(self.root)
         except OSError:

@@ -6,6 +6,7 @@ over the weight group, and a generation interrupted by an adapter update."""
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -15,6 +16,8 @@ from areal_kernel.api.engine import WeightUpdateMeta
 from areal_kernel.testing.noise import assert_within_noise, measure_noise_floor
 from areal_kernel.api.io import GenerationConfig, ModelRequest, Trajectory, TrajectoryBatch
 from areal_kernel.engine.torch_engine import TorchTrainEngine
+from areal_kernel.inference.client import RemoteInferenceEngine
+from areal_kernel.inference.embedded.backend import EmbeddedProtocol
 
 from trained_engine import toy_batch as _batch, toy_loss as _loss, trained_engine as _engine
 
@@ -143,3 +146,62 @@ def test_adapter_broadcast_update_interrupts_a_generation(servers, engines, tmp_
 
 def base_weights(engine: TorchTrainEngine):
     return [t for _, t in engine.named_weights_for_transfer()]
+
+
+class _PausingProtocol(EmbeddedProtocol):
+    """The embedded protocol as a server that cannot cut one adapter's rows
+    alone (vLLM): adapter updates pause every generation. Records the pause
+    and load calls the client makes, in order (a spy on the real calls)."""
+
+    adapter_update_scoped = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+
+    def pause(self, mode: str = "abort"):
+        self.calls.append(f"pause:{mode}")
+        return super().pause(mode)
+
+    def resume(self):
+        self.calls.append("resume")
+        return super().resume()
+
+    def load_adapter(self, name: str, path: str, version: int, replace: bool):
+        self.calls.append(f"load:{version}")
+        return super().load_adapter(name, path, version, replace)
+
+
+def test_adapter_replaced_in_a_pause_cuts_what_reached_the_server_meanwhile(servers, engines, tmp_path):
+    """vLLM resolves a request's adapter when the request arrives: one that
+    arrived while the server was paused for an adapter update (sent just
+    before the pause) would run after the resume with the replaced adapter,
+    whose directory vLLM's worker reads again. The client cuts such requests
+    with a second abort after the load, before the resume; the first load
+    (nothing replaced) needs none."""
+    from areal_kernel.trainer.weight_sync import DiskTransport
+
+    _, a, _ = engines
+    srv = servers[0]
+    protocol = _PausingProtocol()
+    client = RemoteInferenceEngine([srv.address], protocol, admin_token=srv.token)
+    transport = DiskTransport(a, client, str(tmp_path))
+    transport.setup()
+    name = a.adapter_spec().name
+    try:
+        for version in (1, 2, 3):
+            transport.update(version)
+        assert protocol.calls == [
+            "pause:abort", "load:1", "resume",
+            "pause:abort", "load:2", "pause:abort", "resume",
+            "pause:abort", "load:3", "pause:abort", "resume",
+        ], protocol.calls  # fmt: skip
+        # The previous version's directory stays for a request already on its
+        # way; the ones before it are gone.
+        kept = sorted(os.listdir(os.path.join(str(tmp_path), "weights")))
+        assert kept == [f"{name}-v2", f"{name}-v3"], kept
+        transport.close()
+        assert not os.path.exists(os.path.join(str(tmp_path), "weights"))
+    finally:
+        srv.ok("/unload_adapter", {"name": name})
+        asyncio.run(client.aclose())
