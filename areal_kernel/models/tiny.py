@@ -110,17 +110,17 @@ _CHAT_TEMPLATE = (
 )
 
 
-def make_tiny_byte_chat_llama(path: str | os.PathLike[str], **kwargs: object) -> str:
-    """``make_tiny_llama`` with a byte-level tokenizer: one token per byte
+def write_byte_chat_tokenizer(path: str | os.PathLike[str]) -> dict[str, int]:
+    """Write a byte-level chat tokenizer to ``path``: one token per byte
     (256) plus ``<|endoftext|>`` (padding), ``<|im_start|>`` and ``<|im_end|>``
-    (end of a turn), and SmolLM2's chat format.
-
-    With 259 tokens instead of SmolLM2's 49,152, a random model's samples
-    are spread over few enough tokens that GRPO moves them within a dozen
-    steps: the suite's tiny-model learning tests (a learnable reward such as
-    ``char_share``) need no real model. Any text encodes (no unknown
+    (end of a turn), and SmolLM2's chat format. Any text encodes (no unknown
     token); a sampled byte sequence that is not valid UTF-8 decodes with
-    replacement characters."""
+    replacement characters.
+
+    Returns what a model config needs from it: ``vocab_size`` (259),
+    ``bos_token_id``, ``eos_token_id`` and ``pad_token_id``. The tiny
+    byte-level models (``make_tiny_byte_chat_llama``, and the tests'
+    ``make_tiny_byte_chat_qwen3_moe``) all write their tokenizer here."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -137,7 +137,24 @@ def make_tiny_byte_chat_llama(path: str | os.PathLike[str], **kwargs: object) ->
     )
     fast.chat_template = _CHAT_TEMPLATE
     fast.save_pretrained(str(out))
-    return make_tiny_llama(out, tokenizer_from=str(out), **kwargs)  # type: ignore[arg-type]
+    return {
+        "vocab_size": len(fast),
+        "bos_token_id": int(fast.bos_token_id),
+        "eos_token_id": int(fast.eos_token_id),
+        "pad_token_id": int(fast.pad_token_id),
+    }
+
+
+def make_tiny_byte_chat_llama(path: str | os.PathLike[str], **kwargs: object) -> str:
+    """``make_tiny_llama`` with the byte-level chat tokenizer of
+    ``write_byte_chat_tokenizer`` (259 tokens).
+
+    With 259 tokens instead of SmolLM2's 49,152, a random model's samples
+    are spread over few enough tokens that GRPO moves them within a dozen
+    steps: the suite's tiny-model learning tests (a learnable reward such as
+    ``char_share``) need no real model."""
+    write_byte_chat_tokenizer(path)
+    return make_tiny_llama(path, tokenizer_from=str(path), **kwargs)  # type: ignore[arg-type]
 
 
 # A chat template that renders content lists ({"type": "image"} / {"type": "text"})

@@ -3,7 +3,9 @@
 They are built in ``areal_kernel.models.tiny`` (the model layer also builds
 the known model ``tiny-vlm-random`` from them); this is their name for tests.
 ``make_tiny_qwen3_moe`` (a tiny mixture-of-experts model for the expert-parallel
-tests) is defined here: no known model is built from it.
+tests) and ``make_tiny_byte_chat_qwen3_moe`` (the same with the byte-level chat
+tokenizer, for runs of ``areal train``) are defined here: no known model is
+built from them.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from areal_kernel.models.tiny import (
     make_tiny_chat_llama,
     make_tiny_llama,
     make_tiny_vlm,
+    write_byte_chat_tokenizer,
 )
 
 __all__ = [
@@ -26,6 +29,7 @@ __all__ = [
     "make_tiny_byte_chat_llama",
     "make_tiny_chat_llama",
     "make_tiny_llama",
+    "make_tiny_byte_chat_qwen3_moe",
     "make_tiny_qwen3_moe",
     "make_tiny_vlm",
 ]
@@ -45,6 +49,7 @@ def make_tiny_qwen3_moe(
     norm_topk_prob: bool = True,
     seed: int = 0,
     std: float = 0.2,
+    special_ids: tuple[int, int, int] = (1, 2, 2),
 ) -> str:
     """Write a random-init mixture-of-experts model (a real ``Qwen3MoeConfig``:
     every decoder layer's MLP is ``experts`` experts with a top-``top_k``
@@ -53,7 +58,8 @@ def make_tiny_qwen3_moe(
     (default 0.2, not transformers' 0.02: with near-zero router weights the
     router's top-k choices would hinge on rounding, and two engines that sum
     in other orders would route tokens differently); norm weights stay 1.
-    Same ``seed`` -> same weights; the global torch RNG is left untouched."""
+    Same ``seed`` -> same weights; the global torch RNG is left untouched.
+    ``special_ids``: the (bos, eos, pad) token ids of the config."""
     import torch
     from transformers import GenerationConfig, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
@@ -61,7 +67,7 @@ def make_tiny_qwen3_moe(
         raise ValueError(f"top_k={top_k} cannot exceed experts={experts}")
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
-    bos, eos, pad = 1, 2, 2
+    bos, eos, pad = special_ids
     config = Qwen3MoeConfig(
         vocab_size=vocab_size,
         hidden_size=hidden,
@@ -93,3 +99,15 @@ def make_tiny_qwen3_moe(
     model.generation_config = GenerationConfig(bos_token_id=bos, eos_token_id=eos, pad_token_id=pad)
     model.save_pretrained(str(out), safe_serialization=True)
     return str(out)
+
+
+def make_tiny_byte_chat_qwen3_moe(path: str | os.PathLike[str], **kwargs: object) -> str:
+    """``make_tiny_qwen3_moe`` with the byte-level chat tokenizer of
+    ``make_tiny_byte_chat_llama`` (``write_byte_chat_tokenizer``: 259 tokens,
+    SmolLM2's chat format): prompts render and tokenise, so ``areal train``
+    and the embedded inference server run it (the expert-parallel
+    end-to-end tests). ``kwargs`` go to ``make_tiny_qwen3_moe``; the vocab
+    and special ids come from the tokenizer."""
+    ids = write_byte_chat_tokenizer(path)
+    special = (ids["bos_token_id"], ids["eos_token_id"], ids["pad_token_id"])
+    return make_tiny_qwen3_moe(path, vocab_size=ids["vocab_size"], special_ids=special, **kwargs)  # type: ignore[arg-type]

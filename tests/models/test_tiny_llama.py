@@ -1,5 +1,6 @@
 """make_tiny_llama: a real LlamaConfig model, with or without SmolLM2's tokenizer;
-make_tiny_byte_chat_llama: the same with a byte-level tokenizer."""
+make_tiny_byte_chat_llama: the same with a byte-level tokenizer (also written beside
+make_tiny_byte_chat_qwen3_moe's mixture of experts)."""
 
 from __future__ import annotations
 
@@ -100,3 +101,33 @@ def test_byte_level_tokenizer_round_trips_any_text_and_chats(tmp_path):
     with torch.no_grad():
         out = model.generate(chat_ids, max_new_tokens=4, do_sample=False)
     assert out.shape[1] > chat_ids.shape[1]
+
+
+def test_byte_chat_qwen3_moe_has_the_same_tokenizer(tmp_path):
+    """make_tiny_byte_chat_qwen3_moe writes the byte-level chat tokenizer of
+    make_tiny_byte_chat_llama (the same files, one helper) beside a Qwen3-MoE
+    whose vocab and special ids are the tokenizer's."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from areal_kernel.testing.models import make_tiny_byte_chat_qwen3_moe
+
+    moe = make_tiny_byte_chat_qwen3_moe(tmp_path / "moe", experts=4, top_k=2)
+    llama = make_tiny_byte_chat_llama(tmp_path / "llama")
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        with open(f"{moe}/{name}") as a, open(f"{llama}/{name}") as b:
+            assert a.read() == b.read(), name
+    tok = AutoTokenizer.from_pretrained(moe)
+    model = AutoModelForCausalLM.from_pretrained(moe)
+    assert model.config.model_type == "qwen3_moe" and model.config.num_experts == 4
+    assert len(tok) == 259 == model.config.vocab_size
+    assert (model.config.bos_token_id, model.config.eos_token_id, model.config.pad_token_id) == (
+        tok.bos_token_id,
+        tok.eos_token_id,
+        tok.pad_token_id,
+    )
+    chat_ids = tok.apply_chat_template(
+        [{"role": "user", "content": "hi"}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )["input_ids"]
+    with torch.no_grad():
+        assert model(chat_ids).logits.shape == (1, chat_ids.shape[1], 259)
