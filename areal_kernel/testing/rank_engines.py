@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -299,7 +300,10 @@ class RankEngineGRPOSuite(_RankEngineSuite):
 
     Class attributes: ``ENGINE_NAME`` (the ``actor.backend`` name),
     ``EXAMPLE`` (path of the plugin's example config), ``N_RANKS``, ``STEPS``,
-    ``CHECK``, ``OVERRIDES`` (more of the example's settings, e.g. another layout). Fixtures: ``run_areal`` (the kernel's pytest plugin), ``tmp_path``."""
+    ``CHECK``, ``OVERRIDES`` (more of the example's settings, e.g. another layout),
+    ``STEP_METRICS`` (metrics every step's row must carry, e.g. a layout's own);
+    ``make_model`` (another tiny byte-level model, e.g. a mixture of experts).
+    Fixtures: ``run_areal`` (the kernel's pytest plugin), ``tmp_path``."""
 
     EXAMPLE: ClassVar[str]
     N_RANKS: ClassVar[int] = 2
@@ -307,14 +311,20 @@ class RankEngineGRPOSuite(_RankEngineSuite):
     CHECK: ClassVar[LearningCheck] = TINY_CHARS
     # More overrides of the example (another layout of the same engine: "actor.backend=fsdp:t2").
     OVERRIDES: ClassVar[tuple[str, ...]] = ()
+    # Keys of metrics.jsonl every step row must have (finite numbers).
+    STEP_METRICS: ClassVar[tuple[str, ...]] = ()
+
+    def make_model(self, path: str) -> str:
+        """The model the run trains, written to ``path`` (with its byte-level chat tokenizer)."""
+        from areal_kernel.testing.models import make_tiny_byte_chat_llama
+
+        return make_tiny_byte_chat_llama(path)
 
     @pytest.mark.parametrize("arm", ["learning", "frozen"])
     def test_grpo_raises_the_reward(self, arm: str, run_areal: Any, tmp_path: Any) -> None:
         """Over 20 s: ``N_RANKS`` ranks plus a server start, and ``STEPS``
         GRPO steps of the tiny model."""
-        from areal_kernel.testing.models import make_tiny_byte_chat_llama
-
-        model = make_tiny_byte_chat_llama(tmp_path / "model")
+        model = self.make_model(str(tmp_path / "model"))
         lr_key = f"actor.{self.ENGINE_NAME}.lr"
         run_dir = str(tmp_path / "run")
         proc = run_areal(
@@ -327,6 +337,9 @@ class RankEngineGRPOSuite(_RankEngineSuite):
         steps = step_rows(run_dir)
         assert len(steps) == self.STEPS
         assert all(r["train/n_ranks"] == float(self.N_RANKS) and r["train/skipped"] == 0.0 for r in steps)
+        for key in self.STEP_METRICS:
+            values = [r.get(key) for r in steps]
+            assert all(v is not None and math.isfinite(v) for v in values), (key, values)
         # Asynchronous (some samples one version old), never staler than allowed.
         assert max(r["rollout/staleness_max"] for r in steps) <= 1
         assert any(r["rollout/staleness_max"] == 1 for r in steps), [r["rollout/staleness_max"] for r in steps]
@@ -362,7 +375,8 @@ class RankEngineRecoverySuite(_RankEngineSuite):
 
     Class attributes: ``ENGINE_NAME`` (its ``actor.<name>`` section takes
     ``lr``), ``EXAMPLE``, ``STEPS``, ``EXTRA_ARGS`` (overrides such as
-    ``actor.backend=<name>:t2`` for the layout under test)."""
+    ``actor.backend=<name>:t2`` for the layout under test). A layout that
+    needs another model (experts) overrides the class fixture ``tiny_chat_model``."""
 
     EXAMPLE: ClassVar[str]
     STEPS: ClassVar[int]
