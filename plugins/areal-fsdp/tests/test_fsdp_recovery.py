@@ -5,18 +5,25 @@ auto``) and compare with an uninterrupted run (the kernel's
 layout whose state is stored differently: ``fsdp:d2`` (every weight and its
 optimizer state sharded over the data ranks), ``fsdp:t2`` (DTensor shards
 of the split projections, replicated norms and embedding) and ``fsdp:p2``
-(each rank its own pipeline stage and optimizer). The engine state goes
+(each rank its own pipeline stage and optimizer), ``fsdp:c2`` (the
+sequence split over the ranks, the weights sharded as d2) and ``fsdp:d2e2``
+(each rank its own experts beside its FSDP shards, on the tiny byte-level
+Qwen3-MoE). The engine state goes
 through ``torch.distributed.checkpoint`` (each rank its shards). The
 suite's tiny Llama (4 heads, 2 KV heads, 2 layers) splits t2 and p2.
 
 The split layouts run 3 steps (checkpoint 1, killed in step 2, resumed
 through step 3: enough to resume after a checkpoint and train on). Measured
-on 2 cores shared with other work: d2 17-24 s, t2 18-22 s, p2 12-21 s.
+on 2 cores shared with other work: d2 17-24 s, t2 18-22 s, p2 12-21 s, c2
+12-20 s, d2e2 9-18 s (c2 and d2e2 resumed exactly on their first run: no
+engine fix was needed).
 Negative control, run by hand once (not kept as a test): ranks whose
 ``dcp_load`` reads only the model entry (fresh AdamW moments) fail the
 weight check on t2 and on p2 (both name model.embed_tokens.weight)."""
 
 from __future__ import annotations
+
+import pytest
 
 from areal_kernel.testing.rank_engines import RankEngineRecoverySuite, plugin_example
 
@@ -39,3 +46,30 @@ class TestFSDPPipelineRecovery(RankEngineRecoverySuite):
     EXAMPLE = plugin_example(__file__, "grpo_arithmetic_fsdp.yaml")
     STEPS = 3
     EXTRA_ARGS = ("actor.backend=fsdp:p2",)
+
+
+class TestFSDPContextParallelRecovery(RankEngineRecoverySuite):
+    """``fsdp:c2``: every micro-batch's row split along the sequence over the
+    two ranks, which shard the weights as one FSDP group of 2."""
+
+    ENGINE_NAME = "fsdp"
+    EXAMPLE = plugin_example(__file__, "grpo_arithmetic_fsdp.yaml")
+    STEPS = 3
+    EXTRA_ARGS = ("actor.backend=fsdp:c2",)
+
+
+class TestFSDPExpertParallelRecovery(RankEngineRecoverySuite):
+    """``fsdp:d2e2`` on the tiny byte-level Qwen3-MoE: each rank stores its
+    own experts (and their optimizer state) beside its FSDP shards."""
+
+    ENGINE_NAME = "fsdp"
+    EXAMPLE = plugin_example(__file__, "grpo_arithmetic_fsdp.yaml")
+    STEPS = 3
+    EXTRA_ARGS = ("actor.backend=fsdp:d2e2",)
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def tiny_chat_model(cls, tmp_path_factory: pytest.TempPathFactory) -> str:
+        from areal_kernel.testing.models import make_tiny_byte_chat_qwen3_moe
+
+        return make_tiny_byte_chat_qwen3_moe(tmp_path_factory.mktemp("tiny-moe-recovery"))
