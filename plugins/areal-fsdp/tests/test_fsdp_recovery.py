@@ -19,7 +19,10 @@ on 2 cores shared with other work: d2 17-24 s, t2 18-22 s, p2 12-21 s, c2
 engine fix was needed).
 Negative control, run by hand once (not kept as a test): ranks whose
 ``dcp_load`` reads only the model entry (fresh AdamW moments) fail the
-weight check on t2 and on p2 (both name model.embed_tokens.weight)."""
+weight check on t2 and on p2 (both name model.embed_tokens.weight); so do
+ranks that drop every AdamW moment after ``dcp_load`` on c2, and ranks that
+drop only the experts' moments on d2e2 (both name model.embed_tokens.weight:
+the first weight compared, moved by the changed updates)."""
 
 from __future__ import annotations
 
