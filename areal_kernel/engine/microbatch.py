@@ -324,17 +324,27 @@ class MicroBatchRunner:
         logits = logits.float()
         if self.config.temperature != 1.0:
             logits = logits / self.config.temperature
-        lse = torch.logsumexp(logits, dim=-1)
         labels = row.input_ids.index_select(0, target_pos)
-        lp_sel = logits.gather(-1, labels[:, None])[:, 0] - lse
+        lp_sel, ent = self.token_scores(logits, labels, entropy_grad)
         logprobs = torch.zeros(n, dtype=lp_sel.dtype, device=dev).index_put((target_pos,), lp_sel)
+        entropy = torch.zeros(n, dtype=ent.dtype, device=dev).index_put((target_pos,), ent)
+        return logprobs, entropy
+
+    def token_scores(self, logits: Any, labels: Any, entropy_grad: bool) -> tuple[Any, Any]:
+        """Logprob of ``labels`` and entropy per row of ``logits`` (``(m, V)``,
+        float, temperature applied); the entropy carries a gradient only with
+        ``entropy_grad``. Subclasses whose logits are a slice of the
+        vocabulary override it (``areal_fsdp.tensor_parallel.TensorRunner``)."""
+        import torch
+
+        lse = torch.logsumexp(logits, dim=-1)
+        lp_sel = logits.gather(-1, labels[:, None])[:, 0] - lse
         ctx = contextlib.nullcontext() if entropy_grad else torch.no_grad()
         with ctx:
             z = logits if entropy_grad else logits.detach()
             l = lse if entropy_grad else lse.detach()
             ent = l - (torch.softmax(z, dim=-1) * z).sum(-1)
-            entropy = torch.zeros(n, dtype=ent.dtype, device=dev).index_put((target_pos,), ent)
-        return logprobs, entropy
+        return lp_sel, ent
 
     def filler_forward(self, entropy_grad: bool = False) -> Any:
         """A 2-token forward that only keeps this process in step with
