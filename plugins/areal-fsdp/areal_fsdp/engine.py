@@ -184,10 +184,18 @@ class FSDPTrainEngine(RankedTrainEngine):
         self.rank_experts: list[list[int]] = [a.get("experts", []) for a in answers]
         moe = answers[0].get("moe_shape")
         self._moe_shape = (int(moe[0]), int(moe[1])) if moe else None
+        # Tensor parallelism: whether the embedding and LM head are split by vocabulary rows.
+        self.vocab_parallel = bool(answers[0].get("vocab_parallel", False))
+        if answers[0].get("vocab_refusal"):
+            log.warning(
+                "fsdp: embedding and LM head stay replicated over the tensor ranks (every rank computes the "
+                "full-vocabulary logits)", layout=str(self.layout), reason=answers[0]["vocab_refusal"],
+            )  # fmt: skip
         parallel = self.layout.tp > 1 or self.layout.pp > 1 or self.layout.ep > 1 or self.layout.cp > 1
         log.info(
             "fsdp engine ready", layout=str(self.layout), logs=self.log_dir,
             wrapped_blocks=answers[0]["wrapped_blocks"], tp_layers=answers[0].get("tp_layers", 0),
+            vocab_parallel=self.vocab_parallel if self.layout.tp > 1 else None,
             rank_coords={r: self.layout.rank_coords(r) for r in range(self.world_size)} if parallel else None,
             stages={r: st for r, st in enumerate(self.rank_stages)} if self.layout.pp > 1 else None,
             schedule=self.config.pipeline_schedule if self.layout.pp > 1 else None,

@@ -276,6 +276,10 @@ class FSDPRankEngine:
 
         mesh = device_mesh(self.world_size, self.layout.tp)
         tp_layers = 0
+        # First vocabulary row of this rank's embedding / LM head slice; None
+        # while they are replicated (no tensor parallelism, or they cannot split).
+        vocab_start: int | None = None
+        vocab_refusal: str | None = None
         partial_names: list[str] = []
         expert_params: list[Any] = []
         expert_info: dict[str, Any] = {}
@@ -287,7 +291,13 @@ class FSDPRankEngine:
                 )
             expert_params, expert_info = self._apply_expert_parallel(model, mesh)
         if self.layout.tp > 1:
-            from areal_fsdp.tensor_parallel import apply_tensor_parallel, check_tp_model, per_head_params
+            from areal_fsdp.tensor_parallel import (
+                apply_tensor_parallel,
+                apply_vocab_parallel,
+                check_tp_model,
+                per_head_params,
+                vocab_split_refusal,
+            )
 
             if vision_model:
                 raise ConfigError(
@@ -298,6 +308,10 @@ class FSDPRankEngine:
             # TP first, then FSDP over the data axis (the order FSDP2 composes with DTensor).
             tp_layers = apply_tensor_parallel(model, mesh["tp"])
             self.tp_group = mesh["tp"].get_group()
+            # The driver logs the refusal (a fallback, not an error: the replicated head is exact).
+            vocab_refusal = vocab_split_refusal(model, self.layout.tp)
+            if vocab_refusal is None:
+                vocab_start = apply_vocab_parallel(model, mesh["tp"])
             partial_names = per_head_params(model)
             mesh = mesh["dp"]
         mp = cfg.mixed_precision
@@ -367,6 +381,13 @@ class FSDPRankEngine:
                 model, cfg.model_copy(update={"share_prompts": False}), self.device, hooks=RankSync(self.world_size),
                 split_head=False, group=self.cp_group, rank=self.rank % self.layout.cp, size=self.layout.cp,
             )  # fmt: skip
+        elif vocab_start is not None:
+            from areal_fsdp.tensor_parallel import TensorRunner
+
+            self.runner = TensorRunner(
+                model, cfg, self.device, hooks=RankSync(self.world_size), split_head=False,
+                group=self.tp_group, vocab_start=vocab_start,
+            )  # fmt: skip
         else:
             self.runner = MicroBatchRunner(model, cfg, self.device, hooks=RankSync(self.world_size), split_head=False)
         if vision_model:
@@ -381,6 +402,8 @@ class FSDPRankEngine:
             "transfer_meta": self.transfer_meta,
             "wrapped_blocks": wrapped,
             "tp_layers": tp_layers,
+            "vocab_parallel": vocab_start is not None,
+            "vocab_refusal": vocab_refusal,
             "adapter_config": self.adapter_config,
             "param_bytes": sum(_local(p).numel() * p.element_size() for p in model.parameters()),
             **expert_info,

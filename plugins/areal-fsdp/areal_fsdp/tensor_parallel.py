@@ -36,8 +36,10 @@ them); ``import areal_fsdp.tensor_parallel`` stays light.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
+from areal_kernel.engine.microbatch import MicroBatchRunner
 from areal_kernel.errors import ConfigError
 
 # model_type values of config.json the plan below was checked on (parity with
@@ -178,3 +180,136 @@ def _has_submodule(module: Any, path: str) -> bool:
     except AttributeError:
         return False
     return True
+
+
+# --------------------------------------------------------- the vocabulary split
+def vocab_split_refusal(model: Any, tp: int) -> str | None:
+    """Why the embedding and the LM head of ``model`` cannot be split over
+    ``tp`` ranks by vocabulary rows (they then stay replicated); None when
+    they can. Uneven vocabularies fall back rather than pad: a padded head
+    would change the weights' shapes that exports, broadcasts and checkpoints
+    carry, and the replicated head is exact, only slower."""
+    import torch.nn as nn
+
+    emb = model.get_input_embeddings()
+    head = model.get_output_embeddings()
+    if hasattr(emb, "base_layer") or hasattr(head, "base_layer"):
+        return "a LoRA adapter wraps the embedding or the LM head"
+    if not isinstance(emb, nn.Embedding) or not isinstance(head, nn.Linear):
+        return f"embedding {type(emb).__name__} / head {type(head).__name__} are not nn.Embedding / nn.Linear"
+    if head.bias is not None:
+        return "the LM head has a bias"
+    cfg = getattr(model, "config", None)
+    if any(getattr(cfg, k, None) not in (None, 1.0) for k in ("final_logit_softcapping", "logit_scale")):
+        return "the model scales or soft-caps its logits"
+    vocab = emb.weight.shape[0]
+    if head.weight.shape[0] != vocab:
+        return f"the embedding has {vocab} rows, the LM head {head.weight.shape[0]}"
+    if vocab % tp:
+        return f"the vocabulary ({vocab}) does not divide by t={tp}"
+    return None
+
+
+def apply_vocab_parallel(model: Any, tp_mesh: Any) -> int:
+    """Split the embedding and the LM head of ``model`` by vocabulary rows over
+    ``tp_mesh`` (in place, before FSDP; ``vocab_split_refusal`` must be None).
+    Tensor rank ``r`` holds rows ``[r*V/t, (r+1)*V/t)`` of both. The embedding
+    looks up the tokens it owns, zeroes the others, and one all-reduce sums the
+    ranks' rows (torch's row-wise embedding); the head returns the rank's
+    slice of the logits ``(..., V/t)`` as a plain tensor, which only
+    ``vocab_parallel_scores`` reads. A tied matrix is split once and shared
+    by both. Returns the first vocabulary row this rank holds."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    emb = model.get_input_embeddings()
+    head = model.get_output_embeddings()
+    tied = head.weight is emb.weight
+    names = {id(m): n for n, m in model.named_modules()}
+    parallelize_module(
+        model,
+        tp_mesh,
+        {
+            # Token ids are the same on every tensor rank; the summed rows too.
+            names[id(emb)]: RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+            # The head reads the full hidden state; its backward sums the
+            # ranks' input gradients (the input's Replicate layout).
+            names[id(head)]: ColwiseParallel(output_layouts=Shard(-1), use_local_output=True),
+        },
+    )
+    if tied:
+        # Each style distributed its own copy of the shared matrix: keep one.
+        head.weight = emb.weight
+    rows = emb.weight.to_local().shape[0]
+    return tp_mesh.get_local_rank() * rows
+
+
+def vocab_parallel_scores(logits: Any, labels: Any, start: int, group: Any) -> tuple[Any, Any]:
+    """Per row of ``logits`` (``(m, V/t)``: this rank's vocabulary slice
+    ``[start, start + V/t)``, float, temperature applied): the logprob of
+    ``labels`` (global token ids) and the entropy over the whole vocabulary,
+    the same on every rank of ``group``. Two collectives: the max per row
+    (for a stable exp), then one sum of (sum of exp, sum of exp * logit, the
+    label's logit from the rank that owns it). Differentiable in ``logits``."""
+    return _scores_fn().apply(logits, labels, start, group)
+
+
+@functools.lru_cache(maxsize=1)
+def _scores_fn() -> Any:
+    """The autograd Function behind ``vocab_parallel_scores`` (built on first
+    use so the module imports without torch)."""
+    import torch
+    import torch.distributed as dist
+
+    class VocabParallelScores(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, logits: Any, labels: Any, start: int, group: Any) -> Any:
+            # Unused outputs (the entropy when only logprobs train) get None, not zeros.
+            ctx.set_materialize_grads(False)
+            rows = logits.shape[-1]
+            top = logits.max(dim=-1).values
+            # Every rank must shift by the same max: the sums below add across ranks.
+            dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+            shifted = logits - top[:, None]
+            e = shifted.exp()
+            local = labels - start
+            own = (local >= 0) & (local < rows)
+            target = shifted.gather(-1, local.clamp(0, rows - 1)[:, None])[:, 0]
+            sums = torch.stack([e.sum(-1), (e * shifted).sum(-1), torch.where(own, target, 0.0)], dim=-1)
+            dist.all_reduce(sums, group=group)
+            log_z = sums[:, 0].log()
+            mean = sums[:, 1] / sums[:, 0]  # E_p[logit] - max
+            ctx.save_for_backward(shifted, log_z, mean, local, own)
+            return sums[:, 2] - log_z, log_z - mean
+
+        @staticmethod
+        def backward(ctx: Any, g_lp: Any, g_ent: Any) -> Any:
+            # d logprob / d z_j = [j = label] - p_j; d entropy / d z_j = p_j (E_p[z] - z_j).
+            # Both need only this rank's p_j and the rows' global sums: no collective.
+            shifted, log_z, mean, local, own = ctx.saved_tensors
+            p = (shifted - log_z[:, None]).exp()
+            grad = torch.zeros_like(p)
+            if g_lp is not None:
+                grad -= p * g_lp[:, None]
+                hit = torch.nonzero(own, as_tuple=False)[:, 0]
+                grad.index_put_((hit, local.index_select(0, hit)), g_lp.index_select(0, hit), accumulate=True)
+            if g_ent is not None:
+                grad += g_ent[:, None] * p * (mean[:, None] - shifted)
+            return grad, None, None, None
+
+    return VocabParallelScores
+
+
+class TensorRunner(MicroBatchRunner):
+    """The micro-batch runner of a tensor rank whose LM head is split by
+    vocabulary (``apply_vocab_parallel``): the model returns this rank's
+    slice of the logits, and the logprobs and entropies come from
+    ``vocab_parallel_scores`` over the tensor group."""
+
+    def __init__(self, model: Any, config: Any, device: Any, *, group: Any, vocab_start: int, **kw: Any) -> None:
+        super().__init__(model, config, device, **kw)
+        self.group, self.vocab_start = group, vocab_start
+
+    def token_scores(self, logits: Any, labels: Any, entropy_grad: bool) -> tuple[Any, Any]:
+        lp, ent = vocab_parallel_scores(logits, labels, self.vocab_start, self.group)
+        return lp, (ent if entropy_grad else ent.detach())

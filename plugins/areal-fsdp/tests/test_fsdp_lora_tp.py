@@ -91,7 +91,8 @@ def trained(request, tiny_model_dir):
 def test_adapters_are_split_with_their_base_layers(trained, tiny_model_dir):
     """Same peft init as one process (before splitting); each tensor rank
     holds half of every split matrix: the base projections, lora_B of the
-    column-wise ones and lora_A of the row-wise ones."""
+    column-wise ones, lora_A of the row-wise ones, and the (frozen) embedding
+    by vocabulary rows."""
     tp, ref, init, *_ = trained
     init_ref = TorchTrainEngine(CFG)
     init_ref.initialize(tiny_model_dir, 10)
@@ -104,7 +105,9 @@ def test_adapters_are_split_with_their_base_layers(trained, tiny_model_dir):
         whole += size
         col, row = (any(f".{m}." in name for m in ms) for ms in (COLWISE, ROWWISE))
         lora_a, lora_b = ".lora_A." in name, ".lora_B." in name
-        if (col and not lora_a) or (row and not lora_b):
+        # The frozen tied embedding / LM head (named once) is split by vocabulary rows.
+        vocab = name.endswith(("embed_tokens.weight", "lm_head.weight"))
+        if (col and not lora_a) or (row and not lora_b) or vocab:
             split += size
     # Summed over the ranks: the split matrices once, the rest once per tensor rank.
     assert split > 0 and sum(tp.rank_param_bytes) == 2 * whole - split

@@ -227,7 +227,8 @@ def test_qwen_families_match_single_process(family, tmp_path):
     Qwen3 is the case that needs the per-head norms' gradients summed over
     the tensor ranks: without it its q_norm weights land ~500x the floor
     away. Qwen2's q/k/v biases are split with their column-wise weights
-    (each rank holds half of them: the parameter bytes say so)."""
+    (each rank holds half of them: the parameter bytes say so), and so is
+    the tied embedding / LM head matrix, by vocabulary rows."""
     from areal_fsdp.engine import FSDPTrainEngine
 
     model = _tiny_qwen(str(tmp_path / family), family)
@@ -241,8 +242,11 @@ def test_qwen_families_match_single_process(family, tmp_path):
         whole = split = 0
         for name, p in ref.model.named_parameters():
             whole += p.numel() * p.element_size()
-            if any(f".{m}." in name for m in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")) or (
-                any(f".{m}.weight" in name for m in ("o_proj", "down_proj"))
+            # The tied embedding / LM head matrix (named once) is split by vocabulary rows.
+            if (
+                any(f".{m}." in name for m in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"))
+                or any(f".{m}.weight" in name for m in ("o_proj", "down_proj"))
+                or name in ("model.embed_tokens.weight", "lm_head.weight")
             ):
                 split += p.numel() * p.element_size()
         assert tp.rank_param_bytes == [whole - split // 2] * 2
