@@ -81,7 +81,8 @@ def _full(t: Any) -> Any:
 def replicas(t: Any, world_size: int) -> int:
     """How many ranks hold the same local part of ``t``: 1 for a tensor
     sharded over every rank; ``t`` for a weight FSDP shards over the data axis
-    only and the tensor ranks replicate (norms, embedding, LM head); the whole
+    only and the tensor ranks replicate (norms; the embedding and LM head when
+    the vocabulary stays replicated); the whole
     world for a plain tensor. A global sum of squares divides by it."""
     mesh = getattr(t, "device_mesh", None)
     if mesh is None:

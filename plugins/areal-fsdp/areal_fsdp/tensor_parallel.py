@@ -8,11 +8,28 @@ projection row-wise (their all-reduce gives every tensor rank the full
 residual stream back). One all-reduce per attention and one per MLP in the
 forward, as many in the backward.
 
-Not split: the embedding, the final norm and the LM head stay replicated
-over the tensor ranks (correct, and the loss / logprob / entropy code sees
-the full logits exactly as in the single-process engine; a vocab-parallel
-head would save memory on large vocabularies and is later work), and so do
-the layer norms. Qwen3's per-head q/k norms are replicated too, but
+The vocabulary (``apply_vocab_parallel``): the embedding and the LM head
+are split by vocabulary rows, tensor rank ``r`` holding rows
+``[r*V/t, (r+1)*V/t)`` of both (a tied matrix is split once and serves
+both). The embedding looks up the tokens it owns, zeroes the others, and an
+all-reduce sums the ranks' rows. The head gives each rank its slice of the
+logits, which never exist whole on one rank: ``TensorRunner`` computes each
+token's logprob and entropy with ``vocab_parallel_scores`` (the max per
+token over the tensor group, then one sum of the exp-sums, the exp-weighted
+logits and the target's logit from the rank that owns it; the backward
+needs no collective). On a small model with a large vocabulary (SmolLM2's
+49152 x 576 head) the head is the largest matmul of the step, which the
+replicated head made every tensor rank compute in full.
+
+When the vocabulary cannot split (``vocab_split_refusal``: a vocabulary
+that does not divide by t, a LoRA adapter on the embedding or the head, a
+head with a bias, scaled or soft-capped logits) both stay replicated and
+the plain runner sees full logits, as before: a fallback, not padding,
+because padding would change the shapes that exports, broadcasts and
+checkpoints carry. The driver logs the reason.
+
+Not split: the final norm and the layer norms stay replicated over the
+tensor ranks. Qwen3's per-head q/k norms are replicated too, but
 they act on the local heads only, so each tensor rank's gradient of their
 weight is a partial sum over its heads: ``per_head_params`` names them and
 the rank sums their gradients over the tensor group after the backward.
@@ -20,8 +37,9 @@ the rank sums their gradients over the tensor group after the backward.
 LoRA (``actor.fsdp.lora``, applied before the split): a planned projection
 that carries a peft adapter is split through its ``base_layer``, and its
 ``lora_A`` / ``lora_B`` so that the update lands on the same local output
-slice as the base (``module_plan``); adapters on other linear layers (the
-LM head) stay replicated like their base. Adapter dropout is refused with
+slice as the base (``module_plan``); adapters on other linear layers stay
+replicated like their base (an adapter on the LM head keeps the vocabulary
+replicated). Adapter dropout is refused with
 t > 1 (``areal_fsdp.layout.check_layout_settings``).
 
 Attention heads: the installed transformers' attention reshapes the
