@@ -1,6 +1,6 @@
 """The N-D train engines on CPU, side by side on the same batches: training
 tokens/s of every layout of the torch-native engine (areal-fsdp: d2, t2
-(DTensor tensor parallel), d2t2 (4 ranks), p2 with 1F1B and interleaved 1F1B
+(DTensor tensor parallel, vocabulary split too), d2t2 (4 ranks), p2 with 1F1B and interleaved 1F1B
 (torch.distributed.pipelining), c2 (context parallel)) and of megatron-core (d2, t2, p2), against the
 kernel's single-process torch engine and ``fsdp:d2``; then, on a mixture-of-
 experts model, ``fsdp:d2e2`` (expert parallel) against ``fsdp:d2``.
