@@ -150,6 +150,26 @@ class RankedTrainEngine(TrainEngine):
     def current_lr(self) -> float:
         return scheduled_lr(self.config, self._step, self.total_train_steps)
 
+    def policy_state(self) -> dict[str, Any]:
+        """What the one-policy calls read and advance: ``settings``, the
+        weight list the ranks send (``transfer_meta``), ``step`` and
+        ``version``. A subclass whose ranks hold several policies (one
+        adapter each) wears one policy's state for the length of a call
+        with ``set_policy_state`` and takes the advanced state back after."""
+        return {
+            "settings": self.config,
+            "transfer_meta": self._transfer_meta,
+            "step": self._step,
+            "version": self.get_version(),
+        }
+
+    def set_policy_state(self, state: dict[str, Any]) -> None:
+        """Wear ``state`` (as ``policy_state`` returns it)."""
+        self.config = state["settings"]
+        self._transfer_meta = state["transfer_meta"]
+        self._step = int(state["step"])
+        self.set_version(int(state["version"]))
+
     @property
     def ranks(self) -> RankGroup | None:
         """The running rank group (``None`` before ``initialize`` and after
@@ -334,13 +354,17 @@ class RankedTrainEngine(TrainEngine):
     def _sub(batch: TrajectoryBatch, idx: list[int]) -> TrajectoryBatch:
         return TrajectoryBatch([batch.trajectories[i] for i in idx])
 
-    def _score(
-        self, batch: TrajectoryBatch, only_loss_tokens: bool, with_entropy: bool
+    def score_parts(
+        self, batch: TrajectoryBatch, only_loss_tokens: bool, with_entropy: bool, cmd: str = "score_part"
     ) -> tuple[list[list[float]], list[list[float]]]:
+        """Score ``batch`` in data-parallel parts with the ranks' ``cmd``
+        (``score_part``, or a subclass's scoring command taking the same
+        arguments, e.g. the base with its adapters off) and put the logprobs
+        (and entropies, with ``with_entropy``) back in batch order."""
         check_batch(batch)
         parts = self.partition(batch)
         answers = self.call_parts(
-            "score_part",
+            cmd,
             [self._sub(batch, p) for p in parts],
             [{} for _ in parts],
             {"only_loss_tokens": only_loss_tokens, "with_entropy": with_entropy},
@@ -356,10 +380,10 @@ class RankedTrainEngine(TrainEngine):
 
     def compute_logprobs(self, batch: TrajectoryBatch, only_loss_tokens: bool = False) -> list[list[float]]:
         """Per-token logprobs under the current weights (see ``TorchTrainEngine``)."""
-        return self._score(batch, only_loss_tokens, False)[0]
+        return self.score_parts(batch, only_loss_tokens, False)[0]
 
     def compute_logprobs_and_entropy(self, batch: TrajectoryBatch) -> tuple[list[list[float]], list[list[float]]]:
-        return self._score(batch, False, True)
+        return self.score_parts(batch, False, True)
 
     def train_batch(
         self,
