@@ -71,6 +71,7 @@ from areal_kernel.utils.fs import atomic_dir
 
 from areal_fsdp.config import FSDPEngineConfig
 from areal_fsdp.layout import Layout, check_layout_settings, layout_of
+from areal_fsdp.multi_adapter import FSDPPolicies
 
 log = get_logger(__name__)
 
@@ -78,7 +79,7 @@ log = get_logger(__name__)
 __all__ = ["FSDPTrainEngine", "RankError"]
 
 
-class FSDPTrainEngine(RankedTrainEngine):
+class FSDPTrainEngine(FSDPPolicies, RankedTrainEngine):
     """FSDP2 train engine over ``world_size`` rank processes.
 
     The kernel builds it with ``FSDPTrainEngine.from_context(context)``: the
@@ -176,6 +177,7 @@ class FSDPTrainEngine(RankedTrainEngine):
 
     def on_initialized(self, answers: list[Any]) -> None:
         self._adapter_config = answers[0].get("adapter_config")
+        self.build_policies(answers[0])  # with adapters: one view per adapter (areal_fsdp.multi_adapter)
         # Pipeline stages: which (stage index, first layer, end layer) each rank runs,
         # and the parameter bytes each rank holds.
         self.rank_stages: list[list[list[int]]] = [a.get("stages", []) for a in answers]
@@ -253,6 +255,7 @@ class FSDPTrainEngine(RankedTrainEngine):
     # --------------------------------------------------------------- adapter
     def adapter_spec(self) -> AdapterSpec | None:
         """The LoRA adapter the ranks train (``actor.fsdp.lora``), or ``None``."""
+        self.check_policy_call("adapter_spec")
         lora = self.config.lora
         if lora is None:
             return None

@@ -156,6 +156,8 @@ def check_layout_settings(layout: Layout, settings: Any, where: str = "actor.bac
     refused = {
         "gradient_checkpointing": f"activation recomputation is not validated with {kind}",
         "cpu_offload": f"offloading is not validated with {kind}",
+        # areal_fsdp.multi_adapter switches adapters on FSDP units over d only.
+        "adapters": f"several adapters are not validated with {kind}",
     }
     if layout.pp > 1 or layout.ep > 1 or layout.cp > 1:
         # Tensor parallelism splits the adapters with their base layers

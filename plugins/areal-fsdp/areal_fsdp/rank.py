@@ -64,6 +64,7 @@ from areal_kernel.platforms import current_platform
 
 from areal_fsdp.config import FSDPEngineConfig
 from areal_fsdp.layout import Layout, check_layout_settings
+from areal_fsdp.multi_adapter import RankAdapters
 
 __all__ = ["FSDPRankEngine", "RankSync", "device_mesh", "join_process_group", "main", "replicas"]
 
@@ -155,8 +156,9 @@ class RankSync(MicroBatchHooks):
         return total
 
 
-class FSDPRankEngine:
-    """The model shard and optimizer of one rank."""
+class FSDPRankEngine(RankAdapters):
+    """The model shard and optimizer of one rank (with ``adapters``: one
+    optimizer per adapter, ``areal_fsdp.multi_adapter``)."""
 
     def __init__(
         self,
@@ -244,13 +246,20 @@ class FSDPRankEngine:
         from areal_kernel.models.vision import ImageTensors, is_vision_model
 
         vision_model = is_vision_model(model_path)
-        if cfg.lora is not None:
+        if cfg.adapters is not None:
+            model = self.wrap_adapters(model)
+        elif cfg.lora is not None:
             model = apply_lora(model, cfg.lora, section="actor.fsdp.lora")
         model.to(self.device)
+        if cfg.adapters is not None:
+            # Each adapter's transfer list; the rank starts as adapter 0's engine.
+            self.describe_adapters(model, model_path)
         # What exports and broadcasts send, in order (tied aliases dropped), from
         # the unsharded model: the same list the single-process engine sends
         # (with LoRA: the adapter's tensors under peft's file names).
-        if cfg.lora is not None:
+        if cfg.adapters is not None:
+            named = []
+        elif cfg.lora is not None:
             self.live_names = {peft_file_name(n): n for n, _ in trainable_named_params(model)}
             named = adapter_weights(model)
             if {n for n, _ in named} != set(self.live_names):
@@ -398,6 +407,8 @@ class FSDPRankEngine:
         # With LoRA only the adapter trains: frozen base weights get no optimizer state.
         self.optimizer = make_optimizer([p for p in model.parameters() if p.requires_grad], cfg)
         self.step = 0
+        if cfg.adapters is not None:
+            self.adapter_optimizers()
         self.set_lr()
         return {
             "transfer_meta": self.transfer_meta,
@@ -408,6 +419,7 @@ class FSDPRankEngine:
             "adapter_config": self.adapter_config,
             "param_bytes": sum(_local(p).numel() * p.element_size() for p in model.parameters()),
             **expert_info,
+            **(self.adapter_info() if cfg.adapters is not None else {}),
         }
 
     def _apply_expert_parallel(self, model: Any, mesh: Any) -> tuple[list[Any], dict[str, Any]]:
