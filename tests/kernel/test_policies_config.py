@@ -77,7 +77,7 @@ def test_the_servers_serve_every_policys_adapter_also_from_one_policys_config(tm
         (["policies={'a/b': {}}"], "policy name 'a/b'"),
         (["policies={a: {}}", "actor.torch.lora={rank: 4}"], "drop actor.torch.lora"),
         (["policies={a: {}}", "actor.backend=megatron"], "actor.backend 'megatron' does not hold one adapter per policy"),
-        (["policies={a: {}}", "actor.backend=fsdp"], "train engines that do: torch"),
+        (["policies={a: {}}", "actor.backend=megatron"], "train engines that do: fsdp, torch"),
         (["policies={a: {}}", "algorithm.type=sft", "dataset.type=file", "dataset.path=x.jsonl"],
          "algorithm.type 'sft' trains one policy"),
     ],

@@ -1,0 +1,67 @@
+"""Two policies in one ``areal train`` run on the fsdp engine (``policies:``
+with ``actor.backend: fsdp:d2``, docs/multi-policy.md): two LoRA adapters on
+the tiny byte-level Llama, trained by one pair of FSDP ranks, served by one
+embedded server. The setup of the kernel's
+``tests/e2e/test_multi_policy.py::test_weights_decide_the_order_and_each_policy_keeps_its_own_knobs``
+with the train engine swapped: weights 2 and 1 set the order, each policy
+trains its own batch size and staleness bound, each adapter's version counts
+its own steps, every update reached the server intact, the KL reference is
+the base with the adapters off (``score_base`` in the ranks), and each
+policy's adapter is exported."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from areal_kernel.testing.learning import TINY_POLICY_MODEL, policy_rows
+from areal_kernel.testing.rank_engines import plugin_example
+
+pytestmark = pytest.mark.slow
+
+EXAMPLE = plugin_example(__file__, "grpo_arithmetic_fsdp.yaml")
+
+
+def test_two_policies_on_fsdp_ranks(run_areal, tmp_path):
+    from areal_kernel.testing.models import make_tiny_byte_chat_llama
+
+    model = make_tiny_byte_chat_llama(tmp_path / "model", **TINY_POLICY_MODEL)
+    run_dir = str(tmp_path / "run")
+    policies = (
+        "policies={letters: {weight: 2, reward: {type: char_share, char_share: {chars: abc}}, "
+        "algorithm: {kl_coef: 0.1}}, digits: {weight: 1, batch_size: 2, max_staleness: 0}}"
+    )
+    proc = run_areal(
+        "train", EXAMPLE, f"model.path={model}", f"run_dir={run_dir}", "trainer.max_steps=3",
+        "trainer.batch_size=4", "trainer.eval_size=0", "logging.sinks=[jsonl]", "reward.type=char_share",
+        "actor.fsdp.lr=3e-2", policies, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "2 policies (letters, digits)" in proc.stdout
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        lines = [json.loads(line) for line in f if line.strip()]
+    order = [
+        "L" if "policy/letters/step" in r else "D"
+        for r in lines
+        if "policy/letters/step" in r or "policy/digits/step" in r
+    ]
+    assert order == ["L", "D", "L", "L", "D", "D"], order
+    rows = {"letters": policy_rows(run_dir, "letters"), "digits": policy_rows(run_dir, "digits")}
+    n = 8  # rollout.gconfig.n_samples of the example
+    assert [r["batch/sequences"] for r in rows["letters"]] == [4 * n] * 3
+    assert [r["batch/sequences"] for r in rows["digits"]] == [2 * n] * 3
+    assert all(r["rollout/staleness_max"] == 0 for r in rows["digits"])
+    for name, got in rows.items():
+        assert [r["version"] for r in got] == [1, 2, 3]
+        assert all(r["train/n_ranks"] == 2.0 and r["train/skipped"] == 0.0 for r in got)
+        # Every update (the adapter alone: kilobytes) checked on the server, none mismatched.
+        assert all(r["monitor/weights_checked"] > 0 and r["monitor/weights_mismatch"] == 0 for r in got)
+        assert all(0 < r["weights/mb"] < 1 for r in got)
+        assert os.path.isfile(os.path.join(run_dir, "checkpoints", f"final-{name}", "adapter_model.safetensors"))
+    kl = [r["train/kl"] for r in rows["letters"]]
+    print(f"\nletters on fsdp: KL to the base per step {kl}")
+    assert kl[-1] > kl[0] >= 0, kl  # the base with the adapters off is the reference, the adapter moves off it
+    assert not any("train/kl" in r for r in rows["digits"])
+    assert sorted(os.listdir(os.path.join(run_dir, "fsdp-ranks"))) == ["rank-0.log", "rank-1.log"]
