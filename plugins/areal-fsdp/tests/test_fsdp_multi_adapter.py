@@ -193,6 +193,17 @@ def test_engine_state_round_trip_of_every_adapter(engines, tmp_path):
     # Negative control: the continuation did move the weights away from the checkpoint.
     fsdp.load_state(ckpt)
     assert _diff(dict(a.full_weights()), first[1]) > 1e-4
+    # A view's own checkpoint holds its adapter alone: loading it restores b, A stays as it is.
+    view_ckpt = str(tmp_path / "view")
+    b.save_state(view_ckpt)
+    saved_b, step_b = dict(b.full_weights()), b.step
+    _train(b, 33, [6, 9])
+    _train(a, 34, [7, 8])
+    now_a = dict(a.full_weights())
+    assert _diff(dict(b.full_weights()), saved_b) > 1e-4
+    b.load_state(view_ckpt)
+    assert _diff(dict(b.full_weights()), saved_b) == 0.0 and b.step == step_b
+    assert _diff(dict(a.full_weights()), now_a) == 0.0
     # A checkpoint of other policies is refused.
     with open(os.path.join(ckpt, "engine_state.json")) as f:
         meta = json.load(f)
