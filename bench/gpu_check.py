@@ -341,7 +341,6 @@ def sec_broadcast(args: argparse.Namespace, backend: str) -> dict[str, Any]:
     from areal_kernel.inference.client import RemoteInferenceEngine
     from areal_kernel.inference.embedded.backend import EmbeddedProtocol
     from areal_kernel.inference.embedded.launcher import EmbeddedLauncher, EmbeddedServerConfig
-    from areal_kernel.utils.network import find_free_port
 
     plat = _platform()
     if backend == "nccl" and backend not in (plat.dist_backend,):
@@ -369,18 +368,16 @@ def sec_broadcast(args: argparse.Namespace, backend: str) -> dict[str, Any]:
             batch = random_batch([6, 8, 7, 9], seed=seed)
             engine.train_batch(batch, loss, ppo_step_inputs(batch, engine))
         moved = _agreement(engine, first)
-        # The kernel's broadcast transport, with the backend chosen here
-        # (BroadcastTransport.setup takes the platform's).
-        port = find_free_port()
-        futures = client.init_weight_group_async("127.0.0.1", port, "areal_weights", backend)
-        try:
-            engine.init_weight_group("127.0.0.1", port, world_size=1 + len(futures), rank=0,
-                                     group_name="areal_weights", backend=backend, timeout_s=120)  # fmt: skip
-            for f in futures:
-                f.result()
-            from areal_kernel.trainer.weight_sync import BroadcastTransport
+        # The kernel's broadcast transport, with the backend chosen here (its
+        # default is the platform's): it forms the group over the client's
+        # servers itself, as in a run.
+        from areal_kernel.trainer.weight_sync import BroadcastTransport
 
-            transport = BroadcastTransport(engine, client, _work(args, f"bcast-{backend}-run"), 1 << 20)
+        transport = BroadcastTransport(engine, client, _work(args, f"bcast-{backend}-run"), 1 << 20)
+        transport.backend = backend
+        transport.group_timeout_s = 120
+        try:
+            transport.setup()
             t0 = time.perf_counter()
             transport.update(1)
             update_s = time.perf_counter() - t0

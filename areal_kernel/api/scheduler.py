@@ -219,10 +219,14 @@ def spawn_local(argv: list[str], env: dict[str, str], log_path: str, placement: 
 class SchedulerContext:
     """What a scheduler is built with: the selected ``name`` (``scheduler.type``,
     ``auto`` resolved) and the whole validated ``config``; its
-    ``scheduler.<name>`` section is ``config.scheduler.section(name)``."""
+    ``scheduler.<name>`` section is ``config.scheduler.section(name)``.
+    ``roles``: the roles it places; a train engine used outside a run (the
+    scheduler it makes for its own ranks) asks for ``(ACTOR,)``, so no
+    device is held for inference servers it never starts."""
 
     name: str
     config: "ExperimentConfig"
+    roles: tuple[str, ...] = (ACTOR, ROLLOUT)
 
 
 class Scheduler(abc.ABC):
@@ -237,12 +241,17 @@ class Scheduler(abc.ABC):
     """
 
     name: ClassVar[str] = "scheduler"
+    # The roles ``plan`` places (``SchedulerContext.roles``).
+    roles: tuple[str, ...] = ("actor", "rollout")
 
     @classmethod
     def from_context(cls, context: "SchedulerContext") -> "Scheduler":
         """The factory the kernel calls (``Registry.build``); the default is
-        ``cls(context.config)``, so a subclass writes that constructor."""
-        return cls(context.config)
+        ``cls(context.config)``, so a subclass writes that constructor;
+        ``roles`` is set from the context after it."""
+        scheduler = cls(context.config)
+        scheduler.roles = tuple(context.roles)
+        return scheduler
 
     def __init__(self, config: "ExperimentConfig") -> None:
         from areal_kernel.platforms import current_platform

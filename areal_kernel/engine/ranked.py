@@ -210,9 +210,11 @@ class RankedTrainEngine(TrainEngine):
                 name = cfg.scheduler.type
                 if name == "auto":
                     name = get_plugin_manager().hook.areal_select_scheduler(config=cfg) or "local"
-            from areal_kernel.api.scheduler import SchedulerContext
+            from areal_kernel.api.scheduler import ACTOR, SchedulerContext
 
-            sched = get_registry().build("scheduler", name, SchedulerContext(name=name, config=cfg))
+            # Without a run, no inference server is started: place the ranks alone.
+            roles = (ACTOR,) if self.run_config is None else SchedulerContext.roles
+            sched = get_registry().build("scheduler", name, SchedulerContext(name=name, config=cfg, roles=roles))
             self._scheduler, self._owns_scheduler = sched, True
         if not hasattr(sched, "start_train_ranks"):
             raise ConfigError(

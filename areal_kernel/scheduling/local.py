@@ -68,9 +68,10 @@ class LocalScheduler(Scheduler):
     def _device_ids(self) -> dict[str, list[list[int]]]:
         actor = self.config.actor.allocation
         rollout = self.config.rollout.allocation
+        servers = rollout.d if ROLLOUT in self.roles else 0
         if not self.platform.exclusive_devices:  # shared host cores: no ids to hand out
-            return {ACTOR: [[] for _ in range(actor.world_size)], ROLLOUT: [[] for _ in range(rollout.d)]}
-        need = actor.world_size + rollout.d * rollout.devices_per_replica
+            return {ACTOR: [[] for _ in range(actor.world_size)], ROLLOUT: [[] for _ in range(servers)]}
+        need = actor.world_size + servers * rollout.devices_per_replica
         have = self.platform.device_count()
         if need > have:
             raise ArealError(
@@ -80,7 +81,7 @@ class LocalScheduler(Scheduler):
         ids = iter(range(need))
         return {
             ACTOR: [[next(ids)] for _ in range(actor.world_size)],
-            ROLLOUT: [[next(ids) for _ in range(rollout.devices_per_replica)] for _ in range(rollout.d)],
+            ROLLOUT: [[next(ids) for _ in range(rollout.devices_per_replica)] for _ in range(servers)],
         }
 
     def device_plan(self) -> dict[str, list[list[int]]]:

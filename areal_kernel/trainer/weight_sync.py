@@ -131,6 +131,10 @@ class BroadcastTransport(WeightTransport):
     # How long the trainer's side of a group waits for a member (forming,
     # and each transfer): a server that died inside a transfer surfaces after it.
     group_timeout_s: float = 300.0
+    # The group's collective backend; None: the platform's (gloo on CPU,
+    # nccl on CUDA). A caller may pick another the engine and servers both
+    # support (gloo between two processes on one GPU, where nccl refuses).
+    backend: str | None = None
 
     def __init__(
         self, train_engine: TrainEngine, infer_engine: Any, run_dir: str, bucket_bytes: int = 256 << 20
@@ -165,7 +169,7 @@ class BroadcastTransport(WeightTransport):
 
         t0 = time.monotonic()
         port = find_free_port()
-        backend = current_platform().dist_backend
+        backend = self.backend or current_platform().dist_backend
         name = self.group_name if self._epoch == 0 else f"{self.group_name}_{self._epoch}"
         if members is None:
             futures = self.infer.init_weight_group_async("127.0.0.1", port, name, backend)

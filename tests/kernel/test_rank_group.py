@@ -89,3 +89,36 @@ def test_ranks_run_commands_and_exit_by_themselves_despite_what_the_engine_left(
     assert codes == [0, 0], (codes, logs)
     # The ranks' own child processes went with them.
     assert [pid for pid in children if not wait_gone(pid, 10)] == []
+
+
+def test_an_engine_outside_a_run_holds_devices_for_its_ranks_alone(monkeypatch):
+    """An engine used on its own (no run: no inference servers) builds a
+    scheduler that places its ranks alone: ``fsdp:d1`` fits a one-GPU machine.
+    In a run, the servers' devices count too and the same machine is one clear
+    error. (Found on an H200: the throughput check's ``fsdp:d1`` was refused
+    as needing two devices.)"""
+    from areal_kernel.api.scheduler import ACTOR, SchedulerContext
+    from areal_kernel.errors import ArealError
+    from areal_kernel.platforms.base import Platform
+
+    class OneDevice(Platform):  # an accelerator platform with one device, to plan against
+        name = "onedevice"
+        device_type = "cpu"
+        dist_backend = "gloo"
+        visible_devices_env = "ONEDEVICE_VISIBLE_DEVICES"
+
+        @property
+        def exclusive_devices(self) -> bool:  # devices of its own, computing on the host
+            return True
+
+        def device_count(self) -> int:
+            return 1
+
+    monkeypatch.setattr("areal_kernel.platforms.current_platform", lambda: OneDevice())
+    cfg = resolve(ExperimentConfig.model_validate({"actor": {"backend": "torch:d1"}}), get_registry())
+    assert OneDevice().exclusive_devices
+    alone = get_registry().build("scheduler", "local", SchedulerContext(name="local", config=cfg, roles=(ACTOR,)))
+    assert alone.device_plan() == {"actor": [[0]], "rollout": []}
+    in_a_run = get_registry().build("scheduler", "local", SchedulerContext(name="local", config=cfg))
+    with pytest.raises(ArealError, match="needs 2 cpu devices"):
+        in_a_run.device_plan()

@@ -72,9 +72,10 @@ def entropy_rounding(engine: Any, vocab: int) -> float:
     import torch
 
     worst = 0.0
+    device = next(engine.model.parameters()).device  # the engine's (a GPU in bench/gpu_check.py)
     for t in random_batch([10, 7, 12], seed=99, vocab=vocab).trajectories:
         with torch.no_grad():
-            z = engine.model(torch.tensor([t.input_ids])).logits[0, :-1].float()
+            z = engine.model(torch.tensor([t.input_ids], device=device)).logits[0, :-1].float()
         e32 = torch.logsumexp(z, -1) - (torch.softmax(z, -1) * z).sum(-1)
         zd = z.double()
         e64 = torch.logsumexp(zd, -1) - (torch.softmax(zd, -1) * zd).sum(-1)
