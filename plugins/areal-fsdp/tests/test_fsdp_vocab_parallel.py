@@ -16,7 +16,6 @@ and entropies computed from each rank's slice of the logits.
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
@@ -27,6 +26,7 @@ from areal_kernel.engine.torch_engine import TorchTrainEngine
 from areal_kernel.testing.models import make_tiny_llama
 from areal_kernel.testing.noise import assert_within_noise, measure_noise_floor
 from areal_kernel.testing.rank_engines import ppo_step_inputs
+from areal_kernel.utils.network import find_free_port
 
 pytestmark = pytest.mark.slow
 
@@ -80,16 +80,10 @@ def _rank(rank: int, port: int, out: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_vocab_parallel_scores_match_one_process(tmp_path):
     out = str(tmp_path / "scores.pt")
-    mp.spawn(_rank, args=(_free_port(), out), nprocs=2)
-    got = torch.load(out)
+    mp.spawn(_rank, args=(find_free_port(), out), nprocs=2)
+    got = torch.load(out, weights_only=True)  # tensors only: no pickled code runs
     z, labels, w_lp, w_ent = _inputs()
     assert torch.isinf(z.float().exp()).any()  # the shared max is needed
     for (lp, ent, grad), w in zip(got, (None, w_ent)):
