@@ -66,7 +66,54 @@ POLICIES_STATE = "torch-adapters"
 ADAPTERS_DIR = "adapters"
 
 
-class AdapterPolicy(TrainEngine):
+class PolicyView(TrainEngine):
+    """What every policy's view of a multi-adapter engine shares, whichever
+    engine it views (``AdapterPolicy`` here; areal-fsdp's ``FSDPAdapterPolicy``):
+    it belongs to ``engine`` and is never initialized or destroyed on its
+    own; it counts its own optimizer steps (``_step``); its temperature and
+    learning-rate schedule come from ``settings`` (the engine's settings,
+    with this policy's adapter); and it joins the engine's one broadcast
+    group. A subclass sets ``engine``, ``settings``, ``name`` and ``_step``."""
+
+    engine: Any
+    settings: Any
+    name: str
+    _step: int
+
+    def initialize(self, model_path: str, total_train_steps: int) -> None:
+        raise ArealError(f"policy {self.name!r} is a view of its engine: initialize the engine, not the view")
+
+    @property
+    def step(self) -> int:
+        return self._step
+
+    @property
+    def temperature(self) -> float:
+        return float(self.settings.temperature)
+
+    def current_lr(self) -> float:
+        return scheduled_lr(self.settings, self._step, self.engine.total_train_steps)
+
+    def init_weight_group(
+        self,
+        master_addr: str,
+        master_port: int,
+        world_size: int,
+        rank: int = 0,
+        group_name: str = "areal_weights",
+        backend: str | None = None,
+        timeout_s: float = 300,
+    ) -> Any:
+        """The engine's broadcast group (one per engine, shared by its policies)."""
+        return self.engine.init_weight_group(
+            master_addr, master_port, world_size, rank, group_name, backend=backend, timeout_s=timeout_s
+        )
+
+    def destroy(self) -> None:
+        """Nothing: the engine owns the model (``engine.destroy``)."""
+
+
+class AdapterPolicy(PolicyView):
     """One adapter of a ``TorchTrainEngine`` with ``adapters``, as a
     ``TrainEngine`` (see the module docstring). Built by the engine; never
     initialized or destroyed on its own."""
@@ -75,6 +122,7 @@ class AdapterPolicy(TrainEngine):
         from areal_kernel.engine.lora import adapter_params
 
         self.engine = engine
+        self.settings = engine.config
         self.lora = lora
         self.name = lora.name
         self.peft_name = peft_name
@@ -85,20 +133,6 @@ class AdapterPolicy(TrainEngine):
         self._set_lr()
 
     # ------------------------------------------------------------ bookkeeping
-    def initialize(self, model_path: str, total_train_steps: int) -> None:
-        raise ArealError(f"policy {self.name!r} is a view of its engine: initialize the engine, not the view")
-
-    @property
-    def step(self) -> int:
-        return self._step
-
-    @property
-    def temperature(self) -> float:
-        return self.engine.config.temperature
-
-    def current_lr(self) -> float:
-        return scheduled_lr(self.engine.config, self._step, self.engine.total_train_steps)
-
     def _set_lr(self) -> float:
         return set_lr(self.optimizer, self.current_lr())
 
@@ -170,21 +204,6 @@ class AdapterPolicy(TrainEngine):
         else:
             L.save_adapter_hf_dir(path, self.named_weights_for_transfer(), self.adapter_spec().config, source)
 
-    def init_weight_group(
-        self,
-        master_addr: str,
-        master_port: int,
-        world_size: int,
-        rank: int = 0,
-        group_name: str = "areal_weights",
-        backend: str | None = None,
-        timeout_s: float = 300,
-    ) -> Any:
-        """The engine's broadcast group (one per engine, shared by its policies)."""
-        return self.engine.init_weight_group(
-            master_addr, master_port, world_size, rank, group_name, backend=backend, timeout_s=timeout_s
-        )
-
     def send_weights(self, meta: WeightUpdateMeta) -> None:
         """Send this adapter only: a peft directory at ``meta.path`` (disk) or
         its tensors over the engine's broadcast group."""
@@ -244,9 +263,6 @@ class AdapterPolicy(TrainEngine):
         self._step = int(meta["step"])
         self.set_version(int(meta["version"]))
         self._set_lr()
-
-    def destroy(self) -> None:
-        """Nothing: the engine owns the model (``engine.destroy``)."""
 
 
 def save_policies_state(engine: "TorchTrainEngine", path: str) -> None:

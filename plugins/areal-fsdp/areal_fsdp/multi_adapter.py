@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from areal_kernel.api.engine import AdapterSpec, TrainEngine, WeightUpdateMeta
 from areal_kernel.api.io import TrajectoryBatch
-from areal_kernel.engine.lr_schedule import scheduled_lr
+from areal_kernel.engine.multi_adapter import PolicyView
 from areal_kernel.engine.state import check_param_names, read_engine_state, write_engine_state
 from areal_kernel.errors import ArealError, ConfigError, DataError
 from areal_kernel.utils.fs import atomic_dir
@@ -263,7 +263,7 @@ def _live_params(model: Any, peft_name: str) -> list[tuple[str, Any]]:
 
 
 # ======================================================== controller side
-class FSDPAdapterPolicy(TrainEngine):
+class FSDPAdapterPolicy(PolicyView):
     """One adapter of an ``FSDPTrainEngine`` with ``adapters``, as a
     ``TrainEngine`` (see the module docstring). Built by the engine; never
     initialized or destroyed on its own."""
@@ -283,20 +283,6 @@ class FSDPAdapterPolicy(TrainEngine):
         self.transfer_meta = transfer_meta
         self.adapter_config = adapter_config
         self._step = 0
-
-    def initialize(self, model_path: str, total_train_steps: int) -> None:
-        raise ArealError(f"policy {self.name!r} is a view of its engine: initialize the engine, not the view")
-
-    @property
-    def step(self) -> int:
-        return self._step
-
-    @property
-    def temperature(self) -> float:
-        return self.settings.temperature
-
-    def current_lr(self) -> float:
-        return scheduled_lr(self.settings, self._step, self.engine.total_train_steps)
 
     def compute_logprobs(self, batch: TrajectoryBatch, only_loss_tokens: bool = False) -> list[list[float]]:
         with self.engine.acting_as(self):
@@ -347,21 +333,6 @@ class FSDPAdapterPolicy(TrainEngine):
         with self.engine.acting_as(self):
             self.engine.save_hf(path, max_shard_bytes)
 
-    def init_weight_group(
-        self,
-        master_addr: str,
-        master_port: int,
-        world_size: int,
-        rank: int = 0,
-        group_name: str = "areal_weights",
-        backend: str | None = None,
-        timeout_s: float = 300,
-    ) -> Any:
-        """The engine's broadcast group (one per engine, shared by its policies)."""
-        return self.engine.init_weight_group(
-            master_addr, master_port, world_size, rank, group_name, backend=backend, timeout_s=timeout_s
-        )
-
     def send_weights(self, meta: WeightUpdateMeta) -> None:
         """This adapter only: a peft directory (disk) or its tensors (broadcast)."""
         with self.engine.acting_as(self):
@@ -376,9 +347,6 @@ class FSDPAdapterPolicy(TrainEngine):
     def load_state(self, path: str) -> None:
         with self.engine.acting_as(self):
             self.engine.load_state(path)
-
-    def destroy(self) -> None:
-        """Nothing: the engine owns the ranks (``engine.destroy``)."""
 
 
 class FSDPPolicies:
