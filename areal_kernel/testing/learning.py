@@ -246,6 +246,25 @@ TINY_POLICY_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_
 TINY_POLICY_LR = 3e-2
 TINY_POLICY_STEPS = 16
 TINY_POLICY_CHARS = {"letters": "abcdefghijklmnopqrstuvwxyz", "digits": "0123456789"}
+
+
+def tiny_policies_override(names: Sequence[str] = tuple(TINY_POLICY_CHARS)) -> str:
+    """The ``policies=...`` override of the tiny two-policy runs: each named
+    policy (of ``TINY_POLICY_CHARS``) a rank-8 LoRA adapter on
+    ``TINY_POLICY_TARGETS`` and its own ``char_share`` reward."""
+    lora = tiny_policy_lora()
+    parts = [
+        f"{name}: {{lora: {lora}, reward: {{type: char_share, char_share: {{chars: '{TINY_POLICY_CHARS[name]}'}}}}}}"
+        for name in names
+    ]
+    return "policies={" + ", ".join(parts) + "}"
+
+
+def tiny_policy_lora() -> str:
+    """The tiny policies' adapter as a flow-style override value."""
+    return "{rank: 8, alpha: 16, target_modules: [" + ", ".join(TINY_POLICY_TARGETS) + "]}"
+
+
 TINY_POLICY_RISE = LearningCheck(
     "rise of the trained batches' mean reward, steps 13-16 over steps 1-4 (tiny byte-level model, one adapter per policy)",
     late=(13, 16),

@@ -31,23 +31,14 @@ from areal_kernel.testing.learning import (
     TINY_POLICY_MODEL,
     TINY_POLICY_RISE,
     TINY_POLICY_STEPS,
-    TINY_POLICY_TARGETS,
     frozen_overrides,
     policy_rows,
+    tiny_policies_override,
 )
 
 from e2e_paths import EXAMPLE
 
 pytestmark = pytest.mark.slow
-
-
-def _policies() -> str:
-    lora = "{rank: 8, alpha: 16, target_modules: [" + ", ".join(TINY_POLICY_TARGETS) + "]}"
-    parts = [
-        f"{name}: {{lora: {lora}, reward: {{type: char_share, char_share: {{chars: '{chars}'}}}}}}"
-        for name, chars in TINY_POLICY_CHARS.items()
-    ]
-    return "policies={" + ", ".join(parts) + "}"
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +55,7 @@ def test_two_policies_each_learn_their_own_reward(arm, run_areal, policy_model, 
     proc = run_areal(
         "train", EXAMPLE, f"model.path={policy_model}", f"run_dir={run_dir}", f"trainer.max_steps={TINY_POLICY_STEPS}",
         "trainer.eval_size=0", "logging.sinks=[jsonl]", f"actor.torch.lr={TINY_POLICY_LR}",
-        "actor.torch.lr_scheduler=constant", _policies(), *frozen, timeout=1200,
+        "actor.torch.lr_scheduler=constant", tiny_policies_override(), *frozen, timeout=1200,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     names = list(TINY_POLICY_CHARS)
@@ -176,57 +167,16 @@ def _recovery_args(model: str, run_dir: str) -> list[str]:
         "trainer.eval_size=0", "rollout.gconfig.n_samples=4", "rollout.gconfig.max_new_tokens=6",
         "rollout.max_staleness=0", "weight_update.mode=disk", "algorithm.dynamic_filter=false",
         f"actor.torch.lr={TINY_POLICY_LR}", "checkpoint.save_every=1", "checkpoint.keep_last=2",
-        "logging.sinks=[jsonl]", _policies(),
+        "logging.sinks=[jsonl]", tiny_policies_override(),
         "actor.torch.lr_scheduler=constant",
     ]  # fmt: skip
 
 
 def test_a_killed_multi_policy_run_resumes_every_policy_exactly(policy_model, tmp_path):
-    """``kill -9`` after global step 4 was trained but before its checkpoint
-    (the newest is step 3's), then the same command (``recover: auto``): every
-    step trains the same sample ids, with the same adapter, as an
-    uninterrupted run, and both adapters end where its did (see below for
-    how close). Synchronous (``max_staleness: 0``), seeded sampling."""
-    from areal_kernel.testing.recovery import kill_after_checkpoint, load_weights, read_samples, run_train
+    """``kill -9`` after global step 4 was trained but before its checkpoint,
+    then the same command (``recover: auto``): every step trains the same
+    sample ids with the same adapter as an uninterrupted run, and both
+    adapters end where its did (``check_policies_resume`` says how close)."""
+    from areal_kernel.testing.recovery import check_policies_resume
 
-    ref_dir, run_dir = str(tmp_path / "reference"), str(tmp_path / "killed")
-    ref = run_train(_recovery_args(policy_model, ref_dir))
-    assert ref.returncode == 0, ref.stdout[-3000:] + ref.stderr[-3000:]
-    # An adapter's update interrupts that adapter's rows alone, and with
-    # max_staleness 0 a policy has none running when its update lands: no
-    # generation of either policy was cut (pausing the servers for every
-    # update cut the other policy's).
-    with open(os.path.join(ref_dir, "metrics.jsonl")) as f:
-        cut = [json.loads(line).get("rollout/interruptions") for line in f if line.strip()]
-    cut = [c for c in cut if c is not None]
-    assert len(cut) == 8 and cut[-1] == 0, cut
-    kill_after_checkpoint(_recovery_args(policy_model, run_dir), run_dir, step=3)
-    assert not os.path.exists(os.path.join(run_dir, "result.json"))
-    assert [s["step"] for s in read_samples(run_dir)] == [1, 2, 3, 4]  # step 4 trained after the checkpoint
-
-    resumed = run_train(_recovery_args(policy_model, run_dir))
-    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
-    assert "resuming from" in resumed.stdout and "step 3" in resumed.stdout, resumed.stdout[-2000:]
-    result = json.load(open(os.path.join(run_dir, "result.json")))
-    assert result["resumed_from_step"] == 3 and result["steps"] == 8
-    got, want = read_samples(run_dir), read_samples(ref_dir)
-    assert [s["step"] for s in got] == list(range(1, 9))  # the killed run's step 4 was redone, not kept twice
-    assert [(s["uids"], {x["adapter"] for x in s["samples"]}) for s in got] == [
-        (s["uids"], {x["adapter"] for x in s["samples"]}) for s in want
-    ]
-    # The adapters: the resumed run continued from the checkpoint. Not bit for
-    # bit: the servers' logprobs (the behaviour policy of the loss) depend in
-    # their last bits on which other rows share a batch, which follows timing
-    # (the resumed run's servers start empty). The resumed adapters differed
-    # by 1e-8 to 1e-4 where lora_B moved by about 0.1 from zero, with and
-    # without the servers paused for every adapter update. A resume that lost
-    # the engine's state (started the adapters over) lands about as far away
-    # as training moved them.
-    for name in TINY_POLICY_CHARS:
-        a = load_weights(os.path.join(ref_dir, "checkpoints", f"final-{name}"))
-        b = load_weights(os.path.join(run_dir, "checkpoints", f"final-{name}"))
-        assert set(a) == set(b) and a
-        travel = max(float(t.abs().max()) for k, t in a.items() if "lora_B" in k)  # lora_B starts at 0
-        gap = max(float((a[k] - b[k]).abs().max()) for k in a)
-        print(f"\n{name}: resumed vs uninterrupted, largest difference {gap:.3g}; lora_B moved {travel:.3g}")
-        assert gap * 100 < travel, (name, gap, travel)
+    check_policies_resume(lambda run_dir: _recovery_args(policy_model, run_dir), str(tmp_path), list(TINY_POLICY_CHARS))

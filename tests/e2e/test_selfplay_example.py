@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import os
 
-from areal_kernel.testing.learning import TINY_POLICY_LR, TINY_POLICY_MODEL, TINY_POLICY_TARGETS
+from areal_kernel.testing.learning import TINY_POLICY_LR, TINY_POLICY_MODEL, tiny_policy_lora
 from e2e_paths import REPO
 
 EXAMPLE = os.path.join(REPO, "examples", "selfplay_arithmetic.yaml")
@@ -33,7 +33,7 @@ def test_selfplay_routes_each_role_to_its_policy_and_both_adapters_move(run_area
 
     model = make_tiny_byte_chat_llama(tmp_path / "model", **TINY_POLICY_MODEL)
     run_dir = str(tmp_path / "run")
-    lora = "{rank: 8, alpha: 16, target_modules: [" + ", ".join(TINY_POLICY_TARGETS) + "]}"
+    lora = tiny_policy_lora()
     proc = run_areal(
         "train", EXAMPLE, f"model.path={model}", f"run_dir={run_dir}", f"trainer.max_steps={STEPS}",
         "trainer.batch_size=2", "trainer.eval_size=0", "logging.sinks=[jsonl]", "reward.type=char_share",

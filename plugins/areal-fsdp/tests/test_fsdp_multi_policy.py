@@ -65,3 +65,28 @@ def test_two_policies_on_fsdp_ranks(run_areal, tmp_path):
     assert kl[-1] > kl[0] >= 0, kl  # the base with the adapters off is the reference, the adapter moves off it
     assert not any("train/kl" in r for r in rows["digits"])
     assert sorted(os.listdir(os.path.join(run_dir, "fsdp-ranks"))) == ["rank-0.log", "rank-1.log"]
+
+
+def test_a_killed_two_policy_fsdp_run_resumes_every_policy(tmp_path):
+    """``kill -9`` of a two-policy run on ``fsdp:d2`` after global step 4 was
+    trained but before its checkpoint, then the same command (``recover:
+    auto``): the same sample ids with the same adapter at every step as an
+    uninterrupted run, and both adapters end where its did
+    (``check_policies_resume``: the engine's checkpoint holds every adapter
+    with its optimizer state, schedule step and version)."""
+    from areal_kernel.testing.learning import TINY_POLICY_CHARS, TINY_POLICY_LR, tiny_policies_override
+    from areal_kernel.testing.models import make_tiny_byte_chat_llama
+    from areal_kernel.testing.recovery import check_policies_resume
+
+    model = make_tiny_byte_chat_llama(tmp_path / "model", **TINY_POLICY_MODEL)
+
+    def args(run_dir: str) -> list[str]:
+        return [
+            "train", EXAMPLE, f"model.path={model}", f"run_dir={run_dir}", "trainer.max_steps=4",
+            "trainer.batch_size=2", "trainer.eval_size=0", "rollout.gconfig.n_samples=4",
+            "rollout.gconfig.max_new_tokens=6", "rollout.max_staleness=0", "weight_update.mode=disk",
+            "algorithm.dynamic_filter=false", f"actor.fsdp.lr={TINY_POLICY_LR}", "actor.fsdp.lr_scheduler=constant",
+            "checkpoint.save_every=1", "checkpoint.keep_last=2", "logging.sinks=[jsonl]", tiny_policies_override(),
+        ]  # fmt: skip
+
+    check_policies_resume(args, str(tmp_path), list(TINY_POLICY_CHARS))

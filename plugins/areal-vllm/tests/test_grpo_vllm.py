@@ -89,22 +89,17 @@ def test_two_policies_share_a_vllm_server(run_areal, tmp_path):
     vLLM's LoRA manager after every update. vLLM cannot cut one adapter's
     requests alone, so every update pauses the server (the other policy's
     running generations are cut and resumed). About 50 s (a server start)."""
-    from areal_kernel.testing.learning import TINY_POLICY_CHARS, TINY_POLICY_LR, TINY_POLICY_TARGETS, policy_rows
+    from areal_kernel.testing.learning import TINY_POLICY_CHARS, TINY_POLICY_LR, policy_rows, tiny_policies_override
     from areal_kernel.testing.models import make_tiny_byte_chat_llama
     from areal_kernel.testing.recovery import load_weights
 
     model = make_tiny_byte_chat_llama(tmp_path / "model", **TINY_VLLM_MODEL, init_std=0.1)
     run_dir = str(tmp_path / "run")
-    lora = "{rank: 8, alpha: 16, target_modules: [" + ", ".join(TINY_POLICY_TARGETS) + "]}"
-    policies = ", ".join(
-        f"{name}: {{lora: {lora}, reward: {{type: char_share, char_share: {{chars: '{chars}'}}}}}}"
-        for name, chars in TINY_POLICY_CHARS.items()
-    )
     proc = run_areal(
         "train", EXAMPLE, f"model.path={model}", f"run_dir={run_dir}", "trainer.max_steps=3", "trainer.eval_size=0",
         "logging.sinks=[jsonl]", f"actor.torch.lr={TINY_POLICY_LR}", "actor.torch.lr_scheduler=constant",
         "rollout.backend=vllm", "rollout.vllm.startup_timeout_s=1200",
-        "weight_update.mode=disk", "monitor.weights.action=error", f"policies={{{policies}}}",
+        "weight_update.mode=disk", "monitor.weights.action=error", tiny_policies_override(),
         timeout=1500, cwd=REPO,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
