@@ -42,6 +42,7 @@ BENCHES = [
     "bench_demo_seeds.py",
     "bench_learning_signal.py",
     "bench_vllm.py",
+    "bench_vllm_lora.py",
 ]
 
 
