@@ -6,7 +6,8 @@ layout whose state is stored differently: ``fsdp:d2`` (every weight and its
 optimizer state sharded over the data ranks), ``fsdp:t2`` (DTensor shards
 of the split projections, replicated norms and embedding) and ``fsdp:p2``
 (each rank its own pipeline stage and optimizer), ``fsdp:c2`` (the
-sequence split over the ranks, the weights sharded as d2) and ``fsdp:d2e2``
+sequence split over the ranks, the weights sharded as d2), ``fsdp:d2c2``
+(4 ranks: two replicas of a context pair) and ``fsdp:d2e2``
 (each rank its own experts beside its FSDP shards, on the tiny byte-level
 Qwen3-MoE). The engine state goes
 through ``torch.distributed.checkpoint`` (each rank its shards). The
@@ -15,12 +16,12 @@ suite's tiny Llama (4 heads, 2 KV heads, 2 layers) splits t2 and p2.
 The split layouts run 3 steps (checkpoint 1, killed in step 2, resumed
 through step 3: enough to resume after a checkpoint and train on). Measured
 on 2 cores shared with other work: d2 17-24 s, t2 18-22 s, p2 12-21 s, c2
-12-20 s, d2e2 9-18 s (c2 and d2e2 resumed exactly on their first run: no
-engine fix was needed).
+12-20 s, d2c2 20-23 s, d2e2 9-18 s (c2, d2c2 and d2e2 resumed exactly on
+their first run: no engine fix was needed).
 Negative control, run by hand once (not kept as a test): ranks whose
 ``dcp_load`` reads only the model entry (fresh AdamW moments) fail the
 weight check on t2 and on p2 (both name model.embed_tokens.weight); so do
-ranks that drop every AdamW moment after ``dcp_load`` on c2, and ranks that
+ranks that drop every AdamW moment after ``dcp_load`` on c2 and on d2c2, and ranks that
 drop only the experts' moments on d2e2 (both name model.embed_tokens.weight:
 the first weight compared, moved by the changed updates)."""
 
@@ -76,3 +77,14 @@ class TestFSDPExpertParallelRecovery(RankEngineRecoverySuite):
         from areal_kernel.testing.models import make_tiny_byte_chat_qwen3_moe
 
         return make_tiny_byte_chat_qwen3_moe(tmp_path_factory.mktemp("tiny-moe-recovery"))
+
+
+class TestFSDPDataContextParallelRecovery(RankEngineRecoverySuite):
+    """``fsdp:d2c2`` (4 ranks): two data replicas, each splitting its rows
+    along the sequence over two context ranks; FSDP shards the weights over
+    all four."""
+
+    ENGINE_NAME = "fsdp"
+    EXAMPLE = plugin_example(__file__, "grpo_arithmetic_fsdp.yaml")
+    STEPS = 3
+    EXTRA_ARGS = ("actor.backend=fsdp:d2c2",)
