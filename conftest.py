@@ -46,6 +46,7 @@ BIG_MEMORY_FILES = frozenset({
     "plugins/areal-vllm/tests/test_vllm_restart.py",  # a vLLM server, restarted, beside SmolLM2's
     "plugins/areal-vllm/tests/test_vllm_server.py",  # vLLM servers
     "plugins/areal-vllm/tests/test_vllm_vlm.py",  # a vLLM server
+    "plugins/areal-fsdp/tests/test_fsdp_vllm.py",  # a vLLM server beside two FSDP ranks
     "plugins/areal-megatron/tests/test_megatron_parity.py",  # SmolLM2 Megatron ranks (the session rank pool)
     "plugins/areal-megatron/tests/test_megatron_contract.py",  # the same rank pool
     "plugins/areal-megatron/tests/test_megatron_weight_update.py",  # the same rank pool

@@ -70,10 +70,10 @@ class PolicyView(TrainEngine):
     """What every policy's view of a multi-adapter engine shares, whichever
     engine it views (``AdapterPolicy`` here; areal-fsdp's ``FSDPAdapterPolicy``):
     it belongs to ``engine`` and is never initialized or destroyed on its
-    own; it counts its own optimizer steps (``_step``); its temperature and
+    own; it counts its own optimizer steps (``step``, settable); its temperature and
     learning-rate schedule come from ``settings`` (the engine's settings,
     with this policy's adapter); and it joins the engine's one broadcast
-    group. A subclass sets ``engine``, ``settings``, ``name`` and ``_step``."""
+    group. A subclass sets ``engine``, ``settings``, ``name`` and ``step``."""
 
     engine: Any
     settings: Any
@@ -86,6 +86,10 @@ class PolicyView(TrainEngine):
     @property
     def step(self) -> int:
         return self._step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self._step = int(value)
 
     @property
     def temperature(self) -> float:

@@ -282,7 +282,7 @@ class FSDPAdapterPolicy(PolicyView):
         self.name = settings.lora.name
         self.transfer_meta = transfer_meta
         self.adapter_config = adapter_config
-        self._step = 0
+        self.step = 0
 
     def compute_logprobs(self, batch: TrajectoryBatch, only_loss_tokens: bool = False) -> list[list[float]]:
         with self.engine.acting_as(self):
@@ -427,7 +427,7 @@ class FSDPPolicies:
             yield
         finally:
             now = self.policy_state()
-            view._step = int(now["step"])
+            view.step = int(now["step"])
             view.set_version(int(now["version"]))
             self.set_policy_state(saved)
             self._adapter_config = saved_adapter
@@ -526,6 +526,6 @@ class FSDPPolicies:
             {"path": os.path.abspath(path), "steps": {n: int(s["step"]) for n, s in saved.items()}},
         )
         for n, v in self._policies.items():
-            v._step = int(saved[n]["step"])
+            v.step = int(saved[n]["step"])
             v.set_version(int(saved[n]["version"]))
         self.set_version(int(meta["version"]))
