@@ -242,7 +242,7 @@ class Scheduler(abc.ABC):
 
     name: ClassVar[str] = "scheduler"
     # The roles ``plan`` places (``SchedulerContext.roles``).
-    roles: tuple[str, ...] = ("actor", "rollout")
+    roles: tuple[str, ...] = (ACTOR, ROLLOUT)
 
     @classmethod
     def from_context(cls, context: "SchedulerContext") -> "Scheduler":

@@ -199,21 +199,21 @@ class RankedTrainEngine(TrainEngine):
         if self._scheduler is not None:
             sched, name = self._scheduler, type(self._scheduler).__name__
         else:
+            from areal_kernel.api.scheduler import ACTOR, ROLLOUT, SchedulerContext
+
             cfg = self.run_config
+            roles: tuple[str, ...]
             if cfg is None:
                 from areal_kernel.config.loader import validate_config
 
                 actor = {"backend": f"{self.engine_name}:d{self.world_size}"}
                 cfg = validate_config({"actor": actor}, "the engine's own scheduler config", get_registry())
-                name = "local"
+                # Without a run, no inference server is started: place the ranks alone.
+                name, roles = "local", (ACTOR,)
             else:
-                name = cfg.scheduler.type
+                name, roles = cfg.scheduler.type, (ACTOR, ROLLOUT)
                 if name == "auto":
                     name = get_plugin_manager().hook.areal_select_scheduler(config=cfg) or "local"
-            from areal_kernel.api.scheduler import ACTOR, SchedulerContext
-
-            # Without a run, no inference server is started: place the ranks alone.
-            roles = (ACTOR,) if self.run_config is None else SchedulerContext.roles
             sched = get_registry().build("scheduler", name, SchedulerContext(name=name, config=cfg, roles=roles))
             self._scheduler, self._owns_scheduler = sched, True
         if not hasattr(sched, "start_train_ranks"):

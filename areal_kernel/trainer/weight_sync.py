@@ -46,8 +46,9 @@ class DiskTransport(WeightTransport):
         self.train: TrainEngine = train_engine
         self.infer = infer_engine
         self.root = os.path.join(run_dir, "weights")
-        self._last: str | None = None
-        self._previous: str | None = None  # an adapter's directory before ``_last``
+        # The directories still on disk, oldest first: the last update's, and
+        # for an adapter the one before it too (see ``update``).
+        self._kept: list[str] = []
 
     def setup(self) -> None:
         os.makedirs(self.root, exist_ok=True)
@@ -71,17 +72,12 @@ class DiskTransport(WeightTransport):
                 self.infer.resume()
         t2 = time.monotonic()
         nbytes = _dir_bytes(path)
-        if self._last and self._last != path:
-            if adapter is None:
-                shutil.rmtree(self._last, ignore_errors=True)
-            else:
-                # An adapter's previous directory stays one update longer: a
-                # server may read it again for a request that was already on
-                # its way (vLLM reloads a replaced adapter lazily, per request).
-                if self._previous and self._previous != path:
-                    shutil.rmtree(self._previous, ignore_errors=True)
-                self._previous = self._last
-        self._last = path
+        # An adapter's previous directory stays one update longer: a server
+        # may read it again for a request that was already on its way (vLLM
+        # reloads a replaced adapter lazily, per request).
+        self._kept = [d for d in self._kept if d != path] + [path]
+        while len(self._kept) > (1 if adapter is None else 2):
+            shutil.rmtree(self._kept.pop(0), ignore_errors=True)
         return {
             "weights/save_s": t1 - t0,
             "weights/load_s": t2 - t1,
@@ -103,10 +99,9 @@ class DiskTransport(WeightTransport):
         the updates) and ``weights/`` if nothing else is there: once the
         servers are stopped nobody reads it, and each SmolLM2 run left 0.5 GB
         behind. The run's checkpoints hold the weights worth keeping."""
-        for d in (self._last, self._previous):
-            if d:
-                shutil.rmtree(d, ignore_errors=True)
-        self._last = self._previous = None
+        for d in self._kept:
+            shutil.rmtree(d, ignore_errors=True)
+        self._kept = []
         try:
             os.rmdir(self.root)
         except OSError:
