@@ -77,7 +77,8 @@ from areal_kernel.trainer.toolkit import (
     MetricSinks,
     Rollout,
     build_weight_transport,
-    evaluate_held_out,
+    evaluate_together,
+    held_out_job,
     finetune_spec,
     load_datasets,
     open_metric_sinks,
@@ -373,19 +374,24 @@ class MultiPolicyTrainer(Trainer):
         raise KeyboardInterrupt(INTERRUPT.signal_name)
 
     # -- the loop ---------------------------------------------------------------
-    def _evaluate(self, p: Policy) -> dict[str, Any]:
-        assert p.rollout is not None, SETUP_FIRST
-        return evaluate_held_out(p.ctx, p.rollout, p.eval_records)
+    def _evaluate(self, policies: list[Policy]) -> list[dict[str, Any]]:
+        """The policies' held-out sets, asked at once: the servers batch every
+        policy's greedy answers together (each with its own adapter)."""
+        jobs = []
+        for p in policies:
+            assert p.rollout is not None, SETUP_FIRST
+            jobs.append(held_out_job(p.ctx, p.rollout, p.eval_records))
+        return evaluate_together(jobs)
 
     def train(self) -> dict[str, Any]:
         assert self.rollout is not None and self.samples_log is not None, SETUP_FIRST
-        for p in self.policies:
-            if p.before is None:  # a resumed run has it from its checkpoint
-                p.before = self._evaluate(p)
-                if p.eval_records:
-                    metrics = {f"policy/{p.name}/{k}": p.before[k] for k in ("eval/accuracy", "eval/reward")}
-                    self.sinks.log(0, metrics)
+        unscored = [p for p in self.policies if p.before is None]  # a resumed run has it from its checkpoint
+        for p, before in zip(unscored, self._evaluate(unscored)):
+            p.before = before
             if p.eval_records:
+                self.sinks.log(0, {f"policy/{p.name}/{k}": before[k] for k in ("eval/accuracy", "eval/reward")})
+        for p in self.policies:
+            if p.eval_records and p.before is not None:
                 print(
                     f"{p.name}: held-out greedy accuracy before training: {p.before['eval/accuracy']:.3f}", flush=True
                 )
@@ -423,8 +429,7 @@ class MultiPolicyTrainer(Trainer):
             "resumed_from_step": self.resume_from.step if self.resume_from is not None else None,
             "policies": {},
         }
-        for p in self.policies:
-            after = self._evaluate(p)
+        for p, after in zip(self.policies, self._evaluate(self.policies)):
             if p.eval_records:
                 self.sinks.log(self.step, {f"policy/{p.name}/{k}": after[k] for k in ("eval/accuracy", "eval/reward")})
             final = save_hf_checkpoint(

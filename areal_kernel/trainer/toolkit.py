@@ -20,6 +20,8 @@ way (the ``grpo`` trainer calls these same functions):
   ``rollout.run_episodes(records)`` samples and scores a batch of records);
 - ``evaluate_held_out(ctx, rollout, records)``: greedy answers to the
   held-out records, scored (``eval/reward``, ``eval/accuracy``);
+  ``held_out_job`` is the same as an ``EvalJob``, and ``evaluate_together``
+  asks several such jobs at once (several policies' sets share batches);
 - ``start_train_engine(ctx, model, total_steps)``: the ``actor.backend``
   train engine, built and initialized;
 - ``build_weight_transport(ctx, engine, rollout)``: the transport that
@@ -55,7 +57,7 @@ from areal_kernel.plugins import get_plugin_manager, get_registry
 from areal_kernel.trainer import components
 from areal_kernel.trainer.common import make_sinks
 from areal_kernel.trainer.components import Rollout
-from areal_kernel.trainer.evaluate import evaluate
+from areal_kernel.trainer.evaluate import EvalJob, evaluate_together
 
 if TYPE_CHECKING:
     from areal_kernel.reward.pool import RewardPool
@@ -74,6 +76,9 @@ __all__ = [
     "start_train_engine",
     "build_weight_transport",
     "evaluate_held_out",
+    "held_out_job",
+    "EvalJob",
+    "evaluate_together",
     "build_reward",
     "start_reward_pool",
     "generation_config",
@@ -291,6 +296,18 @@ def build_weight_transport(ctx: TrainerContext, engine: TrainEngine, rollout: Ro
     return transport
 
 
+def held_out_job(ctx: TrainerContext, rollout: Rollout, records: Sequence[Record]) -> EvalJob:
+    """``evaluate_held_out``'s work as an ``EvalJob``, for
+    ``evaluate_together`` (several held-out sets asked at once)."""
+    return EvalJob(
+        rollout.workflow,
+        rollout.engine,
+        list(records),
+        ctx.config.rollout.gconfig.max_new_tokens,
+        rollout.reward.success_threshold,
+    )
+
+
 def evaluate_held_out(ctx: TrainerContext, rollout: Rollout, records: Sequence[Record]) -> dict[str, Any]:
     """One greedy answer per held-out record (``workflow.aevaluate``, at
     most ``rollout.gconfig.max_new_tokens`` tokens), scored by the reward:
@@ -298,13 +315,7 @@ def evaluate_held_out(ctx: TrainerContext, rollout: Rollout, records: Sequence[R
     reward reaches the reward's ``success_threshold``), ``eval/n`` and
     ``samples`` (``(prompt, answer, completion, reward)`` per record). No
     records: NaN means and ``eval/n`` 0."""
-    return evaluate(
-        rollout.workflow,
-        rollout.engine,
-        list(records),
-        ctx.config.rollout.gconfig.max_new_tokens,
-        success_threshold=rollout.reward.success_threshold,
-    )
+    return evaluate_together([held_out_job(ctx, rollout, records)])[0]
 
 
 def build_reward(ctx: TrainerContext) -> Reward:
