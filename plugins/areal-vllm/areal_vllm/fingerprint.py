@@ -8,6 +8,11 @@ fused, so each name is mapped to a view of the parameter vLLM loaded it into:
 - ``q_proj`` / ``k_proj`` / ``v_proj`` are row blocks of ``qkv_proj``, and
   ``gate_proj`` / ``up_proj`` of ``gate_up_proj`` (the model class's
   ``packed_modules_mapping``), sized from the model's Hugging Face config;
+- transformers' fused expert tensors (``experts.gate_up_proj``,
+  ``experts.down_proj``) are vLLM's ``w13_weight`` / ``w2_weight``, same
+  layout where vLLM keeps it (accelerators; the shapes are checked); on
+  CPU the MoE kernel holds them packed in its own blocked layout, so they
+  are unreadable there;
 - a tied ``lm_head.weight`` is the embedding; an embedding padded to a
   multiple of the tensor-parallel granularity is read over its real rows;
 - with LoRA enabled, a layer's loaded weights sit under ``base_layer``.
@@ -53,6 +58,39 @@ PACKED: dict[str, tuple[str, int]] = {
 }
 
 
+# transformers' fused expert tensors of a mixture-of-experts layer (one
+# parameter per layer, experts leading: ``gate_up_proj`` (E, 2I, H) with the
+# gate rows before the up rows, ``down_proj`` (E, H, I)) -> the parameter
+# vLLM's fused MoE layer loads them into, which has the same layout (under
+# the layer's ``routed_experts`` module in vllm 0.32, directly in older ones).
+FUSED_EXPERTS: dict[str, tuple[str, ...]] = {
+    "experts.gate_up_proj": ("experts.routed_experts.w13_weight", "experts.w13_weight"),
+    "experts.down_proj": ("experts.routed_experts.w2_weight", "experts.w2_weight"),
+}
+
+
+def expert_shapes(hf_config: Any) -> dict[str, tuple[int, ...]]:
+    """The shapes of the fused expert tensors (empty for a dense model)."""
+    experts = getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", None)
+    inter = getattr(hf_config, "moe_intermediate_size", None)
+    if not experts or not inter:
+        return {}
+    e, i, h = int(experts), int(inter), int(hf_config.hidden_size)
+    return {"experts.gate_up_proj": (e, 2 * i, h), "experts.down_proj": (e, h, i)}
+
+
+def cpu_prepacked_experts(module: Any) -> Any:
+    """The CPU experts kernel of a fused-MoE layer whose weights it keeps
+    prepacked (the object whose ``process_weights_after_loading`` packs
+    them), or None (another layer, another kernel, or an accelerator)."""
+    kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+    experts = getattr(kernel, "fused_experts", None)
+    if experts is None or getattr(experts, "isa", None) is None or not hasattr(module, "w13_weight"):
+        return None
+    # CPUUnquantizedExperts and its x86/Arm/Power subclasses carry the ISA they pack for.
+    return experts if type(experts).__name__.endswith("CPUUnquantizedExperts") else None
+
+
 def block_rows(hf_config: Any) -> dict[str, list[int]]:
     """Rows of each block of the fused modules, from a decoder's HF config."""
     heads = int(hf_config.num_attention_heads)
@@ -64,12 +102,18 @@ def block_rows(hf_config: Any) -> dict[str, list[int]]:
 
 
 def hf_views(
-    params: Mapping[str, "torch.Tensor"], hf_config: Any, names: Iterable[str], tied: bool
+    params: Mapping[str, "torch.Tensor"],
+    hf_config: Any,
+    names: Iterable[str],
+    tied: bool,
+    packed: frozenset[str] = frozenset(),
 ) -> tuple[dict[str, "torch.Tensor"], list[str]]:
     """(``{hf name: view of the loaded values}``, names whose parameter
-    exists but holds no readable values). A name found in neither is left out
-    (the reply lists it as missing)."""
+    exists but holds no readable values: emptied, or in ``packed``, the
+    vLLM parameters a kernel keeps in its own layout). A name found in
+    neither is left out (the reply lists it as missing)."""
     rows = block_rows(hf_config)
+    experts = expert_shapes(hf_config)
     vocab = int(getattr(hf_config, "vocab_size", 0) or 0)
     # With LoRA enabled, vLLM wraps each adapted layer and the embedding; the
     # loaded weights are the wrapped layer's (``<module>.base_layer.weight``).
@@ -81,7 +125,10 @@ def hf_views(
         if target is None:
             continue
         t = params[target]
-        if t.numel() == 0:
+        fused = next((k for k in FUSED_EXPERTS if name.endswith("." + k)), None)
+        if t.numel() == 0 or target in packed or (fused is not None and tuple(t.shape) != experts.get(fused)):
+            # Freed by a CPU repack, or (experts) padded or re-laid out by the
+            # MoE kernel: the trainer's positions would not index it.
             unreadable.append(name)
             continue
         if count is None and vocab and t.dim() == 2 and t.shape[0] > vocab and _is_vocab_table(name):
@@ -104,6 +151,10 @@ def _locate(
         for cand in ("model.embed_tokens.weight", "embed_tokens.weight"):
             if cand in params:
                 return cand, 0, None
+    for hf, candidates in FUSED_EXPERTS.items():
+        if name.endswith("." + hf):
+            stem = name[: -len(hf)]
+            return next(((stem + c, 0, None) for c in candidates if stem + c in params), (None, 0, None))
     parts = name.split(".")
     for i, part in enumerate(parts):
         if part in PACKED:
@@ -193,7 +244,13 @@ def worker_fingerprint(model: Any, hf_config: Any, tied: bool, spec_json: str) -
     if spec.adapter is not None:
         raise ValueError("the vLLM fingerprint reads base weights only (adapter tensors are not covered)")
     params = dict(model.named_parameters())
-    table, unreadable = hf_views(params, hf_config, spec.positions, tied)
+    packed = frozenset(
+        f"{name}.{w}"
+        for name, module in model.named_modules()
+        if cpu_prepacked_experts(module) is not None
+        for w in ("w13_weight", "w2_weight")
+    )
+    table, unreadable = hf_views(params, hf_config, spec.positions, tied, packed)
     skip = set(unreadable)
     reply = fingerprint(table, spec, None)
     reply["missing"] = [n for n in reply["missing"] if n not in skip]

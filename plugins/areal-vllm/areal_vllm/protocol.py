@@ -172,9 +172,10 @@ class VLLMProtocol(ServerProtocol):
                 {"method": "reload_weights", "kwargs": {"weights_path": path, "is_checkpoint_format": True}},
                 timeout_s=_LOAD_TIMEOUT_S,
             ),
-            # A tied LM head keeps stale prepacked weights after a reload on
-            # CPU; our worker extension rebuilds them (see areal_vllm.transfer).
-            HttpCall("POST", "/collective_rpc", {"method": "areal_refresh_tied_lm_heads"}),
+            # A tied LM head and MoE experts keep stale prepacked weights after
+            # a reload on CPU; our worker extension rebuilds them (see
+            # areal_vllm.transfer.refresh_after_reload).
+            HttpCall("POST", "/collective_rpc", {"method": "areal_refresh_after_reload"}),
             HttpCall("POST", "/reset_prefix_cache", {}),
             self.set_version(version),
         ]

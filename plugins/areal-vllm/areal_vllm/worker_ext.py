@@ -25,13 +25,14 @@ class AReaLWorkerExtension:
     """Mixed into vLLM's worker class; its methods are callable through
     ``POST /collective_rpc``. Names are prefixed to avoid clashing with the worker's."""
 
-    def areal_refresh_tied_lm_heads(self) -> int:
-        """After ``reload_weights``: rebuild a tied LM head's CPU-prepacked
-        weights from the reloaded embedding (see ``transfer.refresh_tied_lm_heads``)."""
-        from areal_vllm.transfer import is_tied, refresh_tied_lm_heads
+    def areal_refresh_after_reload(self) -> int:
+        """After ``reload_weights``: rebuild what vLLM's CPU kernels keep
+        prepacked and a reload leaves stale (a tied LM head, MoE experts; see
+        ``transfer.refresh_after_reload``)."""
+        from areal_vllm.transfer import is_tied, refresh_after_reload
 
         runner: Any = getattr(self, "model_runner")
-        return refresh_tied_lm_heads(runner.get_model(), is_tied(getattr(self, "vllm_config").model_config))
+        return refresh_after_reload(runner.get_model(), is_tied(getattr(self, "vllm_config").model_config))
 
     def areal_transfer_engine_name(self) -> str | None:
         """Which weight-transfer engine this worker built (a health check for tests)."""

@@ -215,7 +215,7 @@ def test_protocol_bodies_and_parsing():
         "/reset_prefix_cache",
         "/update_weight_version",
     ]
-    assert seq[1].json == {"method": "areal_refresh_tied_lm_heads"}
+    assert seq[1].json == {"method": "areal_refresh_after_reload"}
     assert seq[0].json == {"method": "reload_weights", "kwargs": {"weights_path": "/w", "is_checkpoint_format": True}}
     assert seq[-1].json == {"new_version": "5"}
 

@@ -79,6 +79,9 @@ def test_fingerprint_round_trip_clean_perturbed_and_repacked():
         def named_parameters(self):
             return iter(self.params.items())
 
+        def named_modules(self):
+            return iter(())  # no MoE layer whose experts a CPU kernel keeps packed
+
     def reply(params):
         return worker_fingerprint(Model(params), cfg, True, json.dumps(spec.to_json()))
 
@@ -231,3 +234,38 @@ def test_adapter_tensors_map_onto_vllms_packed_lora_layout_with_their_scale():
     _adapter_names(acc, json.dumps({"data": [{"id": "task-a", "parent": "base"}]}).encode())
     with pytest.raises(ServerError, match="lists 1 adapter"):
         _pick_adapter(acc, "task-a", raw)
+
+
+def test_fused_expert_tensors_map_to_vllms_moe_parameters_when_their_layout_is_kept():
+    """transformers' fused expert tensors of a real tiny Qwen3-MoE
+    (``experts.gate_up_proj`` (E, 2I, H), ``experts.down_proj`` (E, H, I))
+    are read from vLLM's ``routed_experts.w13_weight`` / ``w2_weight`` (same
+    layout); packed by a CPU kernel, or of another shape (an intermediate
+    size padded by the kernel), they are unreadable rather than compared."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    cfg = Qwen3MoeConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_experts=4,
+        num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    hf = {n: p.detach().clone() for n, p in Qwen3MoeForCausalLM(cfg).named_parameters()}
+    experts = [n for n in hf if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]
+    assert len(experts) == 4 and hf[experts[0]].dim() == 3, experts
+    rename = {
+        "experts.gate_up_proj": "experts.routed_experts.w13_weight",
+        "experts.down_proj": "experts.routed_experts.w2_weight",
+    }
+    params = {}
+    for n, t in hf.items():
+        hit = next((k for k in rename if n.endswith(k)), None)
+        params[n[: -len(hit)] + rename[hit] if hit else n] = t.clone()
+    table, unreadable = hf_views(params, cfg, experts, tied=False)
+    assert unreadable == [] and set(table) == set(experts)
+    assert all(torch.equal(table[n], hf[n]) for n in experts)
+    w13 = "model.layers.0.mlp.experts.routed_experts.w13_weight"
+    table, unreadable = hf_views(params, cfg, experts, tied=False, packed=frozenset({w13}))
+    assert unreadable == ["model.layers.0.mlp.experts.gate_up_proj"] and len(table) == 3
+    params[w13] = torch.zeros(4, 2 * 32, 32)  # the intermediate size padded to 32
+    _, unreadable = hf_views(params, cfg, experts, tied=False)
+    assert unreadable == ["model.layers.0.mlp.experts.gate_up_proj"]
