@@ -169,9 +169,16 @@ class MicroBatchRunner:
     separately, the head on the scored positions only (most of the head's
     cost with large vocabularies). A sharded model must be called as a whole
     (its root unit gathers embedding, final norm and head), so FSDP passes
-    ``False``. Subclasses with another head override ``forward``
-    (``areal_kernel.engine.scalar_head``).
+    ``False``; the head then still runs on the scored positions only where
+    the model's forward takes transformers' ``logits_to_keep`` as a tensor
+    of positions (``select_in_model``; the causal LM classes do). Subclasses
+    with another head override ``forward`` (``areal_kernel.engine.scalar_head``).
     """
+
+    # Whether a model called whole may be handed the scored positions
+    # (``logits_to_keep``); a runner whose head input is laid out otherwise
+    # (a tensor-parallel one) turns it off until it is checked there.
+    select_in_model: bool = True
 
     def __init__(
         self, model: Any, config: Any, device: Any, *, hooks: MicroBatchHooks | None = None, split_head: bool = True
@@ -181,6 +188,7 @@ class MicroBatchRunner:
         self.device = device
         self.hooks = hooks or MicroBatchHooks()
         self.split_head = split_head
+        self._keeps_positions: bool | None = None  # the model's forward takes logits_to_keep (checked once)
         # Image files -> pixel tensors (``areal_kernel.models.vision.ImageTensors``)
         # for a vision-language model; engines set it after building the runner.
         self.vision: Any = None
@@ -246,6 +254,19 @@ class MicroBatchRunner:
         if dec is None or head is None or dec is m:
             return None
         return dec, head
+
+    def keeps_positions(self) -> bool:
+        """Whether the whole-model call may take the scored positions as
+        ``logits_to_keep`` (the head then runs on those rows only)."""
+        if self._keeps_positions is None:
+            import inspect
+
+            try:
+                params = inspect.signature(type(self.model).forward).parameters
+            except (TypeError, ValueError):
+                params = {}  # type: ignore[assignment]
+            self._keeps_positions = self.select_in_model and "logits_to_keep" in params
+        return self._keeps_positions
 
     def image_kwargs(self, batch: TrajectoryBatch, order: list[int]) -> dict[str, Any]:
         """The forward's image keywords for the sequences ``order`` of ``batch``
@@ -314,7 +335,10 @@ class MicroBatchRunner:
             kwargs.update(self.vision.blank_kwargs(next(self.model.parameters()).dtype, self.device))
         split = self.head_split()
         with self.autocast():
-            if split is None:
+            if split is None and self.keeps_positions():
+                # The model's own head on the scored positions only.
+                logits = self.model(**kwargs, use_cache=False, logits_to_keep=pred_pos).logits[0]
+            elif split is None:
                 out = self.model(**kwargs, use_cache=False)  # no cache: required for exact packing
                 logits = out.logits[0].index_select(0, pred_pos)
             else:

@@ -324,6 +324,9 @@ class TensorRunner(MicroBatchRunner):
     slice of the logits, and the logprobs and entropies come from
     ``vocab_parallel_scores`` over the tensor group."""
 
+    # The head's input is laid out by the tensor plan: not indexed by position there.
+    select_in_model = False
+
     def __init__(self, model: Any, config: Any, device: Any, *, group: Any, vocab_start: int, **kw: Any) -> None:
         super().__init__(model, config, device, **kw)
         self.group, self.vocab_start = group, vocab_start
