@@ -64,6 +64,7 @@ class VLLMBackend(InferenceBackend):
         return VLLMLauncher(self.server_config, run_dir=os.path.join(run_dir, "vllm"))
 
     def launch(self, model_dir: str, device_plan: list[list[int]], run_dir: str) -> list[str]:
+        check_context_length(self.server_config, model_dir)
         # The client needs the model's image placeholder layout (vision-language models).
         self.model_dir = model_dir
         return super().launch(model_dir, device_plan, run_dir)
@@ -87,3 +88,31 @@ class VLLMBackend(InferenceBackend):
         # Label the served weights as version 0 (vLLM starts at "default").
         engine.set_version(0)
         return engine
+
+
+def check_context_length(server_config: Any, model_dir: str) -> None:
+    """``rollout.vllm.max_model_len`` longer than the model's positions is one
+    line before any server starts (vLLM would refuse it at start-up, minutes
+    in, with a traceback in the server log). Only a plain
+    ``max_position_embeddings`` is compared: with rope scaling the usable
+    length is vLLM's to derive, and ``VLLM_ALLOW_LONG_MAX_MODEL_LEN`` in
+    ``rollout.vllm.extra_env`` is vLLM's own way to allow more."""
+    import json
+
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(path) or server_config.extra_env.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN"):
+        return
+    try:
+        with open(path) as f:
+            hf = json.load(f)
+    except (OSError, ValueError):
+        return  # the server reports an unreadable model itself
+    text = hf.get("text_config") if isinstance(hf.get("text_config"), dict) else hf
+    limit = text.get("max_position_embeddings")
+    rope = text.get("rope_scaling") or text.get("rope_parameters") or {}
+    scaled = isinstance(rope, dict) and rope.get("rope_type", rope.get("type", "default")) != "default"
+    if isinstance(limit, int) and not scaled and server_config.max_model_len > limit:
+        raise ConfigError(
+            f"rollout.vllm.max_model_len={server_config.max_model_len} is longer than the model's "
+            f"max_position_embeddings={limit} ({path}); set rollout.vllm.max_model_len to {limit} or less"
+        )

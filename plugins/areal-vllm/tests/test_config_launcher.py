@@ -72,6 +72,36 @@ def test_backend_resolves_dtype_and_rejects_mismatched_tp(areal_env):
         VLLMBackend(cfg)
 
 
+def test_a_context_longer_than_the_models_positions_is_one_line_before_a_server_starts(tmp_path):
+    """vLLM refuses ``--max-model-len`` beyond the model's positions minutes
+    into its start; the backend says it first, naming the field and the
+    limit. Rope scaling (vLLM derives the length) and vLLM's own override
+    are left to vLLM."""
+    import json
+
+    from areal_vllm.backend import check_context_length
+    from areal_vllm.config import VLLMServerConfig
+
+    model = tmp_path / "model"
+    model.mkdir()
+    hf = {"max_position_embeddings": 512, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}
+    (model / "config.json").write_text(json.dumps(hf))
+    with pytest.raises(
+        ConfigError,
+        match=r"rollout\.vllm\.max_model_len=2048 is longer than the model's max_position_embeddings=512 .*config\.json.*512 or less",
+    ):
+        check_context_length(VLLMServerConfig(), str(model))
+    check_context_length(VLLMServerConfig(max_model_len=512), str(model))  # fits
+    check_context_length(VLLMServerConfig(extra_env={"VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1"}), str(model))
+    # A vision-language model's text tower, and rope scaling left to vLLM.
+    (model / "config.json").write_text(json.dumps({"text_config": hf}))
+    with pytest.raises(ConfigError, match="max_position_embeddings=512"):
+        check_context_length(VLLMServerConfig(), str(model))
+    scaled = {**hf, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}
+    (model / "config.json").write_text(json.dumps(scaled))
+    check_context_length(VLLMServerConfig(), str(model))
+
+
 def test_backend_serves_every_policys_adapter(areal_env):
     """A multi-policy run's servers start from its first policy's config:
     LoRA on, the largest rank, a slot per policy; too few slots set by hand
