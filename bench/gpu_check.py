@@ -33,7 +33,10 @@ Sections (``--only a,b`` runs a subset; add one by appending to ``SECTIONS``):
 - ``tput-*``: tokens/s and MFU of plain transformers + torch.optim.AdamW, the
   torch engine, ``fsdp:d1`` and ``megatron:t1`` training a random-init
   Qwen2-1.5B-shaped model (built from a config, nothing downloaded) in bf16
-  on 8 x 2048 tokens, the same batch for all.
+  on 8 x 2048 tokens, the same batch for all; ``tput-fsdp-t2`` and
+  ``tput-fsdp-p2`` the same on two devices (MFU per device; ``p2`` on a
+  Llama of the same shape, the layout taking Llama models only), SKIP on a
+  machine with one GPU.
 
 MFU = achieved model FLOP/s / peak, with model FLOPs per token =
 6 x (weights of every matmul, the LM head included, the input embedding not)
@@ -431,15 +434,18 @@ def _flops_per_token(cfg: dict[str, Any], seq: int) -> float:
     return 6.0 * matmul_weights + 6.0 * L * h * seq
 
 
-def _bench_model(args: argparse.Namespace) -> str:
-    """The random-init Qwen2 of ``_shape`` written once (bf16, one file)."""
+def _bench_model(args: argparse.Namespace, family: str = "qwen2") -> str:
+    """The random-init Qwen2 of ``_shape`` written once (bf16, one file);
+    ``family="llama"``: a Llama of the same shape (no q/k/v biases; the
+    pipeline-parallel layout takes Llama models only)."""
     import fcntl
 
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+    config_cls, model_cls = (LlamaConfig, LlamaForCausalLM) if family == "llama" else (Qwen2Config, Qwen2ForCausalLM)
     cfg, _, _ = _shape(args)
-    d = os.path.join(args.work, "qwen2-tiny" if args.tiny else "qwen2-1.5b")
+    d = os.path.join(args.work, f"{family}-tiny" if args.tiny else f"{family}-1.5b")
     os.makedirs(d, exist_ok=True)
     with open(os.path.join(d, ".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -448,7 +454,7 @@ def _bench_model(args: argparse.Namespace) -> str:
             plat = _platform()
             torch.manual_seed(0)
             with torch.device(plat.device()):
-                model = Qwen2ForCausalLM._from_config(Qwen2Config(**cfg), dtype=torch.bfloat16)
+                model = model_cls._from_config(config_cls(**cfg), dtype=torch.bfloat16)
             model.save_pretrained(d, max_shard_size="1000GB")
             del model
             plat.empty_cache()
@@ -473,8 +479,9 @@ def _trajectories(args: argparse.Namespace) -> Any:
     return TrajectoryBatch(trajs)
 
 
-def _rate(args: argparse.Namespace, step: Callable[[], None], label: str) -> dict[str, Any]:
-    """Median seconds per step of ``step`` after warm-up, as tokens/s and MFU."""
+def _rate(args: argparse.Namespace, step: Callable[[], None], label: str, devices: int = 1) -> dict[str, Any]:
+    """Median seconds per step of ``step`` after warm-up, as tokens/s and
+    MFU (per device: the peak counted ``devices`` times)."""
     cfg, n, seq = _shape(args)
     times = []
     for i in range(args.warmup + args.steps):
@@ -488,7 +495,7 @@ def _rate(args: argparse.Namespace, step: Callable[[], None], label: str) -> dic
     tps = n * seq / s
     out: dict[str, Any] = {"s_per_step": round(s, 4), "tokens_per_s": round(tps)}
     if args.peak_tflops:
-        out["mfu"] = round(tps * _flops_per_token(cfg, seq) / (args.peak_tflops * 1e12), 4)
+        out["mfu"] = round(tps * _flops_per_token(cfg, seq) / (devices * args.peak_tflops * 1e12), 4)
     return out
 
 
@@ -527,10 +534,12 @@ def sec_tput_hf(args: argparse.Namespace) -> dict[str, Any]:
 ENGINE_CFG = {"lr": 1e-6, "param_dtype": "bfloat16", "max_grad_norm": 1.0, "share_prompts": False}
 
 
-def _engine_rate(args: argparse.Namespace, make: Callable[[], Any], label: str) -> dict[str, Any]:
+def _engine_rate(
+    args: argparse.Namespace, make: Callable[[], Any], label: str, family: str = "qwen2", devices: int = 1
+) -> dict[str, Any]:
     from areal_kernel.algo.losses import make_ppo_loss_fn
 
-    d = _bench_model(args)
+    d = _bench_model(args, family)
     batch = _trajectories(args)
     adv = {"advantages": [[(1.0 if t.reward > 0 else -1.0) * m for m in t.loss_mask] for t in batch.trajectories]}
     loss = make_ppo_loss_fn(eps_clip=0.2)
@@ -542,7 +551,7 @@ def _engine_rate(args: argparse.Namespace, make: Callable[[], Any], label: str) 
         def step() -> None:
             last.update(eng.train_batch(batch, loss, adv))
 
-        row = _rate(args, step, label)
+        row = _rate(args, step, label, devices)
         row["micro_batches"] = int(last.get("n_mbs", 0))
         if not last.get("skipped", 1.0) == 0.0:
             raise RuntimeError(f"{label}: the last step was skipped (non-finite loss or grad norm): {last}")
@@ -574,6 +583,23 @@ def sec_tput_fsdp(args: argparse.Namespace) -> dict[str, Any]:
     return _tput_result({"fsdp:d1": _engine_rate(args, lambda: FSDPTrainEngine(cfg, world_size=1), "fsdp:d1")})
 
 
+def sec_tput_split(args: argparse.Namespace, layout: str) -> dict[str, Any]:
+    """``fsdp:t2`` (the Qwen2 model) or ``fsdp:p2`` (the Llama of the same
+    shape), one rank per device, same batch as the other ``tput-*`` sections;
+    MFU per device. A single-GPU machine cannot run them (NCCL refuses two
+    ranks on one device): SKIP. On ``--device cpu`` two gloo ranks."""
+    from areal_fsdp.engine import FSDPTrainEngine
+
+    plat = _platform()
+    if plat.name != "cpu" and plat.device_count() < 2:
+        raise Skip(f"{layout} needs 2 devices (one rank each); this machine has {plat.device_count()}")
+    _, n, seq = _shape(args)
+    cfg = {**ENGINE_CFG, "max_tokens_per_mb": n * seq}
+    family = "llama" if layout.endswith("p2") else "qwen2"
+    row = _engine_rate(args, lambda: FSDPTrainEngine(cfg, layout), layout, family, devices=2)
+    return _tput_result({f"{layout} ({family}, 2 devices; MFU per device)": row})
+
+
 def sec_tput_megatron(args: argparse.Namespace) -> dict[str, Any]:
     from areal_megatron.engine import MegatronTrainEngine
 
@@ -599,6 +625,15 @@ SECTIONS: list[Section] = [
     Section("tput-torch", "torch engine, same model and batch", 180, sec_tput_torch),
     Section("tput-fsdp", "fsdp:d1, same model and batch", 180, sec_tput_fsdp),
     Section("tput-megatron", "megatron:t1, same model and batch", 210, sec_tput_megatron),
+    Section(
+        "tput-fsdp-t2", "fsdp:t2 on 2 devices, same model and batch", 240, lambda a: sec_tput_split(a, "fsdp:t2")
+    ),
+    Section(
+        "tput-fsdp-p2",
+        "fsdp:p2 on 2 devices, a Llama of the same shape, same batch",
+        240,
+        lambda a: sec_tput_split(a, "fsdp:p2"),
+    ),
     Section(
         "broadcast-nccl",
         "torch engine -> embedded server weight broadcast over nccl",
