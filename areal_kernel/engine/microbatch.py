@@ -188,7 +188,9 @@ class MicroBatchRunner:
         self.device = device
         self.hooks = hooks or MicroBatchHooks()
         self.split_head = split_head
-        self._keeps_positions: bool | None = None  # the model's forward takes logits_to_keep (checked once)
+        # The whole-model call may take the scored positions as transformers'
+        # ``logits_to_keep`` (the head then runs on those rows only).
+        self.keeps_positions: bool = self.select_in_model and _forward_takes(model, "logits_to_keep")
         # Image files -> pixel tensors (``areal_kernel.models.vision.ImageTensors``)
         # for a vision-language model; engines set it after building the runner.
         self.vision: Any = None
@@ -254,19 +256,6 @@ class MicroBatchRunner:
         if dec is None or head is None or dec is m:
             return None
         return dec, head
-
-    def keeps_positions(self) -> bool:
-        """Whether the whole-model call may take the scored positions as
-        ``logits_to_keep`` (the head then runs on those rows only)."""
-        if self._keeps_positions is None:
-            import inspect
-
-            try:
-                params = inspect.signature(type(self.model).forward).parameters
-            except (TypeError, ValueError):
-                params = {}  # type: ignore[assignment]
-            self._keeps_positions = self.select_in_model and "logits_to_keep" in params
-        return self._keeps_positions
 
     def image_kwargs(self, batch: TrajectoryBatch, order: list[int]) -> dict[str, Any]:
         """The forward's image keywords for the sequences ``order`` of ``batch``
@@ -335,7 +324,7 @@ class MicroBatchRunner:
             kwargs.update(self.vision.blank_kwargs(next(self.model.parameters()).dtype, self.device))
         split = self.head_split()
         with self.autocast():
-            if split is None and self.keeps_positions():
+            if split is None and self.keeps_positions:
                 # The model's own head on the scored positions only.
                 logits = self.model(**kwargs, use_cache=False, logits_to_keep=pred_pos).logits[0]
             elif split is None:
@@ -496,3 +485,13 @@ class MicroBatchRunner:
         else:
             optimizer.zero_grad(set_to_none=True)
         return grad_norm, finite
+
+
+def _forward_takes(model: Any, name: str) -> bool:
+    """Whether ``model``'s class's ``forward`` has a parameter ``name``."""
+    import inspect
+
+    try:
+        return name in inspect.signature(type(model).forward).parameters
+    except (TypeError, ValueError, AttributeError):
+        return False

@@ -45,11 +45,10 @@ async def _aevaluate(jobs: Sequence[EvalJob], concurrency: int) -> list[list[tup
         return list(await asyncio.gather(*(answer(j) for j in jobs)))
     finally:
         # Sessions are per event loop; this loop ends with this call.
-        closed: list[Any] = []
-        for job in jobs:
-            close = getattr(job.engine, "aclose", None)
-            if close is not None and not any(job.engine is e for e in closed):
-                closed.append(job.engine)
+        # Each engine once, however many jobs share it.
+        for engine in {id(j.engine): j.engine for j in jobs}.values():
+            close = getattr(engine, "aclose", None)
+            if close is not None:
                 await close(current_loop_only=True)
 
 
