@@ -243,6 +243,10 @@ class Scheduler(abc.ABC):
     name: ClassVar[str] = "scheduler"
     # The roles ``plan`` places (``SchedulerContext.roles``).
     roles: tuple[str, ...] = (ACTOR, ROLLOUT)
+    # Whether ``plan`` honours ``rollout.share_devices`` (inference servers on
+    # the train ranks' devices); a scheduler that does not is refused such a
+    # run when built, rather than placing the servers apart unasked.
+    shares_devices: ClassVar[bool] = False
 
     @classmethod
     def from_context(cls, context: "SchedulerContext") -> "Scheduler":
@@ -256,6 +260,14 @@ class Scheduler(abc.ABC):
     def __init__(self, config: "ExperimentConfig") -> None:
         from areal_kernel.platforms import current_platform
 
+        if config.rollout.share_devices and not type(self).shares_devices:
+            from areal_kernel.errors import ArealError
+
+            raise ArealError(
+                f"rollout.share_devices: the scheduler {self.name!r} cannot place inference servers on the train "
+                "ranks' devices; use scheduler.type: local, or give the servers devices of their own "
+                "(rollout.share_devices: false)"
+            )
         self.config = config
         self.settings: Any = config.scheduler.section(self.name)
         self.platform: "Platform" = current_platform()

@@ -124,6 +124,12 @@ class RolloutConfig(PluginSection):
         description="How long a draining server's requests may run before they are moved: aborted, and resumed "
         "on another server from their partial output.",
     )
+    share_devices: bool = Field(
+        False,
+        description="Run the inference servers on the train ranks' devices instead of devices of their own (one "
+        "GPU for both; they take turns on it). Weight updates then go through disk: a collective cannot join two "
+        "processes on one device. Schedulers that cannot place this refuse it (docs/gpu.md).",
+    )
     gconfig: GenerationSettings = Field(default_factory=GenerationSettings)
     eval_gconfig: GenerationSettings = Field(
         default_factory=lambda: GenerationSettings(temperature=1.0, n_samples=1),

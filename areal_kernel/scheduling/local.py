@@ -56,6 +56,7 @@ class LocalScheduler(Scheduler):
     processes are started with ``subprocess`` in their own sessions."""
 
     name = "local"
+    shares_devices = True
 
     def plan(self) -> SchedulePlan:
         ids = self._device_ids()
@@ -71,6 +72,20 @@ class LocalScheduler(Scheduler):
         servers = rollout.d if ROLLOUT in self.roles else 0
         if not self.platform.exclusive_devices:  # shared host cores: no ids to hand out
             return {ACTOR: [[] for _ in range(actor.world_size)], ROLLOUT: [[] for _ in range(servers)]}
+        if self.config.rollout.share_devices:
+            # The servers go on the ranks' devices, in turn: server r starts
+            # where server r-1 ended, wrapping round the ranks' devices.
+            have, per = self.platform.device_count(), rollout.devices_per_replica
+            if actor.world_size > have or (servers and per > actor.world_size):
+                raise ArealError(
+                    f"rollout.share_devices: the run needs {actor.world_size} {self.platform.device_type} devices "
+                    f"for actor {actor} (this machine has {have}), and each {rollout} server's {per} device(s) "
+                    f"among them (at most {actor.world_size}); see `areal plan`"
+                )
+            return {
+                ACTOR: [[i] for i in range(actor.world_size)],
+                ROLLOUT: [self._shared_ids(r) for r in range(servers)],
+            }
         need = actor.world_size + servers * rollout.devices_per_replica
         have = self.platform.device_count()
         if need > have:
@@ -84,6 +99,12 @@ class LocalScheduler(Scheduler):
             ROLLOUT: [[next(ids) for _ in range(rollout.devices_per_replica)] for _ in range(servers)],
         }
 
+    def _shared_ids(self, index: int) -> list[int]:
+        """Server ``index``'s devices under ``rollout.share_devices``: the
+        next ``devices_per_replica`` of the ranks' device ids, wrapping."""
+        per, ranks = self.config.rollout.allocation.devices_per_replica, self.config.actor.allocation.world_size
+        return [(index * per + k) % ranks for k in range(per)]
+
     def device_plan(self) -> dict[str, list[list[int]]]:
         """Device ids per process: ``{"actor": [[0], [1]], "rollout": [[2, 3]]}``."""
         return self._device_ids()
@@ -93,7 +114,9 @@ class LocalScheduler(Scheduler):
         ``devices_per_replica`` ids no placement of this run holds (the
         devices of a server given back are not handed out again)."""
         devices: tuple[int, ...] = ()
-        if self.platform.exclusive_devices:
+        if self.platform.exclusive_devices and self.config.rollout.share_devices:
+            devices = tuple(self._shared_ids(self.config.rollout.allocation.d + len(self._extra)))
+        elif self.platform.exclusive_devices:
             taken = {d for ps in self.device_plan().values() for p in ps for d in p}
             taken |= {d for p in self._extra for d in p.devices}
             per = self.config.rollout.allocation.devices_per_replica

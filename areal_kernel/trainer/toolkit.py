@@ -276,10 +276,14 @@ def build_weight_transport(ctx: TrainerContext, engine: TrainEngine, rollout: Ro
         from areal_kernel.environments import in_memory_fallback
 
         why = in_memory_fallback(cfg)
+        if not why and cfg.rollout.share_devices and rollout.scheduler.platform.exclusive_devices:
+            # NCCL (and its kin) refuse a group with two members on one device.
+            why = "rollout.share_devices puts the servers on the train ranks' devices"
         if why:
-            # gloo/NCCL exchange tensors in torch's own wire format: both ends
-            # need the same torch. Disk works across any two.
-            log.warning("in-memory weight updates cannot reach the servers' environment; using disk", why=why)
+            # gloo/NCCL exchange tensors in torch's own wire format (both ends
+            # need the same torch) between members on devices of their own.
+            # Disk works across any two.
+            log.warning("in-memory weight updates cannot reach the servers; using disk", why=why)
             name = "disk"
     transport: WeightTransportProtocol = get_registry().build(
         "weight_transport",
