@@ -18,7 +18,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 from areal_kernel.errors import ArealError, ConfigError
 
@@ -123,7 +123,7 @@ def _convert(gguf: Path, out: Path, dtype: str) -> None:
 
     hf_logging.disable_progress_bar()
     src_dir, name = str(gguf.parent), gguf.name
-    tokenizer = AutoTokenizer.from_pretrained(src_dir, gguf_file=name)
+    tokenizer = _state_special_tokens(AutoTokenizer.from_pretrained(src_dir, gguf_file=name))
     loaded = AutoModelForCausalLM.from_pretrained(src_dir, gguf_file=name, dtype=torch.float32)
 
     # A model loaded with gguf_file carries a GGUF quantizer and refuses
@@ -132,6 +132,7 @@ def _convert(gguf: Path, out: Path, dtype: str) -> None:
     config = loaded.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config
+    config.bos_token_id, config.eos_token_id, config.pad_token_id = BOS_ID, EOS_ID, EOS_ID
     torch_dtype = getattr(torch, dtype)
     config.dtype = torch_dtype
     state = {k: v.to(torch_dtype) for k, v in loaded.state_dict().items()}
@@ -146,6 +147,15 @@ def _convert(gguf: Path, out: Path, dtype: str) -> None:
     info = _check_tokenizer(out)
     info.update({"name": MODEL_NAME, "dtype": dtype, "source": str(gguf), "source_bytes": gguf.stat().st_size})
     (out / _MARKER).write_text(json.dumps(info, indent=2) + "\n")
+
+
+def _state_special_tokens(tokenizer: Any) -> Any:
+    """Set bos, eos and pad by id rather than take them from the GGUF reader:
+    transformers 5.17 reads SmolLM2's end token as <|im_start|> (5.19 as
+    <|im_end|>), and generation stops on eos."""
+    tokenizer.bos_token = tokenizer.convert_ids_to_tokens(BOS_ID)
+    tokenizer.eos_token = tokenizer.pad_token = tokenizer.convert_ids_to_tokens(EOS_ID)
+    return tokenizer
 
 
 def _check_tokenizer(out: Path) -> dict[str, object]:

@@ -75,6 +75,26 @@ def test_tokenizer_ids_and_chat_template(smollm2):
 
 
 @pytest.mark.slow
+def test_special_tokens_are_stated_whatever_the_gguf_reader_says(smollm2, tmp_path):
+    """transformers 5.17's GGUF reader names <|im_start|> as SmolLM2's end
+    token (seen on a GPU machine with 5.17: the conversion stopped with "bos/eos
+    ids 1/1"; 5.19, this environment's, reads <|im_end|>). The conversion
+    states the ids itself: a tokenizer spoilt that way comes out right, and the
+    check refuses the spoilt one as it is (the control)."""
+    from transformers import AutoTokenizer
+
+    spoilt = AutoTokenizer.from_pretrained(str(smollm2.model_dir))
+    spoilt.eos_token = "<|im_start|>"
+    spoilt.save_pretrained(str(tmp_path / "as-read"))
+    with pytest.raises(ArealError, match="bos/eos ids 1/1, expected 1/2"):
+        sm._check_tokenizer(tmp_path / "as-read")
+    sm._state_special_tokens(spoilt).save_pretrained(str(tmp_path / "stated"))
+    assert sm._check_tokenizer(tmp_path / "stated")["eos_token_id"] == 2
+    fixed = AutoTokenizer.from_pretrained(str(tmp_path / "stated"))
+    assert (fixed.bos_token, fixed.eos_token, fixed.pad_token) == ("<|im_start|>", "<|im_end|>", "<|im_end|>")
+
+
+@pytest.mark.slow
 def test_greedy_generation_answers_with_a_digit(smollm2):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
