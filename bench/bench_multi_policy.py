@@ -70,6 +70,7 @@ class Run:
     probed_after_step: int = -1  # the steps done when the last successful probe was sent
     probe_errors: list[str] = field(default_factory=list)
     steps: list[dict[str, float]] = field(default_factory=list)  # per training step: perf/* (any policy)
+    gpu_mib: float | None = None  # peak GPU memory in use during the run, over what was in use before it
 
 
 def _tree(pid: int) -> list[Any]:
@@ -92,6 +93,26 @@ def _rss(procs: list[Any]) -> int:
         except psutil.Error:
             pass  # gone between the listing and the read
     return total
+
+
+def _gpu_used_mib() -> float | None:
+    """GPU memory in use on this machine now, MiB (every GPU together), or
+    None without ``nvidia-smi``. Per process it is often not reported inside
+    containers, so the run's share is the peak over what was in use before
+    it started (nothing else uses the GPU while a benchmark runs)."""
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+            capture_output=True, text=True, timeout=10,
+        )  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if out.returncode != 0:
+        return None
+    try:
+        return sum(float(x) for x in out.stdout.split())
+    except ValueError:
+        return None
 
 
 def _server_address(procs: list[Any]) -> str | None:
@@ -173,6 +194,7 @@ def run(name: str, overrides: list[str], root: str, total_steps: int, prompts: l
     ]  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS="1")
     out = Run(name, total_steps=total_steps)
+    gpu_before = _gpu_used_mib()
     log_path = os.path.join(root, f"{name}.log")
     print(f"--- {name}: {' '.join(cmd[3:])}", flush=True)
     t0 = time.monotonic()
@@ -186,6 +208,8 @@ def run(name: str, overrides: list[str], root: str, total_steps: int, prompts: l
             rss = _rss(procs)
             if rss > out.peak_rss:
                 out.peak_rss, out.peak_procs = rss, len(procs)
+            if gpu_before is not None and (used := _gpu_used_mib()) is not None:
+                out.gpu_mib = max(out.gpu_mib or 0.0, used - gpu_before)
             for p in procs:
                 try:
                     t = p.cpu_times()
@@ -270,11 +294,16 @@ def main() -> None:
         help="trainer.policy_order of the multi-policy run (default weight: the fixed order)",
     )  # fmt: skip
     ap.add_argument("--keep", default=None, help="keep the runs' directories and logs here (default: a temp dir)")
+    ap.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE",
+        help="a config override for every run (e.g. rollout.share_devices=true on a one-GPU machine); repeatable",
+    )  # fmt: skip
+    ap.add_argument("--json", default=None, help="also write the numbers to this file")
     args = ap.parse_args()
     steps, eval_size = (2, 16) if args.quick else (args.steps, args.eval_size)
     common = [
         f"model.path={args.model}", f"trainer.max_steps={steps}", f"trainer.batch_size={args.batch_size}",
-        f"trainer.eval_size={eval_size}", f"dataset.arithmetic.n_eval={eval_size}",
+        f"trainer.eval_size={eval_size}", f"dataset.arithmetic.n_eval={eval_size}", *args.set,
     ]  # fmt: skip
     prompts, eos = _prompts(args.model)
     if args.keep:
@@ -305,7 +334,7 @@ def main() -> None:
     single_peak_sum = sum(r.peak_rss for r in singles.values())
     single_peak_max = max(r.peak_rss for r in singles.values())
     mib = 2**20
-    print(f"\nSmolLM2-135M, LoRA rank 16 per policy, {steps} steps per policy, batch {args.batch_size} x 8 samples, "
+    print(f"\n{os.path.basename(args.model.rstrip('/'))}, LoRA rank 16 per policy, {steps} steps per policy, batch {args.batch_size} x 8 samples, "
           f"{eval_size} held-out questions per policy, policy_order {args.policy_order}; one run at a time on this "
           "machine")  # fmt: skip
     print(
@@ -336,6 +365,32 @@ def main() -> None:
     print(f"two single runs / multi-policy run, CPU seconds: {single_cpu / sum(multi.cpu_s.values()):.2f}x")
     print(f"multi-policy peak / (single peaks added): {mem_ratio:.2f} "
           f"(/ the larger single peak: {multi.peak_rss / single_peak_max:.2f})")  # fmt: skip
+    gpu = [r.gpu_mib for r in (*singles.values(), multi)]
+    gpu_ratio = None
+    if all(g is not None and g > 0 for g in gpu):
+        gpu_ratio = gpu[-1] / (gpu[0] + gpu[1])  # type: ignore[operator]
+        print(f"GPU memory in use, peak MiB: {', '.join(f'{r.name} {r.gpu_mib:.0f}' for r in (*singles.values(), multi))}"
+              f"; multi-policy / (singles added): {gpu_ratio:.2f}")  # fmt: skip
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                {
+                    "model": args.model, "steps_per_policy": steps, "overrides": args.set,
+                    "wall_s": {r.name: round(r.wall_s, 1) for r in (*singles.values(), multi)},
+                    "train_s": {r.name: round(r.result["train_seconds"], 1) for r in (*singles.values(), multi)},
+                    "wall_ratio": round(wall_ratio, 3), "rss_ratio": round(mem_ratio, 3),
+                    "gpu_mib": {r.name: r.gpu_mib for r in (*singles.values(), multi)}, "gpu_ratio": gpu_ratio,
+                    "accuracy": {
+                        n: {"single": [singles[n].result["before"], singles[n].result["after"]],
+                            "multi": [multi.result["policies"][n]["before"], multi.result["policies"][n]["after"]]}
+                        for n in TASKS
+                    },
+                    "base_unchanged": all(
+                        r.probes and all(o == r.probes[0][1] for _, o in r.probes) for r in (*singles.values(), multi)
+                    ),
+                },
+                f, indent=1,
+            )  # fmt: skip
     report("multi-policy: two single-policy runs / one two-policy run, wall seconds", wall_ratio, goal=1.5)
     report(
         "multi-policy: two-policy run / two single runs side by side, peak RSS", mem_ratio, goal=0.6,

