@@ -38,7 +38,7 @@ def make_plan(cfg: ExperimentConfig) -> dict[str, Any]:
     # single-threaded and processes may share cores.
     shared = not plat.exclusive_devices
     available = plat.compute_units()
-    shares = cfg.rollout.share_devices and not shared  # on shared host cores nothing is counted apart anyway
+    on_actor_devices = cfg.rollout.share_devices and not shared  # host cores are shared anyway
     actor = cfg.actor.allocation
     rollout = cfg.rollout.allocation
     roles: list[dict[str, Any]] = [
@@ -58,12 +58,12 @@ def make_plan(cfg: ExperimentConfig) -> dict[str, Any]:
                 "processes": rollout.d,
                 "devices_per_process": rollout.devices_per_replica,
                 # On the actor's devices, they add none (rollout.share_devices).
-                "devices": 0 if shares else rollout.d * rollout.devices_per_replica,
+                "devices": 0 if on_actor_devices else rollout.d * rollout.devices_per_replica,
             }
         )
     needed = sum(r["devices"] for r in roles)
     notes = []
-    if shares and not _offline(cfg):
+    if on_actor_devices and not _offline(cfg):
         notes.append("rollout.share_devices: the inference servers run on the actor's devices")
     if shared and needed > available:
         notes.append(f"{needed} single-threaded processes on {available} core(s): they will share cores and run slower")
