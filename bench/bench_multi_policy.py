@@ -271,10 +271,15 @@ def _prompts(model: str) -> tuple[list[list[int]], int]:
     return prompts, int(tok.eos_token_id)
 
 
+def _unchanged(r: Run) -> bool:
+    """Whether the run was probed and every probe got the first probe's answers."""
+    return bool(r.probes) and all(outs == r.probes[0][1] for _, outs in r.probes)
+
+
 def _identical(r: Run) -> str:
     if not r.probes:
         return "not probed"
-    same = all(outs == r.probes[0][1] for _, outs in r.probes)
+    same = _unchanged(r)
     return (
         f"{'yes' if same else '**no**'} ({len(r.probes)} probes, the last after step "
         f"{max(0, r.probed_after_step)} of {r.total_steps})"
@@ -365,29 +370,29 @@ def main() -> None:
     print(f"two single runs / multi-policy run, CPU seconds: {single_cpu / sum(multi.cpu_s.values()):.2f}x")
     print(f"multi-policy peak / (single peaks added): {mem_ratio:.2f} "
           f"(/ the larger single peak: {multi.peak_rss / single_peak_max:.2f})")  # fmt: skip
-    gpu = [r.gpu_mib for r in (*singles.values(), multi)]
+    runs = (*singles.values(), multi)
+    unchanged = all(_unchanged(r) for r in runs)
+    gpu = [r.gpu_mib for r in runs]
     gpu_ratio = None
     if all(g is not None and g > 0 for g in gpu):
         gpu_ratio = gpu[-1] / (gpu[0] + gpu[1])  # type: ignore[operator]
-        print(f"GPU memory in use, peak MiB: {', '.join(f'{r.name} {r.gpu_mib:.0f}' for r in (*singles.values(), multi))}"
+        print(f"GPU memory in use, peak MiB: {', '.join(f'{r.name} {r.gpu_mib:.0f}' for r in runs)}"
               f"; multi-policy / (singles added): {gpu_ratio:.2f}")  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
                 {
                     "model": args.model, "steps_per_policy": steps, "overrides": args.set,
-                    "wall_s": {r.name: round(r.wall_s, 1) for r in (*singles.values(), multi)},
-                    "train_s": {r.name: round(r.result["train_seconds"], 1) for r in (*singles.values(), multi)},
+                    "wall_s": {r.name: round(r.wall_s, 1) for r in runs},
+                    "train_s": {r.name: round(r.result["train_seconds"], 1) for r in runs},
                     "wall_ratio": round(wall_ratio, 3), "rss_ratio": round(mem_ratio, 3),
-                    "gpu_mib": {r.name: r.gpu_mib for r in (*singles.values(), multi)}, "gpu_ratio": gpu_ratio,
+                    "gpu_mib": {r.name: r.gpu_mib for r in runs}, "gpu_ratio": gpu_ratio,
                     "accuracy": {
                         n: {"single": [singles[n].result["before"], singles[n].result["after"]],
                             "multi": [multi.result["policies"][n]["before"], multi.result["policies"][n]["after"]]}
                         for n in TASKS
                     },
-                    "base_unchanged": all(
-                        r.probes and all(o == r.probes[0][1] for _, o in r.probes) for r in (*singles.values(), multi)
-                    ),
+                    "base_unchanged": unchanged,
                 },
                 f, indent=1,
             )  # fmt: skip
@@ -396,7 +401,6 @@ def main() -> None:
         "multi-policy: two-policy run / two single runs side by side, peak RSS", mem_ratio, goal=0.6,
         higher_is_better=False,
     )  # fmt: skip
-    unchanged = all(r.probes and all(o == r.probes[0][1] for _, o in r.probes) for r in (*singles.values(), multi))
     if not unchanged:
         print("WARNING: the base model's greedy outputs changed during a run (see the table)", flush=True)
 
