@@ -7,7 +7,9 @@ rows using: no adapter; one adapter; the two adapters half and half (what a
 two-policy run's server batches). Side by side in one process on the
 platform's device (``AREAL_PLATFORM`` to choose). The mixed batch's ratio to
 the one-adapter batch is the price of serving both policies together instead
-of one after the other (1.0: free; 2.0: no better than apart).
+of one after the other (1.0: free; 2.0: no better than apart). The table
+also counts the tensor operations of each forward: on a GPU each is a kernel
+launch, which bounds a small model's decode step.
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/bench_adapter_rows.py [--rows 32] [--context 48] [--repeats 30]
 """
@@ -76,8 +78,29 @@ def main() -> None:
             plat.synchronize()
             return time.perf_counter() - t0
 
+    def operations(rows: list[str | None]) -> int:
+        """Tensor operations in one decode forward: each is a kernel launch on
+        a GPU, where a small model's decode step is bound by launches."""
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        ran = [0]
+
+        class Count(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                ran[0] += 1
+                return func(*args, **(kwargs or {}))
+
+        adapters.rows = rows
+        with torch.no_grad():
+            cache = DynamicCache()
+            model(input_ids=ctx, past_key_values=cache, use_cache=True)
+            with Count():
+                model(input_ids=step, past_key_values=cache, use_cache=True)
+        return ran[0]
+
     for rows in settings.values():  # warm-up
         forward(rows)
+    ops = {k: operations(rows) for k, rows in settings.items()}
     times: dict[str, list[float]] = {k: [] for k in settings}
     for _ in range(args.repeats):  # interleaved, so drift hits every setting alike
         for k, rows in settings.items():
@@ -86,10 +109,10 @@ def main() -> None:
     print(f"\n{os.path.basename(args.model)} on {dev}, {args.rows} rows x 1 new token over {args.context} cached, "
           f"2 adapters rank 16 on {len(TARGETS)} modules x {model.config.num_hidden_layers} layers; "
           f"median of {args.repeats}")  # fmt: skip
-    print("\n| rows use | ms per decode forward | vs one adapter |")
-    print("|---|---|---|")
+    print("\n| rows use | ms per decode forward | vs one adapter | tensor operations per forward |")
+    print("|---|---|---|---|")
     for k, v in med.items():
-        print(f"| {k} | {v * 1e3:.2f} | {v / med['one adapter']:.2f} |")
+        print(f"| {k} | {v * 1e3:.2f} | {v / med['one adapter']:.2f} | {ops[k]} |")
     report(
         "adapter rows: two adapters half each / one adapter, decode forward", med["two adapters, half each"]
         / med["one adapter"], goal=1.2, higher_is_better=False,

@@ -3,11 +3,12 @@ adapters (and the base), on a tiny random Llama in this process."""
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 
 torch = pytest.importorskip("torch")
 
-from areal_kernel.inference.embedded import lora as lora_mod  # noqa: E402
 from areal_kernel.inference.embedded.lora import AdapterSet  # noqa: E402
 from areal_kernel.models.tiny import make_tiny_llama  # noqa: E402
 from areal_kernel.testing.noise import assert_within_noise, measure_noise_floor  # noqa: E402
@@ -33,6 +34,9 @@ def served(tmp_path_factory):
     adapters = AdapterSet(model)
     for i, name in enumerate(("a", "b")):
         adapters.load(name, {"r": 4, "lora_alpha": 8}, _adapter(model, i), version=1)
+    # "c": another rank and scale, on v_proj alone (the other layers' stacks leave it out).
+    c = [(n, t[:2] if n.endswith("lora_A.weight") else t[:, :2]) for n, t in _adapter(model, 2) if ".v_proj." in n]
+    adapters.load("c", {"r": 2, "lora_alpha": 6}, c, version=1)
     return model, adapters
 
 
@@ -44,41 +48,58 @@ def _logits(model, adapters, rows, ids):
 
 def test_a_mixed_batch_gives_each_row_its_own_adapters_output(served):
     model, adapters = served
-    ids = torch.randint(0, 256, (6, 5), generator=torch.Generator().manual_seed(0))
-    rows = ["a", None, "b", "a", "b", None]
+    ids = torch.randint(0, 256, (7, 5), generator=torch.Generator().manual_seed(0))
+    rows = ["a", None, "b", "a", "c", "b", None]
     mixed = _logits(model, adapters, rows, ids)
-    # Each row alone, in a batch of one adapter (the hooks' one-adapter path).
+    # Each row alone, in a batch of one adapter (the hooks' one-adapter path: peft's expression).
     alone = torch.cat([_logits(model, adapters, [r], ids[i : i + 1]) for i, r in enumerate(rows)])
     # Floor: the same one-adapter path with each row in a batch of two (another matmul shape).
     paired = torch.cat([_logits(model, adapters, [r, r], ids[[i, i]])[:1] for i, r in enumerate(rows)])
     floor = measure_noise_floor("logits, one row alone vs in a pair", alone, paired)
     assert_within_noise(mixed, alone, floor, 4, what="mixed batch vs each row alone")
-    # The adapters matter (the control): row 0 under "b" and under no adapter differ.
+    # The adapters matter (the control): row 0 under "b" and under no adapter
+    # differ, and so does row 4 ("c", on v_proj only) from the base.
     for other in ("b", None):
         assert (alone[0] - _logits(model, adapters, [other], ids[:1])[0]).abs().max().item() > 1e-3
+    assert (alone[4] - _logits(model, adapters, [None], ids[4:5])[0]).abs().max().item() > 1e-3
 
 
-def test_row_indices_are_made_once_per_forward(served, monkeypatch):
-    """Index tensors of a mixed batch's rows are made once per forward, not in
-    every adapted layer's hook (on a GPU each is a copy from host memory that
-    waits for the queued kernels)."""
+def _ops(model, adapters, rows, ids) -> list[str]:
+    """The aten operations one forward runs (each a kernel launch on a GPU)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    ran: list[str] = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ran.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    adapters.rows = rows
+    with torch.no_grad(), Record():
+        model(input_ids=ids)
+    return ran
+
+
+def test_a_mixed_batch_runs_the_operations_of_a_one_adapter_batch(served):
+    """A layer computes every adapter of a mixed batch at once: the forward
+    runs the same operations for two or three adapters as for one (adapter
+    by adapter, each one added seven per adapted layer and the batch a copy),
+    plus the per-row masks, made once per forward for each set of adapters
+    sharing layers rather than in every layer (on a GPU each is a copy from
+    host memory that waits for the queued kernels)."""
     model, adapters = served
-    made = []
-    real = torch.tensor
-
-    class Counting:  # the module's ``torch``, with ``tensor`` counted
-        def __getattr__(self, name):
-            return getattr(torch, name)
-
-        @staticmethod
-        def tensor(*args, **kwargs):
-            made.append(args[0])
-            return real(*args, **kwargs)
-
-    monkeypatch.setattr(lora_mod, "torch", Counting())
-    ids = torch.randint(0, 256, (4, 3), generator=torch.Generator().manual_seed(1))
-    _logits(model, adapters, ["a", "b", None, "a"], ids)
-    assert sorted(made) == [[0, 3], [1]]  # one per adapter in the batch; 2 layers x 3 targets hooked
-    made.clear()
-    _logits(model, adapters, ["b", "b", "b", "b"], ids)  # one adapter: no indices at all
-    assert made == []
+    ids = torch.randint(0, 256, (6, 3), generator=torch.Generator().manual_seed(1))
+    two_rows = ["a", "b", None, "a", "b", "b"]
+    _ops(model, adapters, two_rows, ids)  # the first mixed forward stacks the adapters
+    base = Counter(_ops(model, adapters, [None] * 6, ids))
+    one = Counter(_ops(model, adapters, ["a"] * 6, ids))
+    two = Counter(_ops(model, adapters, two_rows, ids))
+    three = Counter(_ops(model, adapters, ["a", "b", None, "a", "c", "b"], ids))
+    # The control: the adapters run (a one-adapter forward adds operations to the base's).
+    assert one.total() >= base.total() + 2 * len(TARGETS) * 4
+    # Two sets of layers share adapters: v_proj ({a, b, c}) and the rest ({a, b}):
+    # a mask each, a copy from the host and a view.
+    masks = Counter({"aten.lift_fresh.default": 2, "aten.view.default": 2})
+    assert two == one + masks, (two - one, one - two)
+    assert three == two
