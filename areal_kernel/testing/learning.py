@@ -29,7 +29,7 @@ import json
 import math
 import os
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 REWARD = "rollout/reward_mean"
 
@@ -249,15 +249,20 @@ TINY_POLICY_STEPS = 16
 TINY_POLICY_CHARS = {"letters": "abcdefghijklmnopqrstuvwxyz", "digits": "0123456789"}
 
 
-def tiny_policies_override(names: Sequence[str] = tuple(TINY_POLICY_CHARS)) -> str:
+def tiny_policies_override(
+    names: Sequence[str] = tuple(TINY_POLICY_CHARS), extra: Mapping[str, str] | None = None
+) -> str:
     """The ``policies=...`` override of the tiny two-policy runs: each named
     policy (of ``TINY_POLICY_CHARS``) a rank-8 LoRA adapter on
-    ``TINY_POLICY_TARGETS`` and its own ``char_share`` reward."""
+    ``TINY_POLICY_TARGETS`` and its own ``char_share`` reward; ``extra``:
+    more of a policy's section, as flow-style YAML (``{"digits": "algorithm:
+    {advantage: gae}"}``)."""
     lora = tiny_policy_lora()
-    parts = [
-        f"{name}: {{lora: {lora}, reward: {{type: char_share, char_share: {{chars: '{TINY_POLICY_CHARS[name]}'}}}}}}"
-        for name in names
-    ]
+    parts = []
+    for name in names:
+        more = f", {extra[name]}" if extra and name in extra else ""
+        reward = f"{{type: char_share, char_share: {{chars: '{TINY_POLICY_CHARS[name]}'}}}}"
+        parts.append(f"{name}: {{lora: {lora}, reward: {reward}{more}}}")
     return "policies={" + ", ".join(parts) + "}"
 
 

@@ -34,7 +34,10 @@ and executor state; ``recover: auto`` resumes every policy from them.
 A policy with ``algorithm.kl_coef > 0`` is held near its reference: the
 shared base scored with every adapter off (``score_base``), which is where
 its adapter started (LoRA starts as a no-op), so no reference model is
-loaded. Not yet: a critic per policy.
+loaded. A policy whose estimator needs values (``gae``) has a critic of its
+own (``make_critic``: a value model with every parameter its own, trained by
+the actor's settings, at its ``algorithm.critic_lr``), saved in recovery
+checkpoints under ``critics/<name>``.
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ from areal_kernel.monitor.weights import WeightsMonitor
 from areal_kernel.plugins import get_plugin_manager, get_registry
 from areal_kernel.rollout.executor import RolloutExecutor, staleness_histogram
 from areal_kernel.trainer.common import INTERRUPT, SETUP_FIRST, RecordStream, save_hf_checkpoint, write_run_config
+from areal_kernel.trainer.run import make_critic, needs_critic
 from areal_kernel.trainer.recovery import (
     SAMPLES_FILE,
     STATE_FILE,
@@ -88,6 +92,9 @@ from areal_kernel.trainer.toolkit import (
 )
 
 log = get_logger(__name__)
+
+# A recovery checkpoint's critics: <checkpoint>/critics/<policy name>/.
+CRITICS_DIR = "critics"
 
 
 class GRPOTrainer(Trainer):
@@ -142,6 +149,7 @@ class Policy:
     steps: int = 0
     trained_samples: int = 0
     before: dict[str, Any] | None = None
+    critic: Any = None  # its value model, when its estimator needs values (gae)
     # A policy fed by another's episodes (``episodes_from``): that policy's
     # name; it has no executor or stream, and ``inbox`` holds its groups
     # routed from the driver's last batch until its own step takes them.
@@ -177,13 +185,13 @@ class MultiPolicyTrainer(Trainer):
         # target module the model lacks), before any server starts.
         configs = check_policies(cfg, reg)
         model = resolve_model(self.context)
+        with_critic: list[str] = []
         for name, pcfg in configs.items():
-            est = reg.get("advantage_estimator", pcfg.algorithm.advantage, platform="")
-            if "needs_values" in est.capabilities:
-                raise ConfigError(
-                    f"policies.{name}.algorithm.advantage={pcfg.algorithm.advantage!r} needs a critic, which "
-                    "multi-policy runs do not train yet; use an estimator without values (grpo, rloo, ...)"
-                )
+            try:
+                if needs_critic(pcfg):
+                    with_critic.append(name)
+            except ConfigError as e:
+                raise ConfigError(f"policies.{name}.{e}") from None
             pctx = dataclasses.replace(self.context, config=pcfg)
             try:
                 data = load_datasets(pctx)
@@ -222,6 +230,11 @@ class MultiPolicyTrainer(Trainer):
                 f"policies: actor.backend {cfg.actor.allocation.backend!r} does not hand out per-policy views "
                 "(engine.policy(name)); use actor.backend: torch"
             )
+        for p in self.policies:
+            if p.name in with_critic:
+                # Its own schedule's length: its steps times its minibatches.
+                steps = p.total_steps * p.cfg.algorithm.ppo_n_minibatches
+                p.critic = make_critic(p.cfg, cfg.actor.plugin_config, model.path, steps)
         with_kl = [p.name for p in self.policies if p.cfg.algorithm.kl_coef > 0]
         if with_kl and not hasattr(self.train_engine, "score_base"):
             raise ConfigError(
@@ -298,6 +311,9 @@ class MultiPolicyTrainer(Trainer):
         """Load a recovery checkpoint into the freshly built parts, then give
         the servers (started from the base) every policy's adapter."""
         self.train_engine.load_state(os.path.join(ckpt.path, "engine"))
+        for p in self.policies:
+            if p.critic is not None:
+                p.critic.load_state(os.path.join(ckpt.path, CRITICS_DIR, p.name))
         self.step = int(state["step"])
         saved = state.get("policies") or {}
         missing = [p.name for p in self.policies if p.name not in saved]
@@ -348,6 +364,9 @@ class MultiPolicyTrainer(Trainer):
 
         def write(path: str) -> None:
             self.train_engine.save_state(os.path.join(path, "engine"))
+            for p in self.policies:
+                if p.critic is not None:
+                    p.critic.save_state(os.path.join(path, CRITICS_DIR, p.name))
             with open(os.path.join(path, STATE_FILE), "w", encoding="utf-8") as f:
                 json.dump(state, f)
 
@@ -511,7 +530,7 @@ class MultiPolicyTrainer(Trainer):
         # which is where each adapter started.
         ref = self.train_engine.score_base(batch, only_loss_tokens=True) if p.rl_cfg.kl_coef > 0 else None
         stats = rl_train_step(
-            batch, p.engine, p.rl_cfg, estimator=p.estimator, loss=p.loss, ref_logprobs=ref,
+            batch, p.engine, p.rl_cfg, estimator=p.estimator, loss=p.loss, ref_logprobs=ref, critic=p.critic,
             mismatch_threshold=p.cfg.monitor.mismatch.token_threshold,
         )  # fmt: skip
         t2 = time.monotonic()
@@ -562,6 +581,9 @@ class MultiPolicyTrainer(Trainer):
                 p.executor.stop()
         if self.train_engine is not None:
             self.train_engine.destroy()
+        for p in self.policies:
+            if p.critic is not None:
+                p.critic.destroy()
         # The attached policies' workflows and reward pools, then the servers.
         for p in self.policies:
             if p.rollout is not None and p.rollout is not self.rollout:

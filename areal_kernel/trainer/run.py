@@ -87,6 +87,25 @@ def needs_critic(cfg: ExperimentConfig) -> bool:
     return True
 
 
+def make_critic(cfg: ExperimentConfig, engine_cfg: Any, model_dir: str, opt_steps: int) -> Any:
+    """A value model (the actor's initial weights, with a scalar head) for a
+    critic-based estimator, trained by the actor engine's settings
+    ``engine_cfg`` (its lr ``algorithm.critic_lr`` when set) over
+    ``opt_steps`` optimizer steps. Its parameters are all its own (an
+    adapter on the actor counts for nothing here). Call ``needs_critic``
+    first: it checks the actor engine declares ``critic``, whose settings
+    section is one ``TorchEngineConfig`` accepts."""
+    from areal_kernel.engine.config import TorchEngineConfig
+    from areal_kernel.engine.critic import TorchCriticEngine
+
+    ccfg = TorchEngineConfig.parse(engine_cfg)
+    if cfg.algorithm.critic_lr is not None:
+        ccfg = ccfg.model_copy(update={"lr": cfg.algorithm.critic_lr})
+    critic = TorchCriticEngine(ccfg)
+    critic.initialize(model_dir, opt_steps)
+    return critic
+
+
 def _keep_group(rl_cfg: Any) -> Any:
     """Dynamic-sampling filter: drop a group whose *shaped* rewards are all
     equal (overlong shaping can separate equal raw rewards)."""
@@ -339,18 +358,7 @@ class RLTrainer(Trainer):
         return ckpt.path
 
     def _make_critic(self, engine_cfg: Any, opt_steps: int) -> Any:
-        """A value model (same initial weights as the actor) for critic-based estimators."""
-        from areal_kernel.engine.critic import TorchCriticEngine
-        from areal_kernel.engine.config import TorchEngineConfig
-
-        # needs_critic() checked the engine's "critic" capability: its settings
-        # section is one TorchEngineConfig accepts.
-        ccfg = TorchEngineConfig.parse(engine_cfg)
-        if self.cfg.algorithm.critic_lr is not None:
-            ccfg = ccfg.model_copy(update={"lr": self.cfg.algorithm.critic_lr})
-        critic = TorchCriticEngine(ccfg)
-        critic.initialize(self.model_dir, opt_steps)
-        return critic
+        return make_critic(self.cfg, engine_cfg, self.model_dir, opt_steps)
 
     # -- pieces -----------------------------------------------------------------
     def _check_weights(self, version: int, now: bool = False) -> dict[str, float]:

@@ -20,6 +20,7 @@ with these settings: seeds 1-4 with lr, seeds 1-6 with lr=0."""
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
@@ -94,11 +95,14 @@ def test_weights_decide_the_order_and_each_policy_keeps_its_own_knobs(run_areal,
     its own staleness bound (0). The first has ``kl_coef`` (its reference:
     the base with the adapters off): its KL to the base starts at about 0
     (measured: exactly 0; its adapter is still a no-op) and grows as it trains; the second
-    has none and logs none."""
+    has none and logs none. The second takes its advantages from a critic
+    of its own (``gae``), trained at every one of its steps; the first has
+    none."""
     run_dir = str(tmp_path / "run")
     policies = (
         "policies={letters: {weight: 2, reward: {type: char_share, char_share: {chars: abc}}, "
-        "algorithm: {kl_coef: 0.1}}, digits: {weight: 1, batch_size: 2, max_staleness: 0}}"
+        "algorithm: {kl_coef: 0.1}}, digits: {weight: 1, batch_size: 2, max_staleness: 0, "
+        "algorithm: {advantage: gae, critic_lr: 1.0e-3}}}"
     )
     proc = run_areal(
         "train", EXAMPLE, f"model.path={policy_model}", f"run_dir={run_dir}", "trainer.max_steps=3",
@@ -122,6 +126,11 @@ def test_weights_decide_the_order_and_each_policy_keeps_its_own_knobs(run_areal,
     print(f"\nletters: KL to the base per step {kl}")
     assert kl[-1] > kl[0] >= 0, kl
     assert not any("train/kl" in r for r in digits)
+    critic = [r["train/critic_value_loss"] for r in digits]
+    print(f"digits: its critic's value loss per step {critic}")
+    assert all(r["train/critic_skipped"] == 0 and math.isfinite(r["train/critic_value_loss"]) for r in digits)
+    assert any(v > 0 for v in critic), critic  # it fitted returns it did not yet predict
+    assert not any("train/critic_value_loss" in r for r in letters)
     assert "digits: held-out" in proc.stdout and "letters: held-out" in proc.stdout
 
 
@@ -161,13 +170,17 @@ def test_policy_order_ready_lets_a_ready_policy_pass_a_slow_one(run_areal, polic
         assert any(r["reward/mean"] > 0 for r in rows), rows  # the slow reward ran (a failed call scores 0)
 
 
+# The recovered run's digits policy takes its advantages from a critic of its own.
+CRITIC_POLICY = "algorithm: {advantage: gae, critic_lr: 1.0e-2}"
+
+
 def _recovery_args(model: str, run_dir: str) -> list[str]:
     return [
         "train", EXAMPLE, f"model.path={model}", f"run_dir={run_dir}", "trainer.max_steps=4", "trainer.batch_size=2",
         "trainer.eval_size=0", "rollout.gconfig.n_samples=4", "rollout.gconfig.max_new_tokens=6",
         "rollout.max_staleness=0", "weight_update.mode=disk", "algorithm.dynamic_filter=false",
         f"actor.torch.lr={TINY_POLICY_LR}", "checkpoint.save_every=1", "checkpoint.keep_last=2",
-        "logging.sinks=[jsonl]", tiny_policies_override(),
+        "logging.sinks=[jsonl]", tiny_policies_override(extra={"digits": CRITIC_POLICY}),
         "actor.torch.lr_scheduler=constant",
     ]  # fmt: skip
 
@@ -176,7 +189,14 @@ def test_a_killed_multi_policy_run_resumes_every_policy_exactly(policy_model, tm
     """``kill -9`` after global step 4 was trained but before its checkpoint,
     then the same command (``recover: auto``): every step trains the same
     sample ids with the same adapter as an uninterrupted run, and both
-    adapters end where its did (``check_policies_resume`` says how close)."""
+    adapters end where its did (``check_policies_resume`` says how close).
+    The digits policy's advantages come from its critic (``gae``), which the
+    checkpoints hold: a resume that started the critic over would give it
+    other advantages and land the adapter elsewhere."""
     from areal_kernel.testing.recovery import check_policies_resume
 
     check_policies_resume(lambda run_dir: _recovery_args(policy_model, run_dir), str(tmp_path), list(TINY_POLICY_CHARS))
+    recover = tmp_path / "killed" / "recover"
+    saved = sorted(d.name for d in recover.glob("step*/critics/*"))
+    assert saved and set(saved) == {"digits"}, saved
+

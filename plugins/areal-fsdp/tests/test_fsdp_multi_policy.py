@@ -16,12 +16,32 @@ import os
 
 import pytest
 
-from areal_kernel.testing.learning import TINY_POLICY_MODEL, policy_rows
+from areal_kernel.testing.learning import TINY_POLICY_MODEL, policy_rows, tiny_policies_override
 from areal_kernel.testing.rank_engines import plugin_example
 
 pytestmark = pytest.mark.slow
 
 EXAMPLE = plugin_example(__file__, "grpo_arithmetic_fsdp.yaml")
+
+
+def test_a_policy_with_a_critic_is_refused_in_one_line(run_areal, tmp_path):
+    """A policy whose estimator needs values (``gae``: a critic per policy,
+    which the torch engine runs) on fsdp, whose engine does not declare the
+    ``critic`` capability: one line naming the policy and the field, before
+    any rank or server starts."""
+    from areal_kernel.testing.models import make_tiny_byte_chat_llama
+
+    model = make_tiny_byte_chat_llama(tmp_path / "model", **TINY_POLICY_MODEL)
+    proc = run_areal(
+        "train", EXAMPLE, f"model.path={model}", f"run_dir={tmp_path / 'run'}",
+        tiny_policies_override(extra={"digits": "algorithm: {advantage: gae}"}), timeout=300,
+    )  # fmt: skip
+    assert proc.returncode != 0
+    out = proc.stdout + proc.stderr
+    lines = [line for line in out.splitlines() if "policies.digits.algorithm.advantage='gae'" in line]
+    assert len(lines) == 1 and "'critic' capability" in lines[0], out[-2000:]
+    assert "starting inference servers" not in out and "Traceback" not in out
+    assert not os.path.exists(tmp_path / "run" / "fsdp-ranks")
 
 
 def test_two_policies_on_fsdp_ranks(run_areal, tmp_path):
