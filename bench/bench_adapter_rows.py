@@ -33,6 +33,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=48, help="tokens already in the KV cache (default 48)")
     ap.add_argument("--repeats", type=int, default=30, help="timed forwards per setting (median; default 30)")
     ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--json", help="also write the numbers to this file (bench/gpu_check.py reads them)")
     args = ap.parse_args()
 
     import torch
@@ -113,10 +114,16 @@ def main() -> None:
     print("|---|---|---|---|")
     for k, v in med.items():
         print(f"| {k} | {v * 1e3:.2f} | {v / med['one adapter']:.2f} | {ops[k]} |")
+    ratio = med["two adapters, half each"] / med["one adapter"]
     report(
-        "adapter rows: two adapters half each / one adapter, decode forward", med["two adapters, half each"]
-        / med["one adapter"], goal=1.2, higher_is_better=False,
-    )  # fmt: skip
+        "adapter rows: two adapters half each / one adapter, decode forward", ratio, goal=1.2, higher_is_better=False
+    )
+    if args.json:
+        import json
+
+        with open(args.json, "w") as f:
+            json.dump({"device": str(dev), "rows": args.rows, "context": args.context, "ms": {k: v * 1e3 for k,
+                       v in med.items()}, "operations": ops, "mixed_over_one": ratio}, f, indent=1)  # fmt: skip
 
 
 if __name__ == "__main__":

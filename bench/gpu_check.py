@@ -38,6 +38,13 @@ Sections (``--only a,b`` runs a subset; add one by appending to ``SECTIONS``):
   Llama of the same shape, the layout taking Llama models only), SKIP on a
   machine with one GPU.
 
+- ``adapter-rows``: ``bench/bench_adapter_rows.py`` on the device: one
+  decode forward of SmolLM2 (or its random-weight twin, as below) whose rows
+  use no adapter, one, or two half and half; the mixed batch's time over the
+  one-adapter batch's (goal <= 1.2) and the tensor operations (kernel
+  launches) of each. PASS when the mixed batch runs no more operations than
+  the one-adapter batch.
+
 - ``multi-policy``: ``bench/bench_multi_policy.py`` on the device: two
   single-policy LoRA runs one after the other against one run training both
   adapters, each run a whole ``areal train`` (embedded server, torch
@@ -650,6 +657,29 @@ def _smollm2(args: argparse.Namespace) -> tuple[str, bool]:
     return d, False
 
 
+def sec_adapter_rows(args: argparse.Namespace) -> dict[str, Any]:
+    model, real = _smollm2(args)
+    numbers = os.path.join(_work(args, "adapter-rows"), "numbers.json")
+    cmd = [sys.executable, os.path.join(HERE, "bench_adapter_rows.py"), "--model", model, "--json", numbers]
+    if args.tiny:
+        cmd += ["--repeats", "5"]
+    _log("$ " + " ".join(cmd))
+    proc = subprocess.run(cmd, cwd=REPO, timeout=max(30.0, args.section_timeout - 15))
+    if proc.returncode != 0:
+        return {"status": "FAIL", "summary": f"bench_adapter_rows.py exited {proc.returncode} (see the log)"}
+    with open(numbers) as f:
+        got = json.load(f)
+    ms, ops = got["ms"], got["operations"]
+    summary = (
+        f"{'SmolLM2-135M' if real else 'SmolLM2 shape, random weights'} on {got['device']}, {got['rows']} rows: "
+        f"ms per decode forward base {ms['no adapter']:.2f}, one adapter {ms['one adapter']:.2f}, two half and half "
+        f"{ms['two adapters, half each']:.2f} ({got['mixed_over_one']:.2f}x, goal 1.2); operations "
+        f"{ops['no adapter']} / {ops['one adapter']} / {ops['two adapters, half each']}"
+    )
+    status = "PASS" if ops["two adapters, half each"] <= ops["one adapter"] else "FAIL"
+    return {"status": status, "summary": summary, "numbers": got}
+
+
 def sec_multi_policy(args: argparse.Namespace) -> dict[str, Any]:
     plat = _platform()
     model, real = _smollm2(args)
@@ -717,6 +747,12 @@ SECTIONS: list[Section] = [
         120,
         lambda a: sec_broadcast(a, "nccl"),
     ),  # fmt: skip
+    Section(
+        "adapter-rows",
+        "embedded server decode forward: two adapters in one batch vs one, SmolLM2-135M",
+        150,
+        sec_adapter_rows,
+    ),
     Section(
         "multi-policy",
         "two LoRA policies in one areal train run vs two single runs, SmolLM2-135M",
