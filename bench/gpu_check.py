@@ -657,18 +657,26 @@ def _smollm2(args: argparse.Namespace) -> tuple[str, bool]:
     return d, False
 
 
-def sec_adapter_rows(args: argparse.Namespace) -> dict[str, Any]:
-    model, real = _smollm2(args)
-    numbers = os.path.join(_work(args, "adapter-rows"), "numbers.json")
-    cmd = [sys.executable, os.path.join(HERE, "bench_adapter_rows.py"), "--model", model, "--json", numbers]
-    if args.tiny:
-        cmd += ["--repeats", "5"]
+class BenchFailed(Exception):
+    """A benchmark script a section runs exited non-zero (its output is in the log)."""
+
+
+def _bench_numbers(args: argparse.Namespace, script: str, options: list[str]) -> dict[str, Any]:
+    """Run ``bench/<script>`` with ``options`` and ``--json``, in a process of
+    its own (it starts servers and runs of its own), and read its numbers."""
+    numbers = os.path.join(_work(args, script.removesuffix(".py")), "numbers.json")
+    cmd = [sys.executable, os.path.join(HERE, script), *options, "--json", numbers]
     _log("$ " + " ".join(cmd))
     proc = subprocess.run(cmd, cwd=REPO, timeout=max(30.0, args.section_timeout - 15))
     if proc.returncode != 0:
-        return {"status": "FAIL", "summary": f"bench_adapter_rows.py exited {proc.returncode} (see the log)"}
+        raise BenchFailed(f"{script} exited {proc.returncode} (see the log)")
     with open(numbers) as f:
-        got = json.load(f)
+        return json.load(f)
+
+
+def sec_adapter_rows(args: argparse.Namespace) -> dict[str, Any]:
+    model, real = _smollm2(args)
+    got = _bench_numbers(args, "bench_adapter_rows.py", ["--model", model] + (["--repeats", "5"] if args.tiny else []))
     ms, ops = got["ms"], got["operations"]
     summary = (
         f"{'SmolLM2-135M' if real else 'SmolLM2 shape, random weights'} on {got['device']}, {got['rows']} rows: "
@@ -690,19 +698,13 @@ def sec_multi_policy(args: argparse.Namespace) -> dict[str, Any]:
         # Random weights answer every question wrong: keep every group
         # rather than redraw them (the same work in every run).
         sets.append("algorithm.dynamic_filter=false")
-    numbers = os.path.join(_work(args, "multi-policy"), "numbers.json")
-    cmd = [sys.executable, os.path.join(HERE, "bench_multi_policy.py"), "--model", model, "--json", numbers,
-           "--keep", _work(args, "multi-policy-runs"), "--probe-every", "10", "--policy-order", "ready"]  # fmt: skip
+    options = ["--model", model, "--keep", _work(args, "multi-policy-runs"), "--probe-every", "10",
+               "--policy-order", "ready"]  # fmt: skip
     for kv in sets:
-        cmd += ["--set", kv]
+        options += ["--set", kv]
     if args.tiny:
-        cmd.append("--quick")
-    _log("$ " + " ".join(cmd))
-    proc = subprocess.run(cmd, cwd=REPO, timeout=max(30.0, args.section_timeout - 15))
-    if proc.returncode != 0:
-        return {"status": "FAIL", "summary": f"bench_multi_policy.py exited {proc.returncode} (see the log)"}
-    with open(numbers) as f:
-        got = json.load(f)
+        options.append("--quick")
+    got = _bench_numbers(args, "bench_multi_policy.py", options)
     got["real_weights"] = real
     acc = got["accuracy"]
     train = got["train_s"]
