@@ -36,6 +36,7 @@ import itertools
 import json
 import threading
 import time
+import http.client
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
@@ -433,7 +434,7 @@ class RemoteInferenceEngine(InferenceEngine):
             detail = e.read().decode(errors="replace")[:500]
             cls = ServerUnreachable if e.code == 503 else ServerError
             raise cls(f"{server.address}{call.path} answered HTTP {e.code}: {detail}") from None
-        except (urllib.error.URLError, OSError) as e:
+        except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
             raise ServerUnreachable(f"{server.address}{call.path} failed: {e}") from None
         try:
             return call.parse_reply(raw)

@@ -25,6 +25,7 @@ import json
 import os
 import secrets
 import threading
+import http.client
 import urllib.error
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -172,7 +173,7 @@ def call(run_dir: str, method: str, route: str, body: dict[str, Any] | None = No
         except ValueError:
             msg = None
         raise ArealError(msg or f"the run answered HTTP {e.code}") from None
-    except (urllib.error.URLError, OSError) as e:
+    except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
         raise ArealError(
             f"{run_dir}: the run does not answer at {data['url']} ({getattr(e, 'reason', e)}); "
             f"is it still running (pid {data.get('pid')})?"

@@ -22,6 +22,7 @@ import subprocess
 import tempfile
 import threading
 import time
+import http.client
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
@@ -51,7 +52,10 @@ def http_ok(url: str, headers: dict[str, str] | None = None, timeout_s: float = 
     try:
         with urllib.request.urlopen(req, timeout=timeout_s) as r:
             return r.status == 200
-    except (urllib.error.URLError, OSError, ValueError):
+    except (urllib.error.URLError, OSError, ValueError, http.client.HTTPException):
+        # HTTPException: something that is not an HTTP server holds the port
+        # (another process bound it between our probe and the server's bind);
+        # not healthy, and the server's own port clash is retried.
         return False
 
 

@@ -24,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import http.client
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
@@ -213,7 +214,7 @@ def call(state: dict[str, Any], method: str, path: str, body: Any, timeout: floa
         except (ValueError, KeyError, TypeError):
             msg = raw.decode(errors="replace")[:500] or f"HTTP {e.code}"
         raise ArealError(msg) from None
-    except (urllib.error.URLError, OSError) as e:
+    except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
         raise ArealError(f"{what} (pid {state['pid']}) at {url} does not answer: {e}") from None
 
 

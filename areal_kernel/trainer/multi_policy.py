@@ -149,7 +149,8 @@ class Policy:
     steps: int = 0
     trained_samples: int = 0
     before: dict[str, Any] | None = None
-    critic: Any = None  # its value model, when its estimator needs values (gae)
+    needs_critic: bool = False  # its estimator needs values (gae): ``critic`` is built in setup
+    critic: Any = None  # its value model
     # A policy fed by another's episodes (``episodes_from``): that policy's
     # name; it has no executor or stream, and ``inbox`` holds its groups
     # routed from the driver's last batch until its own step takes them.
@@ -185,11 +186,9 @@ class MultiPolicyTrainer(Trainer):
         # target module the model lacks), before any server starts.
         configs = check_policies(cfg, reg)
         model = resolve_model(self.context)
-        with_critic: list[str] = []
         for name, pcfg in configs.items():
             try:
-                if needs_critic(pcfg):
-                    with_critic.append(name)
+                valued = needs_critic(pcfg)
             except ConfigError as e:
                 raise ConfigError(f"policies.{name}.{e}") from None
             pctx = dataclasses.replace(self.context, config=pcfg)
@@ -203,6 +202,7 @@ class MultiPolicyTrainer(Trainer):
                     name=name, cfg=pcfg, ctx=pctx, weight=cfg.policies[name].weight,
                     train_records=list(data.train), eval_records=list(data.held_out),
                     total_steps=ft.total_train_steps, episodes_from=cfg.policies[name].episodes_from,
+                    needs_critic=valued,
                 )
             )  # fmt: skip
         by_name = {p.name: p for p in self.policies}
@@ -231,7 +231,7 @@ class MultiPolicyTrainer(Trainer):
                 "(engine.policy(name)); use actor.backend: torch"
             )
         for p in self.policies:
-            if p.name in with_critic:
+            if p.needs_critic:
                 # Its own schedule's length: its steps times its minibatches.
                 steps = p.total_steps * p.cfg.algorithm.ppo_n_minibatches
                 p.critic = make_critic(p.cfg, cfg.actor.plugin_config, model.path, steps)
@@ -310,18 +310,19 @@ class MultiPolicyTrainer(Trainer):
     def _restore(self, ckpt: Checkpoint, state: dict[str, Any]) -> None:
         """Load a recovery checkpoint into the freshly built parts, then give
         the servers (started from the base) every policy's adapter."""
+        saved = state.get("policies") or {}
+        missing = [p.name for p in self.policies if p.name not in saved]
+        if missing:
+            # Before anything loads: the checkpoint's policies are not these.
+            raise ArealError(
+                f"recovery checkpoint {ckpt.path} holds no state of policies {missing}; resume it with the policies "
+                "it was written with, or start over in another run_dir"
+            )
         self.train_engine.load_state(os.path.join(ckpt.path, "engine"))
         for p in self.policies:
             if p.critic is not None:
                 p.critic.load_state(os.path.join(ckpt.path, CRITICS_DIR, p.name))
         self.step = int(state["step"])
-        saved = state.get("policies") or {}
-        missing = [p.name for p in self.policies if p.name not in saved]
-        if missing:
-            raise ArealError(
-                f"recovery checkpoint {ckpt.path} holds no state of policies {missing}; resume it with the policies "
-                "it was written with, or start over in another run_dir"
-            )
         for p in self.policies:
             ps = saved[p.name]
             assert p.weights_monitor is not None and p.rollout is not None, SETUP_FIRST

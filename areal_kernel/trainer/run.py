@@ -245,7 +245,7 @@ class RLTrainer(Trainer):
         sched = self.rollout.scheduler
         self.train_engine = start_train_engine(ctx, self.model, opt_steps, settings=engine_cfg, scheduler=sched)
         if self.needs_critic:
-            self.critic = self._make_critic(engine_cfg, opt_steps)
+            self.critic = make_critic(self.cfg, engine_cfg, self.model_dir, opt_steps)
         if cfg.algorithm.kl_coef > 0:
             # A frozen copy of the initial policy, only ever used for scoring.
             self.ref_engine = start_train_engine(
@@ -356,9 +356,6 @@ class RLTrainer(Trainer):
         self.hook.areal_on_checkpoint(step=self.step, path=ckpt.path)
         log.info("recovery checkpoint written", path=ckpt.path, seconds=round(time.monotonic() - t0, 2))
         return ckpt.path
-
-    def _make_critic(self, engine_cfg: Any, opt_steps: int) -> Any:
-        return make_critic(self.cfg, engine_cfg, self.model_dir, opt_steps)
 
     # -- pieces -----------------------------------------------------------------
     def _check_weights(self, version: int, now: bool = False) -> dict[str, float]:

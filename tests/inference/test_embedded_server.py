@@ -331,20 +331,69 @@ def test_admin_token_guards_control_routes_only(servers, client_for):
 
 # -- launcher --------------------------------------------------------------------------------
 
+class _NotHttp:
+    """A listener on a free port that answers every connection with bytes
+    that are not HTTP (what a torch.distributed store or gloo peer that took
+    the port between our probe and a server's bind sends; seen in CI as
+    ``BadStatusLine`` out of a vLLM launch). Counts the connections."""
+
+    def __init__(self) -> None:
+        import socket
+        import threading
+
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen()
+        self.port = self.sock.getsockname()[1]
+        self.connections = 0
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return  # closed
+            self.connections += 1
+            with conn:
+                conn.sendall(bytes(range(256)) + b"\r\n\r\n")
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def test_a_port_held_by_something_that_is_not_http_is_not_healthy_nor_a_server():
+    """The launcher's health poll says not healthy (and goes on polling), and
+    a client's control call says the server is unreachable (failover, not a
+    crash of the controller)."""
+    from areal_kernel.inference.client import RemoteInferenceEngine, ServerUnreachable
+    from areal_kernel.inference.embedded.backend import EmbeddedProtocol
+    from areal_kernel.inference.launcher import http_ok
+    from areal_kernel.inference.wire import HttpCall
+
+    squatter = _NotHttp()
+    address = f"127.0.0.1:{squatter.port}"
+    try:
+        assert http_ok(f"http://{address}/health") is False
+        engine = RemoteInferenceEngine([address], EmbeddedProtocol())
+        with pytest.raises(ServerUnreachable, match=address):
+            engine.control(address, HttpCall("GET", "/info"))
+    finally:
+        squatter.close()
+    assert squatter.connections == 2  # it did answer both: the outcomes came from its bytes
+
+
 def test_port_clash_is_retried_and_broken_model_dir_raises_with_log_tail(tmp_path, monkeypatch):
-    """First port handed out is taken: the server exits with PORT_IN_USE_EXIT
+    """First port handed out is taken (by a listener that answers bytes that
+    are not HTTP to the health poll): the server exits with PORT_IN_USE_EXIT
     and the launcher retries on a fresh port; that server then fails to load
     the broken model and the ServerError carries the command and log tail."""
-    import socket
-
     from areal_kernel.errors import ServerError
     from areal_kernel.inference import launcher as base
     from areal_kernel.inference.embedded import launcher as L
 
-    taken = socket.socket()
-    taken.bind(("127.0.0.1", 0))
-    taken.listen()
-    taken_port = taken.getsockname()[1]
+    taken = _NotHttp()
+    taken_port = taken.port
     ports = iter([taken_port])
     real = base.find_free_port
     monkeypatch.setattr(base, "find_free_port", lambda host="127.0.0.1": next(ports, None) or real(host))
@@ -367,3 +416,4 @@ def test_port_clash_is_retried_and_broken_model_dir_raises_with_log_tail(tmp_pat
     assert "failed to load model" in msg  # from the server's log tail
     assert "exited with code 1" in msg
     assert launcher.servers == []
+    assert taken.connections >= 1  # the health poll met the squatter's bytes and went on

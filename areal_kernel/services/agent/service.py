@@ -40,6 +40,7 @@ import signal
 import subprocess
 import sys
 import time
+import http.client
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
@@ -296,7 +297,7 @@ class AgentService:
                 return e.code, json.loads(raw)
             except ValueError:
                 return e.code, raw.decode(errors="replace")
-        except (urllib.error.URLError, OSError) as e:
+        except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
             return 0, f"the training run's proxy at {self.spec.proxy_url} does not answer: {e}"
 
     def finish(self, work: Work, reward: float | None, error: str | None) -> None:
