@@ -51,6 +51,11 @@ EXAMPLES: tuple[Example, ...] = (
     Example("grpo-lora", "grpo_lora.yaml", "GRPO training a LoRA adapter; the server serves it beside the base"),
     Example("grpo-multi-turn", "grpo_multi_turn.yaml", "multi-turn GRPO: a wrong answer gets feedback and a retry"),
     Example(
+        "two-tasks-arithmetic",
+        "two_tasks_arithmetic.yaml",
+        "two policies in one run: an addition and a subtraction adapter on one base",
+    ),
+    Example(
         "selfplay-arithmetic",
         "selfplay_arithmetic.yaml",
         "two policies, two roles in one episode: one writes sums, the other answers them",

@@ -4,8 +4,10 @@ One ``areal train`` run with ``policies:`` (docs/multi-policy.md) trains two
 LoRA adapters on one frozen SmolLM2-135M: ``add`` on single-digit sums,
 ``sub`` on single-digit differences, each with its own held-out set. Against
 it: two single-policy LoRA runs, one after the other, one per task, with the
-same steps, adapter, batch and held-out set per policy. Everything else is
-examples/grpo_lora.yaml (embedded server, torch engine, max_staleness 1).
+same steps, adapter, batch and held-out set per policy. The two-policy run
+is examples/two_tasks_arithmetic.yaml, the single runs
+examples/grpo_lora.yaml (embedded server, torch engine, max_staleness 1; the
+two files agree on everything else).
 
 Printed per run: wall time of the whole ``areal train`` process (start,
 held-out evaluations, training, export), the training loop alone
@@ -50,9 +52,11 @@ from summary import report  # bench/summary.py: one table of ratios for `make be
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-EXAMPLE = os.path.join(REPO, "examples", "grpo_lora.yaml")
+EXAMPLE = os.path.join(REPO, "examples", "grpo_lora.yaml")  # the single runs
+# The two-policy run: each policy is grpo_lora.yaml's adapter for its task
+# (tests/algo/test_examples.py checks that the two files agree).
+TWO_TASKS = os.path.join(REPO, "examples", "two_tasks_arithmetic.yaml")
 SERVER_MODULE = "areal_kernel.inference.embedded.server"
-LORA = "{rank: 16, alpha: 32, dropout: 0.0, target_modules: [q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj]}"
 TASKS = {"add": "+", "sub": "-"}
 PROBES = ["What is 3 + 4?", "What is 8 - 5?", "Name a colour.", "What is 12 + 9? Answer with just the number."]
 
@@ -185,11 +189,24 @@ def _step_perf(run_dir: str) -> list[dict[str, float]]:
     return out
 
 
-def run(name: str, overrides: list[str], root: str, total_steps: int, prompts: list[list[int]], eos: int,
+def _check_two_tasks() -> None:
+    """The two-policy example trains TASKS' policies, each on its operator
+    (the single runs are built from TASKS)."""
+    import yaml
+
+    with open(TWO_TASKS) as f:
+        cfg = yaml.safe_load(f)
+    run_ops = cfg["dataset"]["arithmetic"]["ops"]
+    ops = {n: (p.get("dataset") or {}).get("arithmetic", {}).get("ops", run_ops) for n, p in cfg["policies"].items()}
+    if ops != {n: [op] for n, op in TASKS.items()}:
+        sys.exit(f"{TWO_TASKS}: its policies' ops {ops} are not this benchmark's tasks {TASKS}")
+
+
+def run(name: str, config: str, overrides: list[str], root: str, total_steps: int, prompts: list[list[int]], eos: int,
         probe_every: float) -> Run:  # fmt: skip
     run_dir = os.path.join(root, name)
     cmd = [
-        sys.executable, "-m", "areal_kernel.cli", "train", EXAMPLE, f"experiment_name=bench-{name}",
+        sys.executable, "-m", "areal_kernel.cli", "train", config, f"experiment_name=bench-{name}",
         f"run_dir={run_dir}", "logging.sinks=[jsonl]", *overrides,
     ]  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -310,6 +327,7 @@ def main() -> None:
         f"model.path={args.model}", f"trainer.max_steps={steps}", f"trainer.batch_size={args.batch_size}",
         f"trainer.eval_size={eval_size}", f"dataset.arithmetic.n_eval={eval_size}", *args.set,
     ]  # fmt: skip
+    _check_two_tasks()
     prompts, eos = _prompts(args.model)
     if args.keep:
         os.makedirs(args.keep, exist_ok=True)
@@ -317,20 +335,15 @@ def main() -> None:
         root = args.keep or tmp
         singles = {
             name: run(
-                f"single-{name}",
-                # The example's adapter is LORA; named after the policy, as in the multi-policy run.
+                f"single-{name}", EXAMPLE,
+                # The example's adapter, named after the policy as in the two-policy run.
                 [*common, f"dataset.arithmetic.ops=['{op}']", f"actor.torch.lora.name={name}"],
                 root, steps, prompts, eos, args.probe_every,
             )
             for name, op in TASKS.items()
         }  # fmt: skip
-        policies = (
-            "policies={"
-            + ", ".join(f"{n}: {{lora: {LORA}, dataset: {{arithmetic: {{ops: ['{op}']}}}}}}" for n, op in TASKS.items())
-            + "}"
-        )
         multi = run(
-            "multi", [*common, "actor.torch.lora=null", f"trainer.policy_order={args.policy_order}", policies],
+            "multi", TWO_TASKS, [*common, f"trainer.policy_order={args.policy_order}"],
             root, 2 * steps, prompts, eos, args.probe_every,
         )  # fmt: skip
 

@@ -19,6 +19,7 @@ RL_EXAMPLES = {
     "ppo_arithmetic.yaml": ("gae", "ppo"),
     "grpo_multi_turn.yaml": ("grpo", "ppo"),
     "grpo_lora.yaml": ("grpo", "ppo"),
+    "two_tasks_arithmetic.yaml": ("grpo", "ppo"),
 }
 
 
@@ -48,8 +49,13 @@ def test_example_knobs_are_the_documented_ones():
     mt = load_config(os.path.join(REPO, "examples", "grpo_multi_turn.yaml"), registry=get_registry()).workflow
     assert mt.type == "multi_turn" and (mt.plugin_config.max_turns, mt.plugin_config.turn_discount) == (2, 0.5)
     lora = load_config(os.path.join(REPO, "examples", "grpo_lora.yaml"), registry=get_registry()).actor.plugin_config.lora
+    lora_fields = lambda c: c.model_dump(include={"rank", "alpha", "dropout", "target_modules"})  # noqa: E731
     assert (lora.rank, lora.alpha, lora.name, lora.export) == (16, 32, "policy", "adapter")
     assert len(lora.target_modules) == 7
+    two = load_config(os.path.join(REPO, "examples", "two_tasks_arithmetic.yaml"), registry=get_registry())
+    # Each policy is grpo_lora.yaml's adapter for its own task.
+    assert {n: p.lora for n, p in two.policies.items()} == {"add": lora_fields(lora), "sub": lora_fields(lora)}
+    assert two.policies["sub"].dataset == {"arithmetic": {"ops": ["-"]}} and two.dataset.arithmetic.ops == ["+"]
 
 
 @pytest.fixture(scope="module")
