@@ -191,13 +191,14 @@ def _step_perf(run_dir: str) -> list[dict[str, float]]:
 
 def _check_two_tasks() -> None:
     """The two-policy example trains TASKS' policies, each on its operator
-    (the single runs are built from TASKS)."""
-    import yaml
+    (the single runs are built from TASKS): read off each policy's config
+    as the run resolves it."""
+    from areal_kernel.config.loader import check_policies, load_config
+    from areal_kernel.plugins import get_registry
 
-    with open(TWO_TASKS) as f:
-        cfg = yaml.safe_load(f)
-    run_ops = cfg["dataset"]["arithmetic"]["ops"]
-    ops = {n: (p.get("dataset") or {}).get("arithmetic", {}).get("ops", run_ops) for n, p in cfg["policies"].items()}
+    reg = get_registry()
+    policies = check_policies(load_config(TWO_TASKS, registry=reg), reg)
+    ops = {n: list(c.dataset.arithmetic.ops) for n, c in policies.items()}
     if ops != {n: [op] for n, op in TASKS.items()}:
         sys.exit(f"{TWO_TASKS}: its policies' ops {ops} are not this benchmark's tasks {TASKS}")
 
