@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pytest
 
+from areal_kernel.testing.recovery import ONE_ROW_SERVER
 from areal_kernel.testing.learning import (
     TINY_POLICY_CHARS,
     TINY_POLICY_LR,
@@ -180,7 +181,7 @@ def _recovery_args(model: str, run_dir: str) -> list[str]:
         "trainer.eval_size=0", "rollout.gconfig.n_samples=4", "rollout.gconfig.max_new_tokens=6",
         "rollout.max_staleness=0", "weight_update.mode=disk", "algorithm.dynamic_filter=false",
         f"actor.torch.lr={TINY_POLICY_LR}", "checkpoint.save_every=1", "checkpoint.keep_last=2",
-        "logging.sinks=[jsonl]", tiny_policies_override(extra={"digits": CRITIC_POLICY}),
+        "logging.sinks=[jsonl]", tiny_policies_override(extra={"digits": CRITIC_POLICY}), ONE_ROW_SERVER,
         "actor.torch.lr_scheduler=constant",
     ]  # fmt: skip
 
@@ -199,4 +200,26 @@ def test_a_killed_multi_policy_run_resumes_every_policy_exactly(policy_model, tm
     recover = tmp_path / "killed" / "recover"
     saved = sorted(d.name for d in recover.glob("step*/critics/*"))
     assert saved and set(saved) == {"digits"}, saved
+
+
+def test_the_resume_check_fails_a_resume_that_lost_one_policys_optimizer_moments(policy_model, tmp_path):
+    """The negative control of the test above: the newest checkpoint's AdamW
+    moments of ``letters`` zeroed before the resume (its adapter, step count
+    and everything of ``digits`` intact). The resume runs, and the check
+    fails on ``letters``: the bit-for-bit comparison sees the lost state."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from areal_kernel.testing.recovery import check_policies_resume
+
+    def zero_letters_moments(run_dir: str) -> None:
+        path = Path(run_dir, "recover", "step3", "engine", "adapters", "letters", "optimizer.safetensors")
+        moments = load_file(str(path))
+        assert moments and any(float(t.abs().max()) > 0 for t in moments.values())
+        save_file({k: torch.zeros_like(t) for k, t in moments.items()}, str(path))
+
+    assert list(TINY_POLICY_CHARS)[0] == "letters"  # checked first, so the failure names it
+    args_for = lambda run_dir: _recovery_args(policy_model, run_dir)  # noqa: E731
+    with pytest.raises(AssertionError, match=r"^\('letters', [0-9.e-]+, "):
+        check_policies_resume(args_for, str(tmp_path), list(TINY_POLICY_CHARS), damage=zero_letters_moments)
 

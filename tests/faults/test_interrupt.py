@@ -17,7 +17,15 @@ import pytest
 
 from areal_kernel.checkpoint import CheckpointManager
 from areal_kernel.testing.models import make_tiny_chat_llama
-from areal_kernel.testing.recovery import interrupt_after_step, load_weights, read_samples, run_train, trained_steps
+from areal_kernel.testing.recovery import (
+    ONE_ROW_SERVER,
+    assert_bit_equal,
+    interrupt_after_step,
+    load_weights,
+    read_samples,
+    run_train,
+    trained_steps,
+)
 from resume_checks import assert_async_run_complete  # pytest puts this directory on sys.path
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -38,7 +46,7 @@ def _args(model, run_dir, staleness, *extra):
         f"trainer.max_steps={STEPS}", "trainer.batch_size=2", "trainer.eval_size=2",
         "rollout.gconfig.n_samples=4", "rollout.gconfig.max_new_tokens=6", f"rollout.max_staleness={staleness}",
         "weight_update.mode=disk", "algorithm.dynamic_filter=false", "algorithm.entropy_coef=0.05",
-        "actor.torch.lr=1e-3", "logging.sinks=[console, jsonl]", *extra,
+        "actor.torch.lr=1e-3", "logging.sinks=[console, jsonl]", ONE_ROW_SERVER, *extra,
     ]  # fmt: skip
 
 
@@ -82,14 +90,11 @@ def test_sigint_before_the_first_checkpoint_resumes_exactly(tiny_model, tmp_path
     ref, got = read_samples(ref_dir), read_samples(run_dir)
     assert [s["uids"] for s in got] == [s["uids"] for s in ref]
 
-    import torch
-
     a = load_weights(os.path.join(ref_dir, "checkpoints", "final"))
     b = load_weights(os.path.join(run_dir, "checkpoints", "final"))
     base = load_weights(tiny_model)
     assert max(float((a[n] - base[n]).abs().max()) for n in a if n in base) > 1e-4  # training moved the weights
-    for n in a:
-        torch.testing.assert_close(b[n], a[n], rtol=1e-5, atol=1e-6, msg=f"weight {n} differs after the resume")
+    assert_bit_equal(b, a)
 
 
 def test_sigterm_of_an_async_run_resumes_without_losing_or_repeating_samples(tiny_model, tmp_path):

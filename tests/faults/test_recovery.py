@@ -8,13 +8,21 @@ every step's update depend on exactly which tokens were sampled, so equal
 weights after the last step mean the same samples were regenerated and
 trained on in the same batches.
 """
+
 import json
 import os
 
 import pytest
 
 from areal_kernel.testing.models import make_tiny_chat_llama
-from areal_kernel.testing.recovery import kill_after_checkpoint, load_weights, read_samples, run_train
+from areal_kernel.testing.recovery import (
+    ONE_ROW_SERVER,
+    assert_bit_equal,
+    kill_after_checkpoint,
+    load_weights,
+    read_samples,
+    run_train,
+)
 from resume_checks import assert_async_run_complete  # pytest puts this directory on sys.path
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -34,7 +42,7 @@ def _args(model, run_dir, staleness):
         "rollout.gconfig.n_samples=4", "rollout.gconfig.max_new_tokens=6", f"rollout.max_staleness={staleness}",
         "weight_update.mode=disk", "algorithm.dynamic_filter=false", "algorithm.entropy_coef=0.05",
         "actor.torch.lr=1e-3", "checkpoint.save_every=1", "checkpoint.keep_last=2",
-        "logging.sinks=[console, jsonl]",
+        "logging.sinks=[console, jsonl]", ONE_ROW_SERVER,
     ]  # fmt: skip
 
 
@@ -68,15 +76,12 @@ def test_killed_run_resumes_to_the_same_samples_and_weights(tiny_model, tmp_path
     flat = [u for s in got for u in s["uids"]]
     assert len(flat) == len(set(flat)) == STEPS * 2  # no sample twice
 
-    import torch
-
     a, b = _final_weights(ref_dir), _final_weights(run_dir)
     assert set(a) == set(b)
     base = load_weights(tiny_model)
     moved = max(float((a[k] - base[k]).abs().max()) for k in a if k in base)
     assert moved > 1e-4  # training changed the weights, so equality below means something
-    for k in a:
-        torch.testing.assert_close(b[k], a[k], rtol=1e-5, atol=1e-6, msg=f"weight {k} differs after resume")
+    assert_bit_equal(b, a)
 
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         steps = [json.loads(line)["step"] for line in f if "perf/step_s" in line]
