@@ -313,8 +313,9 @@ def main() -> None:
     ap.add_argument("--probe-every", type=float, default=30.0, help="seconds between base-model probes")
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument(
-        "--policy-order", choices=("weight", "ready"), default="weight",
-        help="trainer.policy_order of the multi-policy run (default weight: the fixed order)",
+        "--policy-order", choices=("weight", "ready", "together"), default="weight",
+        help="trainer.policy_order of the multi-policy run (default weight: the fixed order; together: both "
+        "policies at every step, in shared forwards)",
     )  # fmt: skip
     ap.add_argument("--keep", default=None, help="keep the runs' directories and logs here (default: a temp dir)")
     ap.add_argument(

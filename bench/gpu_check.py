@@ -45,6 +45,13 @@ Sections (``--only a,b`` runs a subset; add one by appending to ``SECTIONS``):
   launches) of each. PASS when the mixed batch runs no more operations than
   the one-adapter batch.
 
+- ``train-together``: ``bench/bench_train_together.py`` on the device: two
+  policies' GRPO-sized training steps (rank-16 adapters on SmolLM2 or its
+  random-weight twin) one after the other against ``train_policies``
+  (their micro-batches in shared forwards, the base computed once); the
+  time ratio and the tensor operations (kernel launches) of each. PASS
+  when together runs fewer operations.
+
 - ``multi-policy``: ``bench/bench_multi_policy.py`` on the device: two
   single-policy LoRA runs one after the other against one run training both
   adapters, each run a whole ``areal train`` (embedded server, torch
@@ -688,6 +695,20 @@ def sec_adapter_rows(args: argparse.Namespace) -> dict[str, Any]:
     return {"status": status, "summary": summary, "numbers": got}
 
 
+def sec_train_together(args: argparse.Namespace) -> dict[str, Any]:
+    model, real = _smollm2(args)
+    options = ["--model", model] + (["--repeats", "1", "--prompts", "1"] if args.tiny else [])
+    got = _bench_numbers(args, "bench_train_together.py", options)
+    sec, ops = got["seconds"], got["operations"]
+    summary = (
+        f"{'SmolLM2-135M' if real else 'SmolLM2 shape, random weights'} on {got['device']}: two policies' steps "
+        f"one after the other {sec['one after the other']:.3f} s, together {sec['together']:.3f} s "
+        f"({got['ratio']:.2f}x); operations {ops['one after the other']} / {ops['together']}"
+    )
+    status = "PASS" if ops["together"] < ops["one after the other"] else "FAIL"
+    return {"status": status, "summary": summary, "numbers": got}
+
+
 def sec_multi_policy(args: argparse.Namespace) -> dict[str, Any]:
     plat = _platform()
     model, real = _smollm2(args)
@@ -754,6 +775,12 @@ SECTIONS: list[Section] = [
         "embedded server decode forward: two adapters in one batch vs one, SmolLM2-135M",
         150,
         sec_adapter_rows,
+    ),
+    Section(
+        "train-together",
+        "two policies' training steps in shared forwards vs one after the other, SmolLM2-135M",
+        240,
+        sec_train_together,
     ),
     Section(
         "multi-policy",

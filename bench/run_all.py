@@ -34,6 +34,7 @@ BENCHES = [
     "bench_mismatch_normal.py",
     "bench_lora.py",
     "bench_adapter_rows.py",
+    "bench_train_together.py",
     "bench_multi_policy.py",
     "bench_async_vs_sync.py",
     "bench_soak.py",

@@ -12,6 +12,7 @@ import inspect
 import math
 import warnings
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -317,7 +318,48 @@ def rl_train_step(
     the train/inference mismatch of the first minibatch's tokens sampled with
     the engine's current weights (``areal_kernel.monitor.mismatch``; tokens
     whose log-probabilities differ by more than ``mismatch_threshold`` count
-    in its ``frac_over``)."""
+    in its ``frac_over``).
+
+    In three parts, so that a trainer can step several policies' minibatches
+    together (``trainer.policy_order: together``): ``plan_rl_step`` (all that
+    comes before the actor's optimizer steps), one ``engine.train_batch`` per
+    entry of its ``minibatches``, in order, then ``finish_rl_step``."""
+    plan = plan_rl_step(
+        batch, engine, cfg, ref_logprobs=ref_logprobs, critic=critic, estimator=estimator, loss=loss,
+        mismatch_threshold=mismatch_threshold,
+    )  # fmt: skip
+    return finish_rl_step(plan, [dict(engine.train_batch(*mb)) for mb in plan.minibatches])
+
+
+@dataclass
+class RLStepPlan:
+    """What ``plan_rl_step`` prepared: the actor's minibatches as
+    ``(batch, loss_fn, extra)`` (``train_batch``'s arguments, in order),
+    and what ``finish_rl_step`` needs afterwards."""
+
+    batch: TrajectoryBatch
+    cfg: RLConfig
+    minibatches: list[tuple[TrajectoryBatch, Callable[..., Any], dict[str, list[list[float]]]]]
+    advantages: list[list[float]]
+    returns: Any
+    values: Any
+    critic: Any
+
+
+def plan_rl_step(
+    batch: TrajectoryBatch,
+    engine: TrainEngine,
+    cfg: RLConfig,
+    *,
+    ref_logprobs: list[list[float]] | None = None,
+    critic: Any = None,
+    estimator: Callable[..., Any] | None = None,
+    loss: Callable[..., Any] | None = None,
+    mismatch_threshold: float = 0.5,
+) -> RLStepPlan:
+    """The part of ``rl_train_step`` before the actor's optimizer steps:
+    checks, values, advantages, proximal logprobs and each minibatch's
+    loss and extra fields. Changes no weights."""
     if len(batch) == 0:
         raise DataError("RL step got an empty batch")
     engine_temp = getattr(engine, "temperature", None)
@@ -350,7 +392,7 @@ def rl_train_step(
     # update: its log-probabilities are compared with the servers' (mismatch).
     first_fn = measured_loss(loss_fn, int(v_prox), mismatch_threshold)
     n_mb = cfg.ppo_n_minibatches
-    per_mb: list[dict[str, Any]] = []
+    minibatches = []
     for k, idx in enumerate(_split(len(trajs), n_mb)):
         sub = TrajectoryBatch([trajs[i] for i in idx])
         extra: dict[str, list[list[float]]] = {"advantages": [adv[i] for i in idx]}
@@ -364,8 +406,15 @@ def rl_train_step(
             ]
         if ref_logprobs is not None:
             extra["ref_logprobs"] = [ref_logprobs[i] for i in idx]
-        per_mb.append(dict(engine.train_batch(sub, first_fn if k == 0 else loss_fn, extra)))
+        minibatches.append((sub, first_fn if k == 0 else loss_fn, extra))
+    return RLStepPlan(batch, cfg, minibatches, adv, returns, values, critic)
 
+
+def finish_rl_step(plan: RLStepPlan, per_mb: list[dict[str, Any]]) -> dict[str, Any]:
+    """The part of ``rl_train_step`` after the actor's optimizer steps
+    (``per_mb``: each minibatch's ``train_batch`` statistics, in order):
+    the critic's step and the step's statistics."""
+    cfg, critic, trajs = plan.cfg, plan.critic, plan.batch.trajectories
     stats: dict[str, Any] = {}
     for key in per_mb[0]:
         vals = [s[key] for s in per_mb if isinstance(s.get(key), (int, float))]
@@ -375,13 +424,13 @@ def rl_train_step(
             max(vals) if key.endswith("_max") else (min(vals) if key.endswith("_min") else sum(vals) / len(vals))
         )
     stats["mismatch"] = finish_mismatch(stats)
-    if critic is not None and returns is not None:
-        cstats = critic.train_values(batch, returns, values, value_eps_clip=cfg.value_eps_clip)
+    if critic is not None and plan.returns is not None:
+        cstats = critic.train_values(plan.batch, plan.returns, plan.values, value_eps_clip=cfg.value_eps_clip)
         stats.update({f"critic_{k}": v for k, v in cstats.items()})
     rewards = [t.reward for t in trajs]
     stats["reward"] = sum(rewards) / len(rewards)
     abs_means = []
-    for row, t in zip(adv, trajs):
+    for row, t in zip(plan.advantages, trajs):
         n = sum(1 for m in t.loss_mask if m)
         abs_means.append(sum(abs(a) for a in row) / n if n else 0.0)
     stats["adv_abs"] = sum(abs_means) / len(abs_means)

@@ -25,7 +25,16 @@ def areal_register_train_engines(register: Any) -> None:
         config_model="areal_kernel.engine.config:TorchEngineConfig",
         # critic / reward_model: the kernel's scalar-head models (TorchCriticEngine,
         # ScalarHeadEngine) are built from this engine's settings section.
-        capabilities=["packing", "disk_export", "broadcast_export", "critic", "reward_model", "policies"],
+        # joint_policies: engine.train_policies, several policies' steps in shared forwards.
+        capabilities=[
+            "packing",
+            "disk_export",
+            "broadcast_export",
+            "critic",
+            "reward_model",
+            "policies",
+            "joint_policies",
+        ],
         description="single-process PyTorch + transformers",
     )
 

@@ -215,6 +215,13 @@ def check_policies(cfg: ExperimentConfig, registry: PluginLookup) -> dict[str, E
             f"policies: actor.backend {backend!r} does not hold one adapter per policy (capability 'policies'); "
             f"train engines that do: {', '.join(able) or 'none installed'}"
         )
+    if cfg.trainer.policy_order == "together" and "joint_policies" not in engine.capabilities:
+        able = sorted(s.name for s in registry.specs("train_engine") if "joint_policies" in s.capabilities)
+        raise ConfigError(
+            f"trainer.policy_order: together: actor.backend {backend!r} cannot step several policies in one pass "
+            f"over the base (capability 'joint_policies'); use weight or ready, or a train engine that can: "
+            f"{', '.join(able) or 'none installed'}"
+        )
     served = ServedAdapters.of(list(adapter_settings(cfg).adapters))
     out = {}
     for name in cfg.policies:

@@ -365,12 +365,14 @@ class TrainerConfig(StrictModel):
         ge=0,
         description="Stop the run after more than this many consecutive steps skipped for NaN/inf loss or gradients.",
     )
-    policy_order: Literal["weight", "ready"] = Field(
+    policy_order: Literal["weight", "ready", "together"] = Field(
         "weight",
         description="With policies: which policy takes the next step. weight: the one furthest behind its share "
         "(steps per unit of weight), waiting for its batch; the order is the same in every run. ready: the same "
         "preference, but a policy whose batch is not ready yet is passed over for the next one whose batch is, "
-        "so slow rollouts of one policy do not hold the others back (docs/multi-policy.md).",
+        "so slow rollouts of one policy do not hold the others back. together: that policy and every other "
+        "that would not get ahead of it step at once, their micro-batches sharing the base's forwards (equal "
+        "weights: all policies every step; torch engine) (docs/multi-policy.md).",
     )
 
 

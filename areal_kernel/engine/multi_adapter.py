@@ -28,7 +28,8 @@ Switching adapters is ``peft``'s ``set_adapter`` before a call (the active
 adapter trains, the others are frozen and do not take part in the forward):
 each call runs the base once for its own adapter's batch. Training ``a`` never
 touches ``b``'s parameters or optimizer, so ``b`` scores exactly as before.
-Computing the base once for a batch that mixes policies is not done here.
+``engine.train_policies`` (``areal_kernel.engine.together``) steps several
+policies at once, their micro-batches sharing the base's forwards.
 """
 
 from __future__ import annotations
@@ -139,6 +140,15 @@ class AdapterPolicy(PolicyView):
     # ------------------------------------------------------------ bookkeeping
     def _set_lr(self) -> float:
         return set_lr(self.optimizer, self.current_lr())
+
+    def set_lr(self) -> float:
+        """Set this policy's scheduled lr for its next step; returns it
+        (``areal_kernel.engine.together`` steps the optimizer itself)."""
+        return self._set_lr()
+
+    def adapter_parameters(self) -> list[tuple[str, Any]]:
+        """``(peft file name, live parameter)`` of this policy's adapter."""
+        return list(self._params)
 
     def _runner(self) -> MicroBatchRunner:
         return self.engine.run_with_adapter(self.peft_name)

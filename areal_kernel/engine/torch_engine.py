@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from areal_kernel.api.engine import AdapterSpec, TrainEngine, WeightUpdateMeta
 from areal_kernel.api.io import TrajectoryBatch
@@ -57,6 +57,9 @@ from areal_kernel.engine.state import (
 from areal_kernel.errors import ArealError, ConfigError, DataError
 from areal_kernel.platforms import current_platform
 from areal_kernel.utils.fs import atomic_dir
+
+if TYPE_CHECKING:
+    from areal_kernel.engine.together import PolicyJob
 
 
 class TorchTrainEngine(TrainEngine):
@@ -201,6 +204,20 @@ class TorchTrainEngine(TrainEngine):
             self.model.set_adapter(adapter)
             self.active_adapter = adapter
         return runner
+
+    def train_policies(self, jobs: dict[str, PolicyJob]) -> dict[str, dict[str, float]]:
+        """One optimizer step of each policy in ``jobs`` (name -> its batch,
+        loss and extra fields), micro-batch j of every policy in one forward
+        over the base (``areal_kernel.engine.together``); each policy's
+        ``train_batch`` statistics, plus ``joint`` (1.0 when forwards were
+        shared). Equals one ``policy(name).train_batch`` per policy within
+        float rounding. Needs ``adapters``."""
+        from areal_kernel.engine.together import train_together
+
+        self.require_model()
+        if not self._policies:
+            raise ConfigError("train_policies: this engine holds no adapters (adapters:); use train_batch")
+        return train_together(self, jobs)
 
     def score_base(self, batch: TrajectoryBatch, only_loss_tokens: bool = False) -> list[list[float]]:
         """Per-token logprobs of the frozen base with every adapter switched

@@ -109,6 +109,7 @@ class RolloutExecutor:
         self._out: queue.Queue[tuple[int, TrajectoryGroup]] = queue.Queue()
         self._seq = 0
         self._rejected_since_batch = 0
+        self._last_batch: list[tuple[int, TrajectoryGroup]] = []  # what give_back returns to the queue
         self._error: BaseException | None = None
         self._exhausted = False
         self._paused = threading.Event()
@@ -216,7 +217,20 @@ class RolloutExecutor:
         if not got:
             return []
         self._rejected_since_batch = 0
-        return [g for _, g in sorted(groups, key=lambda x: x[0])]
+        taken = sorted(groups, key=lambda x: x[0])
+        self._last_batch = taken
+        return [g for _, g in taken]
+
+    def give_back(self) -> None:
+        """Put the groups the last ``get_batch`` returned back at the front of
+        the queue, in order, for a caller that took them but stops before
+        training on them (an interrupt while it waits for another policy's
+        batch): ``state_dict`` holds them again and the next ``get_batch``
+        returns them. Once per batch; a no-op after that."""
+        taken, self._last_batch = self._last_batch, []
+        if taken:
+            with self._out.mutex:
+                self._out.queue.extendleft(reversed(taken))
 
     def _collect(
         self,

@@ -175,9 +175,12 @@ def check_policies_resume(
     root: str,
     policies: Sequence[str],
     damage: Callable[[str], None] | None = None,
+    checkpoint_step: int = 3,
 ) -> None:
     """A multi-policy run (``policies:``) killed with ``kill -9`` after global
-    step 4 was trained but before its checkpoint (the newest is step 3's),
+    step 4 was trained but before its checkpoint (the newest is step
+    ``checkpoint_step``'s: 3, or 2 where policies step together, two global
+    steps at a time),
     then the same command (``recover: auto``), against an uninterrupted run:
     every step trains the same sample ids with the same adapter, and every
     policy's exported adapter ends bit for bit where the uninterrupted run's
@@ -205,7 +208,7 @@ def check_policies_resume(
         cut = [json.loads(line).get("rollout/interruptions") for line in f if line.strip()]
     cut = [c for c in cut if c is not None]
     assert len(cut) == 8 and cut[-1] == 0, cut
-    kill_after_checkpoint(args_for(run_dir), run_dir, step=3)
+    kill_after_checkpoint(args_for(run_dir), run_dir, step=checkpoint_step)
     assert not os.path.exists(os.path.join(run_dir, "result.json"))
     assert [s["step"] for s in read_samples(run_dir)] == [1, 2, 3, 4]  # step 4 trained after the checkpoint
     if damage is not None:
@@ -213,10 +216,10 @@ def check_policies_resume(
 
     resumed = run_train(args_for(run_dir))
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
-    assert "resuming from" in resumed.stdout and "step 3" in resumed.stdout, resumed.stdout[-2000:]
+    assert f"resuming from step {checkpoint_step} " in resumed.stdout, resumed.stdout[-2000:]
     with open(os.path.join(run_dir, "result.json")) as f:
         result = json.load(f)
-    assert result["resumed_from_step"] == 3 and result["steps"] == 8
+    assert result["resumed_from_step"] == checkpoint_step and result["steps"] == 8
     got, want = read_samples(run_dir), read_samples(ref_dir)
     assert [s["step"] for s in got] == list(range(1, 9))  # the killed run's step 4 was redone, not kept twice
     assert [(s["uids"], {x["adapter"] for x in s["samples"]}) for s in got] == [

@@ -163,6 +163,21 @@ class Policy:
         return self.steps / self.weight
 
 
+@dataclasses.dataclass
+class _Step:
+    """One policy's step between ``_prepare`` and ``_finish``."""
+
+    policy: Policy
+    groups: list[TrajectoryGroup]
+    batch: TrajectoryBatch
+    plan: Any  # areal_kernel.algo.rl.RLStepPlan
+    metrics: dict[str, Any]
+    hist: dict[Any, int]
+    t0: float
+    t_wait: float
+    stats: dict[str, Any] | None = None
+
+
 class MultiPolicyTrainer(Trainer):
     """``algorithm.type: grpo`` with ``policies:`` (see the module docstring)."""
 
@@ -429,11 +444,14 @@ class MultiPolicyTrainer(Trainer):
                 if not todo:
                     break
                 t_choose = time.monotonic()
-                p, passed_over = self._next_policy(todo)
                 first = self.step + 1
-                self._policy_step(p, t_run, passed_over, time.monotonic() - t_choose)
-                for q in p.fed:
-                    self._policy_step(q, t_run)
+                if self.cfg.trainer.policy_order == "together":
+                    self._joint_step(self._together_group(todo), 0.0)
+                else:
+                    p, passed_over = self._next_policy(todo)
+                    self._policy_step(p, t_run, passed_over, time.monotonic() - t_choose)
+                    for q in p.fed:
+                        self._policy_step(q, t_run)
                 if hold_at is not None and first <= hold_at <= self.step:
                     hold_after_step(self.run_dir, hold_at)
                 every = self.cfg.checkpoint.save_every
@@ -494,7 +512,65 @@ class MultiPolicyTrainer(Trainer):
         """One RL step of ``p``; ``waited``: seconds spent choosing it
         (waiting for any policy's batch to be ready), counted as waiting
         for rollouts."""
-        from areal_kernel.algo.rl import rl_train_step
+        from areal_kernel.algo.rl import finish_rl_step
+
+        step = self._prepare(p)
+        if step is None:
+            return
+        t1 = time.monotonic()
+        per_mb = [dict(p.engine.train_batch(*mb)) for mb in step.plan.minibatches]
+        step.stats = finish_rl_step(step.plan, per_mb)
+        self._finish(step, t1, time.monotonic(), passed_over, waited)
+
+    def _together_group(self, todo: list[Policy]) -> list[Policy]:
+        """``trainer.policy_order: together``: the policy furthest behind its
+        share, and with it every policy that would not get ahead of it by
+        taking a step now (share below the first's after this step). Equal
+        weights: every policy at every step; weights 2 and 1: the first at
+        every step, the second at every other one."""
+        by_share = sorted(todo, key=lambda q: q.share())
+        first = by_share[0]
+        target = (first.steps + 1) / first.weight
+        return [first] + [q for q in by_share[1:] if q.share() < target]
+
+    def _joint_step(self, group: list[Policy], waited: float) -> None:
+        """One RL step of every policy in ``group`` (and of the policies
+        their episodes feed), their actors' minibatches trained together:
+        minibatch k of every policy in one ``train_policies`` call, which
+        shares the base's forwards between them. Then each policy is
+        finished as after its own step (version, weight update, metrics), in
+        ``group``'s order, each its own global step."""
+        from areal_kernel.algo.rl import finish_rl_step
+        from areal_kernel.engine.together import PolicyJob
+
+        steps: list[_Step] = []
+        queue = list(group)
+        while queue:
+            p = queue.pop(0)
+            step = self._prepare(p, taken=[s.policy for s in steps])
+            if step is not None:
+                steps.append(step)
+                queue.extend(p.fed)  # their inboxes hold what this batch routed to them
+        t1 = time.monotonic()
+        per_mb: dict[str, list[dict[str, Any]]] = {s.policy.name: [] for s in steps}
+        for k in range(max((len(s.plan.minibatches) for s in steps), default=0)):
+            jobs = {s.policy.name: PolicyJob(*s.plan.minibatches[k]) for s in steps if k < len(s.plan.minibatches)}
+            for name, stats in self.train_engine.train_policies(jobs).items():
+                per_mb[name].append(dict(stats))
+        t2 = time.monotonic()
+        for s in steps:
+            s.stats = finish_rl_step(s.plan, per_mb[s.policy.name])
+            self._finish(s, t1, t2, 0, waited)
+
+    def _prepare(self, p: Policy, taken: list[Policy] | None = None) -> "_Step | None":
+        """The part of ``p``'s step before its optimizer steps: its batch (its
+        executor's, or what its driver routed to it), the reference scores
+        and ``plan_rl_step``. None: a fed policy whose driver's batch held
+        nothing of it (its step is skipped). ``taken``: policies of the same
+        joint step whose batches are taken already; an interrupt while this
+        one waits gives theirs back first, so the recovery checkpoint holds
+        them untrained."""
+        from areal_kernel.algo.rl import plan_rl_step
         from areal_kernel.trainer.run import _batch_metrics
 
         assert self.rollout is not None and self.samples_log is not None, SETUP_FIRST
@@ -507,11 +583,15 @@ class MultiPolicyTrainer(Trainer):
             if not groups:
                 # Its driver's episodes this step held nothing of it (e.g. no question to answer).
                 log.warning("no trajectories of this policy in its driver's batch; step skipped", policy=p.name)
-                return
+                return None
         else:
             assert p.executor is not None, SETUP_FIRST
             groups = p.executor.get_batch(p.cfg.trainer.batch_size, stop=INTERRUPT.requested)
             if not groups:  # interrupted while waiting: the state after self.step is intact
+                for q in taken or []:
+                    if q.executor is not None:
+                        q.executor.give_back()
+                    q.inbox = []  # routed from a batch given back: routed again when it is taken again
                 self._stop_for_interrupt()
             if p.fed:
                 groups, routed = route_groups(groups, p.name, [q.name for q in p.fed])
@@ -524,17 +604,23 @@ class MultiPolicyTrainer(Trainer):
                     )
         t_wait = time.monotonic() - t0
         batch = TrajectoryBatch.from_groups(groups)
-        metrics = _batch_metrics(batch, p.version)
-        hist = staleness_histogram(groups, p.version)
-        t1 = time.monotonic()
         # The reference policy (kl_coef): the base with every adapter off,
         # which is where each adapter started.
         ref = self.train_engine.score_base(batch, only_loss_tokens=True) if p.rl_cfg.kl_coef > 0 else None
-        stats = rl_train_step(
+        plan = plan_rl_step(
             batch, p.engine, p.rl_cfg, estimator=p.estimator, loss=p.loss, ref_logprobs=ref, critic=p.critic,
             mismatch_threshold=p.cfg.monitor.mismatch.token_threshold,
         )  # fmt: skip
-        t2 = time.monotonic()
+        return _Step(p, groups, batch, plan, _batch_metrics(batch, p.version), staleness_histogram(groups, p.version),
+                     t0, t_wait)  # fmt: skip
+
+    def _finish(self, s: "_Step", t1: float, t2: float, passed_over: int, waited: float) -> None:
+        """The part of a policy's step after its optimizer steps (``t1``-``t2``:
+        when they ran): its version and weight update, the delivery check,
+        the samples and metrics of the global step it is."""
+        assert self.rollout is not None and self.samples_log is not None and s.stats is not None, SETUP_FIRST
+        p, groups, batch, stats, metrics = s.policy, s.groups, s.batch, s.stats, s.metrics
+        assert p.rollout is not None and p.mismatch is not None and p.weights_monitor is not None, SETUP_FIRST
         p.version += 1
         upd = p.transport.update(p.version)
         p.engine.set_version(p.version)
@@ -553,14 +639,15 @@ class MultiPolicyTrainer(Trainer):
         metrics.update({f"mismatch/{k}": v for k, v in mismatch.items()})
         metrics.update({f"monitor/{k}": v for k, v in p.mismatch.observe(self.step, mismatch).items()})
         metrics.update({f"monitor/{k}": v for k, v in delivery.items()})
-        metrics.update({f"rollout/staleness_hist/{k}": float(n) for k, n in hist.items()})
+        metrics.update({f"rollout/staleness_hist/{k}": float(n) for k, n in s.hist.items()})
         metrics.update(upd)
         if p.executor is not None:
             metrics.update(p.executor.stats.snapshot_and_reset())
         metrics.update(
             {
-                "perf/step_s": time.monotonic() - t0 + waited,
-                "perf/wait_rollout_s": t_wait + waited,
+                "perf/step_s": time.monotonic() - s.t0 + waited,
+                "perf/wait_rollout_s": s.t_wait + waited,
+                # With policy_order together: the joint optimizer steps of every policy in the group.
                 "perf/train_s": t2 - t1,
                 "perf/train_tokens_per_s": batch.n_tokens / max(t2 - t1, 1e-9),
                 "version": p.version,

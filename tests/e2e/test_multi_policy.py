@@ -50,14 +50,18 @@ def policy_model(tmp_path_factory) -> str:
     return make_tiny_byte_chat_llama(tmp_path_factory.mktemp("policy-model"), **TINY_POLICY_MODEL)
 
 
-@pytest.mark.parametrize("arm", ["learning", "frozen"])
+@pytest.mark.parametrize("arm", ["learning", "together", "frozen"])
 def test_two_policies_each_learn_their_own_reward(arm, run_areal, policy_model, tmp_path):
+    """``together``: the learning arm with ``trainer.policy_order: together``
+    (both policies at every step, their micro-batches sharing the base's
+    forwards); it must clear the same bar."""
     run_dir = str(tmp_path / "run")
     frozen = frozen_overrides("actor.torch.lr") if arm == "frozen" else []
+    order_arg = ["trainer.policy_order=together"] if arm == "together" else []
     proc = run_areal(
         "train", EXAMPLE, f"model.path={policy_model}", f"run_dir={run_dir}", f"trainer.max_steps={TINY_POLICY_STEPS}",
         "trainer.eval_size=0", "logging.sinks=[jsonl]", f"actor.torch.lr={TINY_POLICY_LR}",
-        "actor.torch.lr_scheduler=constant", tiny_policies_override(), *frozen, timeout=1200,
+        "actor.torch.lr_scheduler=constant", tiny_policies_override(), *frozen, *order_arg, timeout=1200,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     names = list(TINY_POLICY_CHARS)
@@ -66,9 +70,11 @@ def test_two_policies_each_learn_their_own_reward(arm, run_areal, policy_model, 
     for name in names:
         print(f"\n{arm} {name}: {TINY_POLICY_RISE.describe(rows[name])}")
     for name in names:
-        TINY_POLICY_RISE.assert_arm(arm, rows[name])
+        TINY_POLICY_RISE.assert_arm("frozen" if arm == "frozen" else "learning", rows[name])
     if arm == "frozen":
         return
+    # Each step trained both adapters in shared forwards (together), or one alone.
+    assert {r.get("train/joint") for name in names for r in rows[name]} == {1.0 if arm == "together" else None}
     # Equal weights: the policies take turns, each counting its own versions.
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         lines = [json.loads(line) for line in f if line.strip()]
@@ -186,17 +192,24 @@ def _recovery_args(model: str, run_dir: str) -> list[str]:
     ]  # fmt: skip
 
 
-def test_a_killed_multi_policy_run_resumes_every_policy_exactly(policy_model, tmp_path):
+@pytest.mark.parametrize("order", ["weight", "together"])
+def test_a_killed_multi_policy_run_resumes_every_policy_exactly(order, policy_model, tmp_path):
     """``kill -9`` after global step 4 was trained but before its checkpoint,
     then the same command (``recover: auto``): every step trains the same
     sample ids with the same adapter as an uninterrupted run, and both
-    adapters end where its did (``check_policies_resume`` says how close).
+    adapters end where its did, bit for bit (``check_policies_resume``).
     The digits policy's advantages come from its critic (``gae``), which the
     checkpoints hold: a resume that started the critic over would give it
-    other advantages and land the adapter elsewhere."""
+    other advantages and land the adapter elsewhere. ``together``: both
+    policies at every step (global steps 1+2, 3+4...), so the newest
+    checkpoint at the kill is step 2's."""
     from areal_kernel.testing.recovery import check_policies_resume
 
-    check_policies_resume(lambda run_dir: _recovery_args(policy_model, run_dir), str(tmp_path), list(TINY_POLICY_CHARS))
+    extra = [f"trainer.policy_order={order}"]
+    check_policies_resume(
+        lambda run_dir: [*_recovery_args(policy_model, run_dir), *extra], str(tmp_path), list(TINY_POLICY_CHARS),
+        checkpoint_step=2 if order == "together" else 3,
+    )  # fmt: skip
     recover = tmp_path / "killed" / "recover"
     saved = sorted(d.name for d in recover.glob("step*/critics/*"))
     assert saved and set(saved) == {"digits"}, saved

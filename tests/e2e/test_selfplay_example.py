@@ -20,6 +20,8 @@ from __future__ import annotations
 import json
 import os
 
+import pytest
+
 from areal_kernel.testing.learning import TINY_POLICY_LR, TINY_POLICY_MODEL, tiny_policy_lora
 from e2e_paths import REPO
 
@@ -27,7 +29,10 @@ EXAMPLE = os.path.join(REPO, "examples", "selfplay_arithmetic.yaml")
 QUESTION_TOKENS, ANSWER_TOKENS, STEPS = 10, 3, 3
 
 
-def test_selfplay_routes_each_role_to_its_policy_and_both_adapters_move(run_areal, tmp_path):
+@pytest.mark.parametrize("order", ["weight", "together"])
+def test_selfplay_routes_each_role_to_its_policy_and_both_adapters_move(order, run_areal, tmp_path):
+    """``together``: the answerer's step joins its driver's (the asker's batch
+    routes its answers to it first), both adapters in shared forwards."""
     from areal_kernel.models.tiny import make_tiny_byte_chat_llama
     from areal_kernel.testing.recovery import load_weights
 
@@ -41,7 +46,8 @@ def test_selfplay_routes_each_role_to_its_policy_and_both_adapters_move(run_area
         "rollout.gconfig.n_samples=3", f"rollout.gconfig.max_new_tokens={QUESTION_TOKENS}",
         "rollout.gconfig.temperature=1.0", f"policies.asker.lora={lora}", f"policies.answerer.lora={lora}",
         "policies.asker.workflow.selfplay.asker_scoring=text", "policies.asker.workflow.selfplay.answers_per_question=2",
-        f"policies.asker.workflow.selfplay.answer_tokens={ANSWER_TOKENS}", timeout=600,
+        f"policies.asker.workflow.selfplay.answer_tokens={ANSWER_TOKENS}", f"trainer.policy_order={order}",
+        timeout=600,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     with open(os.path.join(run_dir, "samples.jsonl")) as f:
@@ -65,6 +71,8 @@ def test_selfplay_routes_each_role_to_its_policy_and_both_adapters_move(run_area
     for name in ("asker", "answerer"):
         versions = [r[f"policy/{name}/version"] for r in rows if f"policy/{name}/version" in r]
         assert versions == list(range(1, STEPS + 1)), (name, versions)
+        joint = {r.get(f"policy/{name}/train/joint") for r in rows if f"policy/{name}/version" in r}
+        assert joint == ({1.0} if order == "together" else {None}), joint
         weights = load_weights(os.path.join(run_dir, "checkpoints", f"final-{name}"))
         moved = max(float(t.abs().max()) for k, t in weights.items() if "lora_B" in k)
         assert moved > 0, f"{name}'s adapter did not change"

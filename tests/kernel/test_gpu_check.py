@@ -47,7 +47,7 @@ def test_driver_without_a_gpu_names_the_sections_not_run(tmp_path):
     assert "Traceback" not in proc.stderr
     first, second = proc.stderr.strip().splitlines()
     assert first.startswith("gpu_check: FAIL: no usable cuda device here: AREAL_PLATFORM='cuda' is not usable")
-    assert second.startswith("gpu_check: 13 section(s) not run: env, platform-suite, parity,")
+    assert second.startswith("gpu_check: 14 section(s) not run: env, platform-suite, parity,")
 
 
 def test_unknown_section_is_named(tmp_path):

@@ -232,3 +232,24 @@ def test_get_batch_stopped_while_waiting_puts_its_groups_back_in_order():
         assert [g.group_id for g in ex.get_batch(3)] == ["0", "1", "2"]
     finally:
         ex.stop()
+
+
+def test_give_back_returns_the_last_batch_to_the_front_of_the_queue():
+    """A joint step of several policies took this executor's batch, then was
+    interrupted while waiting for another policy's: ``give_back`` puts the
+    batch back in order, ``state_dict`` holds it, and the next ``get_batch``
+    returns the same groups; a second ``give_back`` changes nothing."""
+    ex = RolloutExecutor(None, CountingWorkflow(), records(4), batch_size=2, max_staleness=1, max_concurrent=8)
+    ex.start()
+    try:
+        first = [g.group_id for g in ex.get_batch(2)]
+        assert first == ["0", "1"]
+        assert wait_until(lambda: ex._out.qsize() == 2)  # the next batch finished meanwhile
+        ex.give_back()
+        ex.give_back()
+        ex.drain()
+        assert [item["group"]["group_id"] for item in ex.state_dict()["queued"]] == ["0", "1", "2", "3"]
+        assert [g.group_id for g in ex.get_batch(2)] == first
+        assert [g.group_id for g in ex.get_batch(2)] == ["2", "3"]
+    finally:
+        ex.stop()

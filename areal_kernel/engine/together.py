@@ -1,0 +1,344 @@
+"""Several adapters trained in one pass over the frozen base (``train_together``).
+
+Through its views (``areal_kernel.engine.multi_adapter``) a multi-adapter
+engine trains one policy per call: each forward runs the base for one
+adapter's batch. ``train_together(engine, jobs)`` takes one job per policy
+(what ``view.train_batch`` takes: a batch, a loss, extra fields) and runs
+micro-batch j of every policy in ONE forward:
+
+- each policy's batch is planned as its own ``train_batch`` would plan it
+  (same micro-batches, same prompt sharing);
+- micro-batch j of every policy is packed as usual and the rows are laid end
+  to end; with prompt sharing, the shared-prompt tree row is built over all
+  their chunks, so attention stays inside each sequence (a chunk never spans
+  policies) and the tokens of each policy stay contiguous;
+- the base's layers run once over the whole row, and every adapted linear
+  layer adds each policy's update to that policy's tokens only
+  (``AdapterSegments``);
+- each policy's loss sees its own tokens' logprobs and its own batch-wide
+  normalisers; the losses are summed and back-propagated once, each
+  policy's gradients landing on its own adapter only; then each policy's
+  optimizer clips and steps on its own (its lr, its step count), as
+  ``view.train_batch`` does.
+
+The result equals one ``view.train_batch`` per policy within float rounding
+(``tests/engine/test_train_together.py`` measures it against a floor). What
+it saves is the base's work on several small batches done as one larger
+one: fewer, larger matrix products, which is what an accelerator rewards.
+
+Falls back to one ``view.train_batch`` per policy (the same result) where a
+joint forward cannot hold: one job, batches with images, and adapters on a
+layer outside the decoder (the LM head runs on the scored positions only,
+not on a contiguous row). A policy whose loss is not finite skips its step
+alone; its loss is left out of the backward, so the others' gradients stay
+clean.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Iterator
+
+from areal_kernel.api.io import TrajectoryBatch
+from areal_kernel.engine.microbatch import (
+    AccumulateResult,
+    check_batch,
+    count_loss_tokens,
+    merge_stats,
+    per_token_fields,
+)
+from areal_kernel.engine.packing import PackedRow, pack_row
+from areal_kernel.engine.prefix_tree import SharedChunk
+from areal_kernel.errors import ArealError
+
+if TYPE_CHECKING:
+    from areal_kernel.engine.multi_adapter import AdapterPolicy
+    from areal_kernel.engine.torch_engine import TorchTrainEngine
+
+
+@dataclass
+class PolicyJob:
+    """One policy's share of a joint step: what its ``train_batch`` takes."""
+
+    batch: TrajectoryBatch
+    loss_fn: Callable[..., Any]
+    extra: dict[str, list[list[float]]] | None = None
+
+
+class _SegmentLinear:
+    """Stands in for one peft LoRA linear layer during a joint forward: the
+    base layer on every token, then each segment's own adapter update on its
+    tokens (dimension 1 of a ``[1, T, features]`` input).
+
+    The adapters present on the layer are stacked along the rank (``A`` rows,
+    ``B`` columns) and run over the whole row in two matrix products, each
+    token's rank entries masked to its own adapter's and scaled by its
+    ``alpha / r`` (``masks``: one per set of adapters, shared by the
+    layers): as many operations for two adapters as for one, and a token
+    never reaches another adapter's parameters (their gradients get exact
+    zeros from it). With LoRA dropout, which draws a mask per adapter, each
+    segment runs through its own adapter on its own tokens instead."""
+
+    def __init__(self, layer: Any, path: str, segments: list[tuple[str, int, int]], masks: dict[Any, Any]) -> None:
+        self.layer = layer
+        self.path = path
+        self.segments = segments
+        self.masks = masks
+
+    def __call__(self, x: Any, *args: Any, **kwargs: Any) -> Any:
+        import torch
+
+        layer = self.layer
+        result = layer.base_layer(x, *args, **kwargs)
+        total = self.segments[-1][2]
+        if x.dim() != 3 or x.shape[0] != 1 or x.shape[1] != total:
+            raise ArealError(
+                f"joint adapter forward: layer {self.path!r} got an input of shape {tuple(x.shape)}, "
+                f"not the packed row's [1, {total}, ...]"
+            )
+        present = [name for name in dict.fromkeys(n for n, _, _ in self.segments) if name in layer.lora_A]
+        if not present:
+            return result
+        if any(not isinstance(layer.lora_dropout[n], torch.nn.Identity) for n in present):
+            return self._per_segment(x, result)
+        a_w = [layer.lora_A[n].weight for n in present]
+        b_w = [layer.lora_B[n].weight for n in present]
+        key = tuple((n, w.shape[0], float(layer.scaling[n])) for n, w in zip(present, a_w))
+        mask = self.masks.get(key)
+        if mask is None:
+            mask = torch.zeros(total, sum(w.shape[0] for w in a_w), dtype=a_w[0].dtype, device=x.device)
+            col = 0
+            for n, w in zip(present, a_w):
+                for name, start, end in self.segments:
+                    if name == n:
+                        mask[start:end, col : col + w.shape[0]] = float(layer.scaling[n])
+                col += w.shape[0]
+            self.masks[key] = mask
+        a = a_w[0] if len(a_w) == 1 else torch.cat(a_w, dim=0)
+        b = b_w[0] if len(b_w) == 1 else torch.cat(b_w, dim=1)
+        h = torch.nn.functional.linear(x.to(a.dtype), a) * mask
+        return (result + torch.nn.functional.linear(h, b)).to(result.dtype)
+
+    def _per_segment(self, x: Any, result: Any) -> Any:
+        import torch
+
+        layer = self.layer
+        pieces = []
+        for name, start, end in self.segments:
+            piece = result[:, start:end]
+            if name in layer.lora_A:
+                a, b = layer.lora_A[name], layer.lora_B[name]
+                xs = x[:, start:end].to(a.weight.dtype)
+                piece = (piece + b(a(layer.lora_dropout[name](xs))) * layer.scaling[name]).to(result.dtype)
+            pieces.append(piece)
+        return torch.cat(pieces, dim=1)
+
+
+class AdapterSegments:
+    """Within ``with AdapterSegments(model, segments):`` every peft LoRA
+    linear layer of ``model`` adds adapter ``name``'s update to the tokens
+    ``[start, end)`` of the packed row only, for each ``(name, start, end)``
+    of ``segments`` (contiguous, from 0). The layers' own ``forward`` is
+    shadowed by an instance attribute for the duration, so the module tree,
+    the parameters and their ``requires_grad`` stay as they are."""
+
+    def __init__(self, model: Any, segments: list[tuple[str, int, int]]) -> None:
+        if not segments or segments[0][1] != 0 or any(a[2] != b[1] for a, b in zip(segments, segments[1:])):
+            raise ArealError(f"joint adapter forward: segments {segments} do not tile the row from 0")
+        self.model = model
+        self.segments = segments
+        self._shadowed: list[Any] = []
+
+    def __enter__(self) -> "AdapterSegments":
+        masks: dict[Any, Any] = {}
+        for path, layer in lora_layers(self.model):
+            layer.forward = _SegmentLinear(layer, path, self.segments, masks)
+            self._shadowed.append(layer)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for layer in self._shadowed:
+            del layer.forward
+        self._shadowed.clear()
+
+
+def lora_layers(model: Any) -> Iterator[tuple[str, Any]]:
+    """``(module path, layer)`` of every peft LoRA linear layer of ``model``."""
+    from peft.tuners.lora import LoraLayer
+
+    for path, m in model.named_modules():
+        if isinstance(m, LoraLayer) and hasattr(m, "base_layer"):
+            yield path, m
+
+
+def joint_refusal(engine: "TorchTrainEngine", jobs: dict[str, PolicyJob]) -> str | None:
+    """Why these jobs cannot share forwards on ``engine`` (None when they can)."""
+    if len(jobs) < 2:
+        return "one policy"
+    if any(t.images is not None for j in jobs.values() for t in j.batch.trajectories):
+        return "a batch has images"
+    runner = engine.require_model()
+    split = runner.head_split()
+    decoder = split[0] if split is not None else None
+    inside = {id(m) for m in decoder.modules()} if decoder is not None else set()
+    outside = [path for path, layer in lora_layers(engine.model) if id(layer) not in inside]
+    if outside:
+        return f"an adapter on {outside[0]!r}, outside the decoder"
+    for path, layer in lora_layers(engine.model):
+        if getattr(layer, "lora_variant", None):
+            return f"a LoRA variant (DoRA...) on {path!r}"
+    return None
+
+
+def _joint_row(rows: list[PackedRow]) -> PackedRow:
+    """The packed rows laid end to end (what ``MicroBatchRunner.forward`` reads)."""
+    import torch
+
+    cu: list[int] = [0]
+    for r in rows:
+        cu.extend(cu[-1] + b for b in r.cu_seqlens[1:])
+    return PackedRow(
+        input_ids=torch.cat([r.input_ids for r in rows]),
+        position_ids=torch.cat([r.position_ids for r in rows]),
+        seq_start=torch.cat([r.seq_start for r in rows]),
+        cu_seqlens=cu,
+        seq_index=[i for r in rows for i in r.seq_index],
+        data={},
+    )
+
+
+def train_together(engine: "TorchTrainEngine", jobs: dict[str, PolicyJob]) -> dict[str, dict[str, float]]:
+    """One optimizer step of each policy in ``jobs`` (policy name -> job),
+    its micro-batches sharing forwards with the other policies' (module
+    docstring). Returns each policy's ``train_batch`` statistics, plus
+    ``joint`` (1.0 when the forwards were shared, 0.0 when it fell back)."""
+    import torch
+
+    views: dict[str, AdapterPolicy] = {name: engine.policy(name) for name in jobs}  # type: ignore[misc]
+    for name, job in jobs.items():
+        check_batch(job.batch, job.extra)
+    if joint_refusal(engine, jobs) is not None:
+        alone = {name: dict(views[name].train_batch(j.batch, j.loss_fn, j.extra)) for name, j in jobs.items()}
+        for stats in alone.values():
+            stats["joint"] = 0.0
+        return alone
+
+    t0 = time.perf_counter()
+    runner = engine.require_model()
+    model = engine.model
+    dev = runner.device
+    model.zero_grad(set_to_none=True)
+    lrs = {name: v.set_lr() for name, v in views.items()}
+    # peft trains the active adapter only; here every job's adapter trains.
+    flags = [(p, p.requires_grad) for v in views.values() for _, p in v.adapter_parameters()]
+    for p, _ in flags:
+        p.requires_grad_(True)
+
+    names = list(jobs)
+    fields, plans, scalars, n_loss = {}, {}, {}, {}
+    for name in names:
+        job = jobs[name]
+        fields[name] = per_token_fields(job.batch, job.extra)
+        plans[name] = runner.plan(job.batch)
+        n_loss[name] = count_loss_tokens(job.batch)
+        scalars[name] = {
+            "batch_loss_tokens": torch.tensor(float(n_loss[name]), device=dev),
+            "batch_n_seqs": torch.tensor(float(len(job.batch)), device=dev),
+        }
+    acc = {name: AccumulateResult(n_mbs=len(plans[name])) for name in names}
+    entropy_grad = {name: bool(getattr(jobs[name].loss_fn, "needs_entropy_grad", False)) for name in names}
+    was_training = model.training
+    model.train()
+    try:
+        for j in range(max(len(p) for p in plans.values())):
+            parts = [name for name in names if j < len(plans[name])]
+            rows: list[PackedRow] = []
+            chunks: list[SharedChunk] = []
+            union_ids: list[list[int]] = []
+            seg_tokens: list[int] = []
+            share = any(plans[name][j][1] is not None for name in parts)
+            for name in parts:
+                ids, floats, longs = fields[name]
+                order, mb_chunks = plans[name][j]
+                row = pack_row(order, ids, floats, longs, dev)
+                rows.append(row)
+                off = len(union_ids)
+                own = mb_chunks if mb_chunks is not None else [SharedChunk(0, (m,)) for m in order]
+                chunks.extend(SharedChunk(c.prefix_len, tuple(m + off for m in c.members)) for c in own)
+                lengths = [len(x) for x in ids]
+                seg_tokens.append(sum(c.cost(lengths) for c in own) if share else row.n_tokens)
+                union_ids.extend(ids)
+            tree = runner.tree(chunks, union_ids) if share else None
+            segments, start = [], 0
+            for name, n in zip(parts, seg_tokens):
+                segments.append((views[name].peft_name, start, start + n))
+                start += n
+            joint = _joint_row(rows)
+            scored = torch.cat([r.data["loss_mask"] > 0 for r in rows])
+            with AdapterSegments(model, segments):
+                logprobs, entropy = runner.forward(
+                    joint, entropy_grad=any(entropy_grad[n] for n in parts), scored=scored, tree=tree
+                )
+            total = None
+            at = 0
+            for name, row, n_model in zip(parts, rows, seg_tokens):
+                n = row.n_tokens
+                lp, ent = logprobs[at : at + n], entropy[at : at + n]
+                at += n
+                data = dict(row.data)
+                data.update(scalars[name])
+                loss, mb_stats = jobs[name].loss_fn(lp, ent if entropy_grad[name] else ent.detach(), data)
+                value = float(loss.detach()) if torch.is_tensor(loss) else float(loss)
+                a = acc[name]
+                a.n_model_tokens += n_model
+                if not a.finite:
+                    continue  # this policy's step is skipped already
+                if not math.isfinite(value):
+                    a.finite, a.loss = False, value
+                    continue  # kept out of the backward: a NaN would reach the others' gradients
+                if torch.is_tensor(loss) and loss.requires_grad:
+                    total = loss if total is None else total + loss
+                a.loss += value
+                with torch.no_grad():
+                    a.entropy_sum += float((ent.detach() * data["loss_mask"]).sum())
+                merge_stats(a.stats, mb_stats or {})
+            if total is not None:
+                total.backward()
+
+        out: dict[str, dict[str, float]] = {}
+        for name in names:
+            view, a, batch = views[name], acc[name], jobs[name].batch
+            params = [p for _, p in view.adapter_parameters() if p.grad is not None]
+            grad_norm, applied = float("nan"), a.finite
+            if applied:
+                grad_norm = runner.hooks.clip_grad_norm(params, engine.config.max_grad_norm)
+                applied = math.isfinite(grad_norm)
+            if applied:
+                view.optimizer.step()
+            view.optimizer.zero_grad(set_to_none=True)
+            view.step += 1
+            stats = dict(a.stats)
+            stats.update(
+                loss=a.loss,
+                grad_norm=grad_norm,
+                lr=lrs[name],
+                skipped=0.0 if applied else 1.0,
+                entropy=a.entropy_sum / n_loss[name],
+                n_seqs=float(len(batch)),
+                n_tokens=float(batch.n_tokens),
+                n_loss_tokens=float(n_loss[name]),
+                n_mbs=float(a.n_mbs),
+                n_model_tokens=float(a.n_model_tokens),
+                joint=1.0,
+            )
+            out[name] = stats
+    finally:
+        for p, flag in flags:
+            p.requires_grad_(flag)
+        model.train(was_training)
+    elapsed = time.perf_counter() - t0
+    for stats in out.values():
+        stats["step_time_s"] = elapsed
+    return out
