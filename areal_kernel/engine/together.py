@@ -4,14 +4,17 @@ Through its views (``areal_kernel.engine.multi_adapter``) a multi-adapter
 engine trains one policy per call: each forward runs the base for one
 adapter's batch. ``train_together(engine, jobs)`` takes one job per policy
 (what ``view.train_batch`` takes: a batch, a loss, extra fields) and runs
-micro-batch j of every policy in ONE forward:
+micro-batches that mix the policies' sequences:
 
-- each policy's batch is planned as its own ``train_batch`` would plan it
-  (same micro-batches, same prompt sharing);
-- micro-batch j of every policy is packed as usual and the rows are laid end
-  to end; with prompt sharing, the shared-prompt tree row is built over all
-  their chunks, so attention stays inside each sequence (a chunk never spans
-  policies) and the tokens of each policy stay contiguous;
+- each policy's sequences are cut into chunks as its own ``train_batch``
+  would (with prompt sharing, a group's common prompt once per chunk; a
+  chunk never spans policies), and all policies' chunks are packed together
+  under ``max_tokens_per_mb`` (``joint_plan``), so a forward holds no more
+  tokens than a one-policy forward may, and fewer forwards run;
+- in a micro-batch, each policy's chunks are packed as usual and the rows
+  laid end to end (the shared-prompt tree row built over all the chunks):
+  attention stays inside each sequence and each policy's tokens are
+  contiguous;
 - the base's layers run once over the whole row, and every adapted linear
   layer adds each policy's update to that policy's tokens only
   (``AdapterSegments``);
@@ -49,8 +52,8 @@ from areal_kernel.engine.microbatch import (
     merge_stats,
     per_token_fields,
 )
-from areal_kernel.engine.packing import PackedRow, pack_row
-from areal_kernel.engine.prefix_tree import SharedChunk
+from areal_kernel.engine.packing import PackedRow, allocate_micro_batches, pack_row
+from areal_kernel.engine.prefix_tree import SharedChunk, plan_chunks, virtual_order
 from areal_kernel.errors import ArealError
 
 if TYPE_CHECKING:
@@ -209,10 +212,38 @@ def _joint_row(rows: list[PackedRow]) -> PackedRow:
     )
 
 
+def joint_plan(config: Any, batches: dict[str, TrajectoryBatch]) -> list[dict[str, list[SharedChunk]]]:
+    """The micro-batches of a joint step: every policy's sequences in chunks
+    (with ``share_prompts``, a group's common prompt once per chunk, never
+    shared across policies; else one sequence per chunk), all policies'
+    chunks packed together under ``max_tokens_per_mb`` (first-fit
+    decreasing, deterministic), so that a forward holds no more tokens than
+    one policy's would. Each micro-batch maps the policies it holds, in
+    ``batches``' order, to their chunks; a micro-batch may hold one policy."""
+    items: list[tuple[str, SharedChunk, int]] = []
+    for name, batch in batches.items():
+        trajs = batch.trajectories
+        ids = [t.input_ids for t in trajs]
+        lengths = [len(x) for x in ids]
+        if config.share_prompts:
+            own = plan_chunks(ids, [t.loss_mask for t in trajs], config.max_tokens_per_mb)
+        else:
+            own = [SharedChunk(0, (i,)) for i in range(len(trajs))]
+        items.extend((name, c, c.cost(lengths)) for c in own)
+    plan = []
+    for bin_ in allocate_micro_batches([cost for _, _, cost in items], config.max_tokens_per_mb):
+        mb: dict[str, list[SharedChunk]] = {}
+        for name in batches:
+            own = [items[k][1] for k in bin_ if items[k][0] == name]
+            if own:
+                mb[name] = own
+        plan.append(mb)
+    return plan
+
+
 def train_together(engine: "TorchTrainEngine", jobs: dict[str, PolicyJob]) -> dict[str, dict[str, float]]:
     """One optimizer step of each policy in ``jobs`` (policy name -> job),
-    its micro-batches sharing forwards with the other policies' (module
-    docstring). Returns each policy's ``train_batch`` statistics, plus
+    in micro-batches that mix the policies' sequences (module docstring). Returns each policy's ``train_batch`` statistics, plus
     ``joint`` (1.0 when the forwards were shared, 0.0 when it fell back)."""
     import torch
 
@@ -237,35 +268,34 @@ def train_together(engine: "TorchTrainEngine", jobs: dict[str, PolicyJob]) -> di
         p.requires_grad_(True)
 
     names = list(jobs)
-    fields, plans, scalars, n_loss = {}, {}, {}, {}
+    fields, scalars, n_loss = {}, {}, {}
     for name in names:
         job = jobs[name]
         fields[name] = per_token_fields(job.batch, job.extra)
-        plans[name] = runner.plan(job.batch)
         n_loss[name] = count_loss_tokens(job.batch)
         scalars[name] = {
             "batch_loss_tokens": torch.tensor(float(n_loss[name]), device=dev),
             "batch_n_seqs": torch.tensor(float(len(job.batch)), device=dev),
         }
-    acc = {name: AccumulateResult(n_mbs=len(plans[name])) for name in names}
+    plan = joint_plan(runner.config, {name: jobs[name].batch for name in names})
+    acc = {name: AccumulateResult(n_mbs=sum(1 for mb in plan if name in mb)) for name in names}
     entropy_grad = {name: bool(getattr(jobs[name].loss_fn, "needs_entropy_grad", False)) for name in names}
     was_training = model.training
     model.train()
     try:
-        for j in range(max(len(p) for p in plans.values())):
-            parts = [name for name in names if j < len(plans[name])]
+        for mb in plan:
+            parts = [name for name in names if name in mb]
             rows: list[PackedRow] = []
             chunks: list[SharedChunk] = []
             union_ids: list[list[int]] = []
             seg_tokens: list[int] = []
-            share = any(plans[name][j][1] is not None for name in parts)
+            share = any(c.prefix_len > 0 for name in parts for c in mb[name])
             for name in parts:
                 ids, floats, longs = fields[name]
-                order, mb_chunks = plans[name][j]
-                row = pack_row(order, ids, floats, longs, dev)
+                own = mb[name]
+                row = pack_row(virtual_order(own), ids, floats, longs, dev)
                 rows.append(row)
                 off = len(union_ids)
-                own = mb_chunks if mb_chunks is not None else [SharedChunk(0, (m,)) for m in order]
                 chunks.extend(SharedChunk(c.prefix_len, tuple(m + off for m in c.members)) for c in own)
                 lengths = [len(x) for x in ids]
                 seg_tokens.append(sum(c.cost(lengths) for c in own) if share else row.n_tokens)

@@ -207,8 +207,9 @@ class TorchTrainEngine(TrainEngine):
 
     def train_policies(self, jobs: dict[str, PolicyJob]) -> dict[str, dict[str, float]]:
         """One optimizer step of each policy in ``jobs`` (name -> its batch,
-        loss and extra fields), micro-batch j of every policy in one forward
-        over the base (``areal_kernel.engine.together``); each policy's
+        loss and extra fields), in micro-batches that mix the policies'
+        sequences, each adapter updating its own tokens, the base run once
+        per micro-batch (``areal_kernel.engine.together``); each policy's
         ``train_batch`` statistics, plus ``joint`` (1.0 when forwards were
         shared). Equals one ``policy(name).train_batch`` per policy within
         float rounding. Needs ``adapters``."""

@@ -1,6 +1,6 @@
 """Several policies stepped in one pass over the base (``engine.train_policies``,
-``areal_kernel.engine.together``): micro-batch j of every policy shares one
-forward, each adapter updating its own tokens only. It must equal one
+``areal_kernel.engine.together``): micro-batches mix the policies'
+sequences, each adapter updating its own tokens only. It must equal one
 ``policy(name).train_batch`` per policy (the path a trainer takes one policy
 at a time) within float rounding, with and without shared prompts."""
 
@@ -155,3 +155,26 @@ def test_with_lora_dropout_each_segment_runs_through_its_own_adapter(tiny_model_
     _one_at_a_time(alone), _one_at_a_time(split)
     floor = measure_noise_floor("adapters and moments after 3 steps, other split", _state(alone), _state(split))
     print(assert_within_noise(_state(joint), _state(alone), floor, MULTIPLE, what="joint steps, per-segment path"))
+
+
+def test_joint_micro_batches_mix_policies_within_the_budget():
+    """``joint_plan``: every sequence of every policy in exactly one
+    micro-batch, a shared prompt's chunk never holding two policies, no
+    micro-batch over ``max_tokens_per_mb`` (unless one chunk alone is), and
+    micro-batches that hold both policies (else nothing would be shared)."""
+    from areal_kernel.engine.config import TorchEngineConfig
+    from areal_kernel.engine.together import joint_plan
+
+    x, y = _batches(0)
+    batches = {"A": x, "b.v2": y}
+    for budget in (48, 96, 4096):
+        plan = joint_plan(TorchEngineConfig(max_tokens_per_mb=budget), batches)
+        for name, b in batches.items():
+            members = sorted(m for mb in plan for c in mb.get(name, []) for m in c.members)
+            assert members == list(range(len(b)))
+        for mb in plan:
+            costs = [c.cost([len(t.input_ids) for t in batches[n].trajectories]) for n, cs in mb.items() for c in cs]
+            assert sum(costs) <= budget or len(costs) == 1, (budget, costs)
+        assert any(len(mb) == 2 for mb in plan), budget
+        assert any(c.prefix_len > 0 for mb in plan for cs in mb.values() for c in cs)  # prompts shared
+    assert len(joint_plan(TorchEngineConfig(max_tokens_per_mb=4096), batches)) == 1  # one forward for both
