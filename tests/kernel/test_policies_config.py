@@ -107,3 +107,29 @@ def test_one_policy_run_has_no_policies_and_the_engines_adapters_point_at_polici
 
     assert type(GRPOTrainer(TrainerContext.for_config(_load(tmp_path))).impl) is RLTrainer
     assert type(GRPOTrainer(TrainerContext.for_config(_load(tmp_path, TWO))).impl) is MultiPolicyTrainer
+
+
+def test_together_groups_follow_the_weights():
+    """``trainer.policy_order: together``: each step, the policy furthest
+    behind its share and every policy that would not get ahead of it. Equal
+    weights: all at every step; weights 2 and 1: the first at every step,
+    the second at every other one; a finished policy leaves the groups."""
+    from types import SimpleNamespace
+
+    from areal_kernel.trainer.multi_policy import MultiPolicyTrainer, Policy
+
+    def run(weights: dict[str, float], steps: dict[str, int]) -> list[str]:
+        ps = [Policy(name=n, cfg=None, ctx=None, weight=w, train_records=[], eval_records=[], total_steps=steps[n])  # type: ignore[arg-type]
+              for n, w in weights.items()]  # fmt: skip
+        order = []
+        while todo := [p for p in ps if p.steps < p.total_steps]:
+            group = MultiPolicyTrainer._together_group(SimpleNamespace(), todo)  # type: ignore[arg-type]
+            order.append("".join(p.name for p in group))
+            for p in group:
+                p.steps += 1
+        return order
+
+    assert run({"a": 1, "b": 1}, {"a": 3, "b": 3}) == ["ab", "ab", "ab"]
+    assert run({"a": 2, "b": 1}, {"a": 4, "b": 2}) == ["ab", "a", "ab", "a"]
+    assert run({"a": 1, "b": 2}, {"a": 2, "b": 4}) == ["ab", "b", "ab", "b"]  # ties: the order written
+    assert run({"a": 1, "b": 1}, {"a": 1, "b": 3}) == ["ab", "b", "b"]
