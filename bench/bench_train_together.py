@@ -18,7 +18,7 @@ operations of each (on a GPU each is a kernel launch). The ratio is
 one-after-the-other / together: above 1 is what computing the base once
 saves.
 
-    OMP_NUM_THREADS=1 .venv/bin/python bench/bench_train_together.py [--prompts 4] [--repeats 5]
+    OMP_NUM_THREADS=1 .venv/bin/python bench/bench_train_together.py [--prompts 4] [--repeats 5] [--max-tokens-per-mb 8192]
 """
 
 from __future__ import annotations
@@ -40,7 +40,11 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=4, help="prompts per policy's batch, x8 samples (default 4)")
     ap.add_argument("--prompt-len", type=int, default=40, help="prompt tokens (default 40)")
     ap.add_argument("--completion", type=int, default=16, help="completion tokens (default 16)")
-    ap.add_argument("--max-tokens-per-mb", type=int, default=320, help="micro-batch budget (grpo_lora.yaml's)")
+    ap.add_argument(
+        "--max-tokens-per-mb", type=int, default=8192,
+        help="micro-batch budget (default 8192, the engine's: room for both policies' chunks; at 320, "
+        "grpo_lora.yaml's, a 168-token chunk leaves no room for another policy's and nothing mixes)",
+    )  # fmt: skip
     ap.add_argument("--repeats", type=int, default=5, help="timed steps per setting (median; default 5)")
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--json", help="also write the numbers to this file")
