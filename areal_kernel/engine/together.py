@@ -308,34 +308,36 @@ def train_together(engine: "TorchTrainEngine", jobs: dict[str, PolicyJob]) -> di
             joint = _joint_row(rows)
             scored = torch.cat([r.data["loss_mask"] > 0 for r in rows])
             with AdapterSegments(model, segments):
+                # Backward inside: gradient checkpointing runs the layers again there,
+                # and they must route each policy's tokens to its adapter then too.
                 logprobs, entropy = runner.forward(
                     joint, entropy_grad=any(entropy_grad[n] for n in parts), scored=scored, tree=tree
                 )
-            total = None
-            at = 0
-            for name, row, n_model in zip(parts, rows, seg_tokens):
-                n = row.n_tokens
-                lp, ent = logprobs[at : at + n], entropy[at : at + n]
-                at += n
-                data = dict(row.data)
-                data.update(scalars[name])
-                loss, mb_stats = jobs[name].loss_fn(lp, ent if entropy_grad[name] else ent.detach(), data)
-                value = float(loss.detach()) if torch.is_tensor(loss) else float(loss)
-                a = acc[name]
-                a.n_model_tokens += n_model
-                if not a.finite:
-                    continue  # this policy's step is skipped already
-                if not math.isfinite(value):
-                    a.finite, a.loss = False, value
-                    continue  # kept out of the backward: a NaN would reach the others' gradients
-                if torch.is_tensor(loss) and loss.requires_grad:
-                    total = loss if total is None else total + loss
-                a.loss += value
-                with torch.no_grad():
-                    a.entropy_sum += float((ent.detach() * data["loss_mask"]).sum())
-                merge_stats(a.stats, mb_stats or {})
-            if total is not None:
-                total.backward()
+                total = None
+                at = 0
+                for name, row, n_model in zip(parts, rows, seg_tokens):
+                    n = row.n_tokens
+                    lp, ent = logprobs[at : at + n], entropy[at : at + n]
+                    at += n
+                    data = dict(row.data)
+                    data.update(scalars[name])
+                    loss, mb_stats = jobs[name].loss_fn(lp, ent if entropy_grad[name] else ent.detach(), data)
+                    value = float(loss.detach()) if torch.is_tensor(loss) else float(loss)
+                    a = acc[name]
+                    a.n_model_tokens += n_model
+                    if not a.finite:
+                        continue  # this policy's step is skipped already
+                    if not math.isfinite(value):
+                        a.finite, a.loss = False, value
+                        continue  # kept out of the backward: a NaN would reach the others' gradients
+                    if torch.is_tensor(loss) and loss.requires_grad:
+                        total = loss if total is None else total + loss
+                    a.loss += value
+                    with torch.no_grad():
+                        a.entropy_sum += float((ent.detach() * data["loss_mask"]).sum())
+                    merge_stats(a.stats, mb_stats or {})
+                if total is not None:
+                    total.backward()
 
         out: dict[str, dict[str, float]] = {}
         for name in names:

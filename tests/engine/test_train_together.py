@@ -178,3 +178,18 @@ def test_joint_micro_batches_mix_policies_within_the_budget():
         assert any(len(mb) == 2 for mb in plan), budget
         assert any(c.prefix_len > 0 for mb in plan for cs in mb.values() for c in cs)  # prompts shared
     assert len(joint_plan(TorchEngineConfig(max_tokens_per_mb=4096), batches)) == 1  # one forward for both
+
+
+def test_with_gradient_checkpointing_the_recomputed_layers_keep_each_policys_adapter(tiny_model_dir):
+    """Gradient checkpointing runs the layers again during the backward: the
+    joint step back-propagates while every adapter still updates only its
+    own tokens, so it equals one step per policy as without checkpointing."""
+    joint, alone, split = (
+        multi_engine(tiny_model_dir, max_tokens_per_mb=mb, gradient_checkpointing=True) for mb in (48, 48, 24)
+    )
+    for s in range(STEPS):
+        out = joint.train_policies(_jobs(*_batches(s)))
+        assert {st["joint"] for st in out.values()} == {1.0}
+    _one_at_a_time(alone), _one_at_a_time(split)
+    floor = measure_noise_floor("adapters and moments after 3 steps, other split", _state(alone), _state(split))
+    print(assert_within_noise(_state(joint), _state(alone), floor, MULTIPLE, what="joint steps, checkpointed"))
