@@ -323,11 +323,19 @@ def rl_train_step(
     In three parts, so that a trainer can step several policies' minibatches
     together (``trainer.policy_order: together``): ``plan_rl_step`` (all that
     comes before the actor's optimizer steps), one ``engine.train_batch`` per
-    entry of its ``minibatches``, in order, then ``finish_rl_step``."""
+    entry of its ``minibatches``, in order, then ``finish_rl_step``;
+    ``run_rl_plan`` does the last two."""
     plan = plan_rl_step(
         batch, engine, cfg, ref_logprobs=ref_logprobs, critic=critic, estimator=estimator, loss=loss,
         mismatch_threshold=mismatch_threshold,
     )  # fmt: skip
+    return run_rl_plan(plan, engine)
+
+
+def run_rl_plan(plan: "RLStepPlan", engine: TrainEngine) -> dict[str, Any]:
+    """The rest of ``rl_train_step`` after ``plan_rl_step``: ``engine``
+    (the actor the plan was made for) takes one optimizer step per
+    minibatch, in order, then ``finish_rl_step``."""
     return finish_rl_step(plan, [dict(engine.train_batch(*mb)) for mb in plan.minibatches])
 
 

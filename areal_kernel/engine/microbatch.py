@@ -30,7 +30,7 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 from areal_kernel.api.io import TrajectoryBatch
 from areal_kernel.engine.packing import PackedRow, allocate_micro_batches, pack_row
@@ -134,6 +134,27 @@ class AccumulateResult:
     finite: bool = True  # every loss was finite
     n_mbs: int = 0  # micro-batches with data (fillers not counted)
     n_model_tokens: int = 0  # tokens the model ran on (fewer than the batch's when prompts are shared)
+
+    def step_stats(
+        self, batch: TrajectoryBatch, n_loss_tokens: int, *, grad_norm: float, lr: float, applied: bool
+    ) -> dict[str, float]:
+        """A one-process engine's ``train_batch`` statistics for the step
+        that accumulated this over ``batch`` (all but ``step_time_s``): the
+        loss_fn's merged stats, then the step's own numbers."""
+        out = dict(self.stats)
+        out.update(
+            loss=self.loss,
+            grad_norm=grad_norm,
+            lr=lr,
+            skipped=0.0 if applied else 1.0,
+            entropy=self.entropy_sum / n_loss_tokens,
+            n_seqs=float(len(batch)),
+            n_tokens=float(batch.n_tokens),
+            n_loss_tokens=float(n_loss_tokens),
+            n_mbs=float(self.n_mbs),
+            n_model_tokens=float(self.n_model_tokens),
+        )
+        return out
 
 
 def per_token_fields(
@@ -470,14 +491,19 @@ class MicroBatchRunner:
             merge_stats(res.stats, mb_stats or {})
         return res
 
-    def apply_gradients(self, optimizer: Any, finite: bool, max_grad_norm: float | None) -> tuple[float, bool]:
+    def apply_gradients(
+        self, optimizer: Any, finite: bool, max_grad_norm: float | None, params: Iterable[Any] | None = None
+    ) -> tuple[float, bool]:
         """Clip and step when the step is finite everywhere, else drop the
-        gradients (weights and optimizer moments untouched). Returns
+        gradients (weights and optimizer moments untouched). The norm is
+        over ``params`` (default: every parameter of the model), counting
+        those with a gradient; ``optimizer`` should step those. Returns
         ``(grad_norm before clipping, applied)``."""
         finite = self.hooks.all_finite(finite)
         grad_norm = float("nan")
         if finite:
-            params = [p for p in self.model.parameters() if p.grad is not None]
+            pool = self.model.parameters() if params is None else params
+            params = [p for p in pool if p.grad is not None]
             grad_norm = self.hooks.clip_grad_norm(params, max_grad_norm)
             finite = math.isfinite(grad_norm)
         if finite:

@@ -342,29 +342,13 @@ def train_together(engine: "TorchTrainEngine", jobs: dict[str, PolicyJob]) -> di
         out: dict[str, dict[str, float]] = {}
         for name in names:
             view, a, batch = views[name], acc[name], jobs[name].batch
-            params = [p for _, p in view.adapter_parameters() if p.grad is not None]
-            grad_norm, applied = float("nan"), a.finite
-            if applied:
-                grad_norm = runner.hooks.clip_grad_norm(params, engine.config.max_grad_norm)
-                applied = math.isfinite(grad_norm)
-            if applied:
-                view.optimizer.step()
+            grad_norm, applied = runner.apply_gradients(
+                view.optimizer, a.finite, engine.config.max_grad_norm, params=(p for _, p in view.adapter_parameters())
+            )
             view.optimizer.zero_grad(set_to_none=True)
             view.step += 1
-            stats = dict(a.stats)
-            stats.update(
-                loss=a.loss,
-                grad_norm=grad_norm,
-                lr=lrs[name],
-                skipped=0.0 if applied else 1.0,
-                entropy=a.entropy_sum / n_loss[name],
-                n_seqs=float(len(batch)),
-                n_tokens=float(batch.n_tokens),
-                n_loss_tokens=float(n_loss[name]),
-                n_mbs=float(a.n_mbs),
-                n_model_tokens=float(a.n_model_tokens),
-                joint=1.0,
-            )
+            stats = a.step_stats(batch, n_loss[name], grad_norm=grad_norm, lr=lrs[name], applied=applied)
+            stats["joint"] = 1.0
             out[name] = stats
     finally:
         for p, flag in flags:

@@ -293,21 +293,7 @@ class TorchTrainEngine(TrainEngine):
         acc = runner.accumulate(batch, loss_fn, extra, batch_loss_tokens=n_loss_tokens, batch_n_seqs=len(batch))
         grad_norm, applied = runner.apply_gradients(optimizer, acc.finite, self.config.max_grad_norm)
         current_platform().synchronize()
-
-        out = dict(acc.stats)
-        out.update(
-            loss=acc.loss,
-            grad_norm=grad_norm,
-            lr=lr,
-            skipped=0.0 if applied else 1.0,
-            entropy=acc.entropy_sum / n_loss_tokens,
-            n_seqs=float(len(batch)),
-            n_tokens=float(batch.n_tokens),
-            n_loss_tokens=float(n_loss_tokens),
-            n_mbs=float(acc.n_mbs),
-            n_model_tokens=float(acc.n_model_tokens),
-        )
-        return out
+        return acc.step_stats(batch, n_loss_tokens, grad_norm=grad_norm, lr=lr, applied=applied)
 
     # ---------------------------------------------------------------- weights
     def adapter_spec(self) -> AdapterSpec | None:

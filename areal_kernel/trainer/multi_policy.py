@@ -512,14 +512,13 @@ class MultiPolicyTrainer(Trainer):
         """One RL step of ``p``; ``waited``: seconds spent choosing it
         (waiting for any policy's batch to be ready), counted as waiting
         for rollouts."""
-        from areal_kernel.algo.rl import finish_rl_step
+        from areal_kernel.algo.rl import run_rl_plan
 
         step = self._prepare(p)
         if step is None:
             return
         t1 = time.monotonic()
-        per_mb = [dict(p.engine.train_batch(*mb)) for mb in step.plan.minibatches]
-        step.stats = finish_rl_step(step.plan, per_mb)
+        step.stats = run_rl_plan(step.plan, p.engine)
         self._finish(step, t1, time.monotonic(), passed_over, waited)
 
     def _together_group(self, todo: list[Policy]) -> list[Policy]:
