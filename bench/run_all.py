@@ -25,6 +25,7 @@ BENCHES = [
     "bench_prefork.py",
     "bench_train_engine.py",
     "bench_embedded_server.py",
+    "bench_prefix_cache.py",
     "bench_proxy_overhead.py",
     "bench_controller_scale.py",
     "bench_weight_update.py",

@@ -47,7 +47,7 @@ from areal_kernel.testing.learning import (
     step_rows,
 )
 from areal_kernel.testing.noise import NoiseFloor, assert_within_noise, max_difference
-from areal_kernel.testing.recovery import ONE_ROW_SERVER, assert_bit_equal
+from areal_kernel.testing.recovery import EXACT_SERVER, assert_bit_equal
 
 if TYPE_CHECKING:
     from areal_kernel.api.io import ModelResponse, TrajectoryBatch
@@ -399,7 +399,7 @@ class RankEngineRecoverySuite(_RankEngineSuite):
             f"trainer.max_steps={self.STEPS}", "trainer.batch_size=2", "trainer.eval_size=0",
             "rollout.gconfig.n_samples=4", "rollout.gconfig.max_new_tokens=6", "rollout.max_staleness=0",
             "algorithm.dynamic_filter=false", "algorithm.entropy_coef=0.05", f"actor.{self.ENGINE_NAME}.lr=1e-3",
-            "checkpoint.save_every=1", "logging.sinks=[jsonl]", ONE_ROW_SERVER,
+            "checkpoint.save_every=1", "logging.sinks=[jsonl]", *EXACT_SERVER,
         ]  # fmt: skip
 
     def test_killed_run_resumes_exactly(self, tiny_chat_model: str, tmp_path: Any) -> None:

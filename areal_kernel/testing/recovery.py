@@ -17,7 +17,7 @@ from areal_kernel.trainer.recovery import read_samples
 from areal_kernel.utils import prefork
 
 __all__ = [
-    "ONE_ROW_SERVER",
+    "EXACT_SERVER",
     "assert_bit_equal",
     "check_policies_resume",
     "interrupt_after_step",
@@ -29,14 +29,16 @@ __all__ = [
 ]
 
 
-# The override that makes a run's embedded server batch-invariant: one
-# sequence per forward. A row's logprobs (the loss's behaviour policy) then do
-# not depend on which other rows shared its batch, which follows timing and
-# differs between a run and its resumption (whose server starts empty); with
-# batches of several rows they differ in their last bits (measured 1e-8 to
-# 1e-4 after a few steps). With it a resumed run ends bit for bit where the
-# uninterrupted one did, so the recovery tests compare with ``torch.equal``.
-ONE_ROW_SERVER = "rollout.embedded.max_batch_size=1"
+# The overrides that make a run's embedded server repeatable bit for bit: one
+# sequence per forward, and every prompt prefilled whole. A row's logprobs
+# (the loss's behaviour policy) then do not depend on which other rows shared
+# its batch, nor on whether the prompts' shared prefix was in the server's
+# cache; both follow timing and what the server saw before, and differ
+# between a run and its resumption (whose server starts empty). Otherwise
+# they differ in their last bits (measured 1e-8 to 1e-4 after a few steps).
+# With them a resumed run ends bit for bit where the uninterrupted one did, so
+# the recovery tests compare with ``torch.equal``.
+EXACT_SERVER = ("rollout.embedded.max_batch_size=1", "rollout.embedded.prefix_cache=false")
 
 
 def _env() -> dict[str, str]:
@@ -190,7 +192,7 @@ def check_policies_resume(
     policies taking turns, recovery checkpoints every step (``save_every:
     1``), synchronous (``max_staleness: 0``) and seeded; the servers
     embedded ones, whose adapter updates cut no generation (checked), one
-    row per forward (``ONE_ROW_SERVER``: without it the adapters differ in
+    row per forward, prompts prefilled whole (``EXACT_SERVER``: without it the adapters differ in
     their last bits, up to 4e-5 where ``lora_B`` moved by 0.12).
 
     ``damage(run_dir)``, for negative controls: called on the killed run's

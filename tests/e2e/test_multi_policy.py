@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from areal_kernel.testing.recovery import ONE_ROW_SERVER
+from areal_kernel.testing.recovery import EXACT_SERVER
 from areal_kernel.testing.learning import (
     TINY_POLICY_CHARS,
     TINY_POLICY_LR,
@@ -187,7 +187,7 @@ def _recovery_args(model: str, run_dir: str) -> list[str]:
         "trainer.eval_size=0", "rollout.gconfig.n_samples=4", "rollout.gconfig.max_new_tokens=6",
         "rollout.max_staleness=0", "weight_update.mode=disk", "algorithm.dynamic_filter=false",
         f"actor.torch.lr={TINY_POLICY_LR}", "checkpoint.save_every=1", "checkpoint.keep_last=2",
-        "logging.sinks=[jsonl]", tiny_policies_override(extra={"digits": CRITIC_POLICY}), ONE_ROW_SERVER,
+        "logging.sinks=[jsonl]", tiny_policies_override(extra={"digits": CRITIC_POLICY}), *EXACT_SERVER,
         "actor.torch.lr_scheduler=constant",
     ]  # fmt: skip
 

@@ -18,7 +18,7 @@ import pytest
 from areal_kernel.checkpoint import CheckpointManager
 from areal_kernel.testing.models import make_tiny_chat_llama
 from areal_kernel.testing.recovery import (
-    ONE_ROW_SERVER,
+    EXACT_SERVER,
     assert_bit_equal,
     interrupt_after_step,
     load_weights,
@@ -46,7 +46,7 @@ def _args(model, run_dir, staleness, *extra):
         f"trainer.max_steps={STEPS}", "trainer.batch_size=2", "trainer.eval_size=2",
         "rollout.gconfig.n_samples=4", "rollout.gconfig.max_new_tokens=6", f"rollout.max_staleness={staleness}",
         "weight_update.mode=disk", "algorithm.dynamic_filter=false", "algorithm.entropy_coef=0.05",
-        "actor.torch.lr=1e-3", "logging.sinks=[console, jsonl]", ONE_ROW_SERVER, *extra,
+        "actor.torch.lr=1e-3", "logging.sinks=[console, jsonl]", *EXACT_SERVER, *extra,
     ]  # fmt: skip
 
 

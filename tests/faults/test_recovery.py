@@ -16,7 +16,7 @@ import pytest
 
 from areal_kernel.testing.models import make_tiny_chat_llama
 from areal_kernel.testing.recovery import (
-    ONE_ROW_SERVER,
+    EXACT_SERVER,
     assert_bit_equal,
     kill_after_checkpoint,
     load_weights,
@@ -42,7 +42,7 @@ def _args(model, run_dir, staleness):
         "rollout.gconfig.n_samples=4", "rollout.gconfig.max_new_tokens=6", f"rollout.max_staleness={staleness}",
         "weight_update.mode=disk", "algorithm.dynamic_filter=false", "algorithm.entropy_coef=0.05",
         "actor.torch.lr=1e-3", "checkpoint.save_every=1", "checkpoint.keep_last=2",
-        "logging.sinks=[console, jsonl]", ONE_ROW_SERVER,
+        "logging.sinks=[console, jsonl]", *EXACT_SERVER,
     ]  # fmt: skip
 
 

@@ -14,7 +14,7 @@ import pytest
 
 from areal_kernel.testing.models import make_tiny_chat_llama
 from areal_kernel.testing.recovery import (
-    ONE_ROW_SERVER,
+    EXACT_SERVER,
     assert_bit_equal,
     kill_after_checkpoint,
     load_weights,
@@ -39,7 +39,7 @@ def _args(model, run_dir):
         "rollout.gconfig.n_samples=4", "rollout.gconfig.max_new_tokens=6", "rollout.max_staleness=0",
         "weight_update.mode=disk", "algorithm.dynamic_filter=false", "algorithm.entropy_coef=0.05",
         "actor.torch.lora.dropout=0.1", "checkpoint.save_every=1", "checkpoint.keep_last=2",
-        "logging.sinks=[console, jsonl]", ONE_ROW_SERVER,
+        "logging.sinks=[console, jsonl]", *EXACT_SERVER,
     ]  # fmt: skip
 
 

@@ -27,6 +27,7 @@ import torch
 
 from areal_kernel.inference.embedded.kvbatch import Request, RunningBatch, _layers, _set_kv, new_cache, stop_matrix
 from areal_kernel.inference.embedded.lora import AdapterSet
+from areal_kernel.inference.embedded.prefix import DEFAULT_MIN_TOKENS, PrefixCache
 from areal_kernel.inference.embedded.protocol import GenerateBody, RequestError
 from areal_kernel.inference.embedded.sampling import RowParams, row_uniforms, sample
 from areal_kernel.inference.embedded.stopstr import StopStrings
@@ -52,6 +53,8 @@ class GenerationEngine:
         admit_window_s: float = 0.005,
         decode: Callable[[list[int]], str] | None = None,
         images: Any = None,
+        prefix_cache: bool = True,
+        prefix_min_tokens: int = DEFAULT_MIN_TOKENS,
     ) -> None:
         self.model = model
         # ``areal_kernel.models.vision.ImageTensors`` for a vision-language model, else None.
@@ -72,6 +75,9 @@ class GenerationEngine:
         self.version = 0
         # LoRA adapters served beside the base weights (each with its own version).
         self.lora = AdapterSet(model)
+        # The KV of the prompts' shared prefix (prefix.py). Not for image
+        # prompts: their placeholder tokens are filled from the request's images.
+        self.prefix = PrefixCache(prefix_min_tokens) if prefix_cache and images is None else None
         self.paused = False
         # Tokens sampled since start (reported by /info): lets a caller wait for
         # "the server has generated" instead of guessing with a sleep.
@@ -206,6 +212,8 @@ class GenerationEngine:
         def do() -> dict:
             n = self._abort_running()
             load()
+            if self.prefix is not None:
+                self.prefix.drop(every=True)
             self.version = version
             return {"version": version, "aborted": n}
 
@@ -226,6 +234,8 @@ class GenerationEngine:
         def do() -> dict:
             n = self._abort_rows(lambda r: r.adapter == name)
             load()
+            if self.prefix is not None:
+                self.prefix.drop(name)
             return {"adapter": name, "version": version, "aborted": n}
 
         return self.call(do)
@@ -239,6 +249,8 @@ class GenerationEngine:
                 self.waiting.remove(r)
                 self._active.pop(r.rid, None)
                 r.fail(RequestError(f"adapter {name!r} was unloaded"))
+            if self.prefix is not None:
+                self.prefix.drop(name)
             return {"adapter": name, "unloaded": self.lora.unload(name), "aborted": n}
 
         return self.call(do)
@@ -395,6 +407,56 @@ class GenerationEngine:
         return out.logits[:, -1, :].float()
 
     def _prefill(self, reqs: list[Request]) -> RunningBatch | None:
+        """Prefill ``reqs`` into a running batch (None if every row finished
+        at its first token): rows that start with the cached prefix as its
+        KV plus their rest, the others whole (two forwards, then merged)."""
+        cache = self.prefix
+        if cache is None:
+            return self._prefill_rows(reqs, 0)
+        rows = [tuple(r.input_ids) if r.image_digest is None else None for r in reqs]
+        for row in dict.fromkeys(x for x in rows if x is not None):
+            cache.observe(row)
+        cached = [r for r, row in zip(reqs, rows) if row is not None and cache.usable(row)]
+        if not cached:
+            return self._prefill_rows(reqs, 0)
+        whole = [r for r, row in zip(reqs, rows) if row is None or not cache.usable(row)]
+        n_prefix = len(cache.tokens or ())
+        out = self._prefill_rows(cached, n_prefix)
+        if whole:
+            rest = self._prefill_rows(whole, 0)
+            if out is None:
+                return rest
+            if rest is not None:
+                out.merge(rest)
+        return out
+
+    def _prefix_kv(self, adapters: list[str | None]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer, the cached prefix's (keys, values) for rows using
+        ``adapters`` (one entry per row), computing what is not cached yet
+        in one forward of the prefix under each missing adapter."""
+        cache = self.prefix
+        assert cache is not None and cache.tokens is not None
+        missing = [a for a in dict.fromkeys(adapters) if a not in cache.kv]
+        if missing:
+            n = len(cache.tokens)
+            ids = torch.tensor([list(cache.tokens)] * len(missing), dtype=torch.long, device=self.device)
+            pos_ids = torch.arange(n, device=self.device).expand(len(missing), n)
+            self.lora.rows = missing
+            kv = new_cache(self.model.config)
+            self._forward(ids, None, pos_ids, kv)
+            for j, a in enumerate(missing):
+                # Copies: the layers' tensors are views of buffers with headroom.
+                cache.kv[a] = [
+                    (layer.keys[j : j + 1].clone(), layer.values[j : j + 1].clone()) for layer in _layers(kv)
+                ]
+        per_layer = zip(*(cache.kv[a] for a in adapters))
+        return [(torch.cat([k for k, _ in parts]), torch.cat([v for _, v in parts])) for parts in per_layer]
+
+    def _prefill_rows(self, reqs: list[Request], n_prefix: int) -> RunningBatch | None:
+        """Prefill ``reqs`` as one batch; with ``n_prefix`` > 0 their first
+        ``n_prefix`` tokens (the prefix cache's) come from the cache and only
+        the rest runs, left-padded after the prefix (the padding then sits
+        between the prefix and the rest, masked like any other)."""
         # Samples of one prompt (a GRPO group) arrive together with identical
         # input ids: prefill each distinct prompt once and copy its cache rows.
         # The copies then sample independently.
@@ -409,8 +471,17 @@ class GenerationEngine:
                 first_of[key] = len(first_of)
                 firsts.append(r)
             src.append(first_of[key])
-        uniq_ids = [list(k[1]) for k in first_of]
-        self.lora.rows = [k[0] for k in first_of]
+        adapters = [k[0] for k in first_of]
+        uniq_ids = [list(k[1])[n_prefix:] for k in first_of]
+        cache = new_cache(self.model.config)
+        if n_prefix:
+            assert self.prefix is not None
+            for layer, (k, v) in zip(_layers(cache), self._prefix_kv(adapters)):
+                layer.lazy_initialization(k, v)
+                _set_kv(layer, k, v)
+            self.prefix.reused_tokens += n_prefix * len(uniq_ids)
+            self.prefix.rows += len(uniq_ids)
+        self.lora.rows = adapters
         lens = [len(x) for x in uniq_ids]
         width = max(lens)
         rows = [[self.pad_id] * (width - n) + x for x, n in zip(uniq_ids, lens)]
@@ -422,7 +493,11 @@ class GenerationEngine:
         if padded:
             mask = torch.arange(width, device=self.device).unsqueeze(0) >= (width - lens_t).unsqueeze(1)
             pos_ids = (mask.long().cumsum(1) - 1).clamp(min=0)
-        cache = new_cache(self.model.config)
+        if n_prefix:
+            pos_ids = pos_ids + n_prefix
+            lens_t = lens_t + n_prefix
+            if mask is not None:
+                mask = torch.cat([mask.new_ones(len(uniq_ids), n_prefix), mask], dim=1)
         logits = self._forward(ids, mask, pos_ids, cache, **self._image_kwargs(firsts))
         if len(uniq_ids) < len(reqs):
             idx = torch.tensor(src, dtype=torch.long, device=self.device)

@@ -39,6 +39,12 @@ class EmbeddedServerConfig(BaseModel):
         "float32"  # bf16 is slower than fp32 on CPUs without avx512_bf16/AMX
     )
     max_batch_size: int = Field(64, ge=1)
+    prefix_cache: bool = Field(
+        True,
+        description="Keep the KV of the prefix the prompts share (a chat template's system prompt) per weight "
+        "version and adapter, and prefill only the rest of each prompt. Off: every prompt is prefilled whole, "
+        "so a run's generations do not depend on what the server cached before (bit-repeatable resumes).",
+    )
     attn_implementation: Literal["sdpa", "eager"] = "sdpa"
     seed: int = 0
     startup_timeout_s: float = Field(120.0, gt=0)
@@ -96,6 +102,7 @@ class EmbeddedLauncher(SubprocessLauncher):
             "--seed", str(c.seed),
             "--attn-implementation", c.attn_implementation,
             "--keepalive-s", f"{c.keepalive_s:g}",
+            *([] if c.prefix_cache else ["--no-prefix-cache"]),
             "--parent-pid", str(os.getpid()),
         ]  # fmt: skip
 

@@ -92,6 +92,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="close an HTTP connection idle for this long (clients must not reuse pooled connections longer)",
     )
     p.add_argument(
+        "--no-prefix-cache",
+        dest="prefix_cache",
+        action="store_false",
+        help="prefill every prompt whole: no KV reused for the prefix the prompts share (bit-repeatable runs)",
+    )
+    p.add_argument(
         "--parent-pid",
         type=int,
         default=None,
@@ -195,6 +201,7 @@ def load(args: argparse.Namespace, state: ServerState) -> None:
         num_threads=threads,
         decode=decode,
         images=images,
+        prefix_cache=args.prefix_cache,
     )
     engine.start()
     state.engine = engine
@@ -262,6 +269,8 @@ def build_app(state: ServerState) -> Any:
                 "device": str(next(state.model.parameters()).device),
                 "max_batch_size": state.args.max_batch_size,
                 "adapters": dict(e.lora.versions),
+                # The shared-prompt prefix cache (prefix.py): its length and what it saved; null when off.
+                "prefix_cache": e.prefix.stats() if e.prefix is not None else None,
                 # What a fleet checks before it admits this server (same model and tokenizer).
                 "identity": state.identity,
             }

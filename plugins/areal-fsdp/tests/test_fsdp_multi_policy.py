@@ -96,7 +96,7 @@ def test_a_killed_two_policy_fsdp_run_resumes_every_policy(tmp_path):
     with its optimizer state, schedule step and version)."""
     from areal_kernel.testing.learning import TINY_POLICY_CHARS, TINY_POLICY_LR, tiny_policies_override
     from areal_kernel.testing.models import make_tiny_byte_chat_llama
-    from areal_kernel.testing.recovery import ONE_ROW_SERVER, check_policies_resume
+    from areal_kernel.testing.recovery import EXACT_SERVER, check_policies_resume
 
     model = make_tiny_byte_chat_llama(tmp_path / "model", **TINY_POLICY_MODEL)
 
@@ -106,7 +106,7 @@ def test_a_killed_two_policy_fsdp_run_resumes_every_policy(tmp_path):
             "trainer.batch_size=2", "trainer.eval_size=0", "rollout.gconfig.n_samples=4",
             "rollout.gconfig.max_new_tokens=6", "rollout.max_staleness=0", "weight_update.mode=disk",
             "algorithm.dynamic_filter=false", f"actor.fsdp.lr={TINY_POLICY_LR}", "actor.fsdp.lr_scheduler=constant",
-            "checkpoint.save_every=1", "checkpoint.keep_last=2", "logging.sinks=[jsonl]", tiny_policies_override(), ONE_ROW_SERVER,
+            "checkpoint.save_every=1", "checkpoint.keep_last=2", "logging.sinks=[jsonl]", tiny_policies_override(), *EXACT_SERVER,
         ]  # fmt: skip
 
     check_policies_resume(args, str(tmp_path), list(TINY_POLICY_CHARS))
