@@ -228,6 +228,14 @@ KIND_DOCS: tuple[KindDoc, ...] = (
 # kind -> module under areal_kernel.api holding its contract (imported on first use)
 KIND_MODULES: dict[str, str] = {d.kind: d.module for d in KIND_DOCS}
 
+# Suites of a capability (suite -> (kind, capability)): what a registration
+# that declares the capability passes besides its kind's suite. They live
+# in their kind's suite module and are re-exported by areal_kernel.testing.
+CAPABILITY_SUITES: dict[str, tuple[str, str]] = {
+    "PolicyEngineContract": ("train_engine", "policies"),
+    "JointPoliciesContract": ("train_engine", "joint_policies"),
+}
+
 
 class PluginContractError(PluginError, ConfigError):
     """A registered target built an object that does not satisfy its kind's

@@ -28,6 +28,8 @@ _SUITES = {
     "RewardContract": "contracts.reward",
     "InferenceEngineContract": "contracts.inference_engine",
     "TrainEngineContract": "contracts.train_engine",
+    "PolicyEngineContract": "contracts.train_engine",
+    "JointPoliciesContract": "contracts.train_engine",
     "DatasetContract": "contracts.dataset",
     "MetricSinkContract": "contracts.metric_sink",
     "AdvantageEstimatorContract": "contracts.advantage_estimator",

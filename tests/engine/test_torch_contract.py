@@ -2,7 +2,7 @@
 import pytest
 
 from areal_kernel.engine.torch_engine import TorchTrainEngine
-from areal_kernel.testing.contracts import TrainEngineContract, engine_maker
+from areal_kernel.testing.contracts import JointPoliciesContract, TrainEngineContract, engine_maker
 
 SETTINGS = {"lr": 1e-3, "max_tokens_per_mb": 8}
 
@@ -26,3 +26,43 @@ def train_engine(make_train_engine):
 
 class TestTorchEngineContract(TrainEngineContract):
     pass
+
+
+# Two adapters of different shapes and targets (as in test_multi_adapter.py).
+POLICY_ADAPTERS = [
+    {"name": "A", "rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj", "up_proj"]},
+    {"name": "b.v2", "rank": 2, "alpha": 4, "target_modules": ["k_proj", "o_proj"]},
+]
+
+
+@pytest.fixture
+def make_policies_engine(contract_model_dir):
+    made = []
+
+    def make(split: bool = False) -> TorchTrainEngine:
+        engine = TorchTrainEngine({"lr": 1e-3, "max_tokens_per_mb": 8 if split else 64, "adapters": POLICY_ADAPTERS})
+        engine.initialize(contract_model_dir, 10)
+        made.append(engine)
+        return engine
+
+    yield make
+    for engine in made:
+        engine.destroy()
+
+
+class TestTorchEnginePolicies(JointPoliciesContract):
+    pass
+
+
+def test_the_joint_check_fails_an_engine_that_swaps_the_policies_batches(make_policies_engine, monkeypatch):
+    """Negative control of ``JointPoliciesContract``: train_policies giving
+    each policy the other's batch fails the equality check."""
+    real = TorchTrainEngine.train_policies
+
+    def swapped(self, jobs):
+        a, b = list(jobs)
+        return real(self, {a: jobs[b], b: jobs[a]})
+
+    monkeypatch.setattr(TorchTrainEngine, "train_policies", swapped)
+    with pytest.raises(AssertionError):
+        TestTorchEnginePolicies().test_train_policies_equals_one_train_batch_per_policy(make_policies_engine)

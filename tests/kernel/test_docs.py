@@ -238,16 +238,19 @@ def test_kinds_table_is_the_kernel_kind_table():
 
 def test_each_suite_lives_in_the_module_named_after_its_kind():
     """Tests shaped like the code: the suite of the kind whose contract is
-    ``areal_kernel.api.<m>`` is defined in ``areal_kernel.testing.contracts.<m>``."""
-    from areal_kernel.api.kinds import KIND_DOCS
+    ``areal_kernel.api.<m>`` is defined in ``areal_kernel.testing.contracts.<m>``,
+    and so are the suites of that kind's capabilities."""
+    from areal_kernel.api.kinds import CAPABILITY_SUITES, KIND_DOCS, KIND_MODULES
 
     import areal_kernel.testing as testing
 
     suites = [d for d in KIND_DOCS if not d.suite.startswith("none")]
-    assert len(suites) == len(testing.__all__), [d.kind for d in suites]
+    home = {d.suite: d.module for d in suites}
+    home.update({suite: KIND_MODULES[kind] for suite, (kind, _) in CAPABILITY_SUITES.items()})
+    assert sorted(home) == sorted(testing.__all__), [d.kind for d in suites]
     wrong = {
-        d.suite: getattr(testing, d.suite).__module__
-        for d in suites
-        if getattr(testing, d.suite).__module__ != "areal_kernel.testing.contracts." + d.module.rpartition(".")[2]
+        suite: getattr(testing, suite).__module__
+        for suite, module in home.items()
+        if getattr(testing, suite).__module__ != "areal_kernel.testing.contracts." + module.rpartition(".")[2]
     }
     assert not wrong, f"suites outside the contracts module named after their kind's api module: {wrong}"

@@ -37,7 +37,12 @@ from areal_kernel.testing.contracts.reward import RewardContract
 from areal_kernel.testing.contracts.scheduler import SchedulerContract
 from areal_kernel.testing.contracts.tool import ToolContract
 from areal_kernel.testing.contracts.tool_parser import ToolParserContract
-from areal_kernel.testing.contracts.train_engine import TrainEngineContract, engine_maker
+from areal_kernel.testing.contracts.train_engine import (
+    JointPoliciesContract,
+    PolicyEngineContract,
+    TrainEngineContract,
+    engine_maker,
+)
 from areal_kernel.testing.contracts.trainer import TrainerContract
 from areal_kernel.testing.contracts.weight_transport import WeightTransportContract
 from areal_kernel.testing.contracts.workflow import WorkflowContract
@@ -46,9 +51,11 @@ __all__ = [
     "AdvantageEstimatorContract",
     "DatasetContract",
     "InferenceEngineContract",
+    "JointPoliciesContract",
     "LossContract",
     "MetricSinkContract",
     "PlatformContract",
+    "PolicyEngineContract",
     "RewardContract",
     "SchedulerContract",
     "ToolContract",

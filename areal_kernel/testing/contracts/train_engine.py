@@ -50,7 +50,8 @@ class TrainEngineContract:
     # wrong or missing weight in the export is off by > 1e-2.
     EXPORT_NOISE_MULTIPLE = 8.0
 
-    def _batch(self, seed: int = 0) -> Any:
+    @staticmethod
+    def _batch(seed: int = 0) -> Any:
         import random
 
         from areal_kernel.api.io import Trajectory, TrajectoryBatch
@@ -205,3 +206,92 @@ class TrainEngineContract:
         with pytest.raises(DataError) as e:
             train_engine.load_state(str(tmp_path))
         assert str(tmp_path) in str(e.value)
+
+
+class PolicyEngineContract:
+    """For train engines with the capability ``policies`` (several LoRA
+    policies on one base, docs/multi-policy.md). Fixture:
+    ``make_policies_engine``: a callable ``make_policies_engine(split=False)``
+    returning a *new* initialized engine on a small causal LM (token ids
+    below 256) whose settings declare two or more adapters, lr about 1e-3,
+    every call the same start; ``split=True``: the same engine with smaller
+    micro-batches (the same sums in another order, which
+    ``JointPoliciesContract`` measures its floor with). The fixture destroys
+    the engines it made.
+
+    Checks what the multi-policy trainer relies on: one ``TrainEngine`` view
+    per policy, unknown names refused with the valid ones, and a step of one
+    policy leaving every other policy's scores exactly as they were."""
+
+    _batch = staticmethod(TrainEngineContract._batch)
+    _ppo_inputs = staticmethod(TrainEngineContract._ppo_inputs)
+    _max_diff = staticmethod(TrainEngineContract._max_diff)
+
+    def test_each_policy_is_a_view_and_an_unknown_name_is_refused(self, make_policies_engine: Any) -> None:
+        from areal_kernel.errors import ConfigError
+
+        engine = make_policies_engine()
+        names = engine.policy_names()
+        assert len(names) >= 2 and len(set(names)) == len(names), names
+        for name in names:
+            view = engine.policy(name)
+            lps = view.compute_logprobs(self._batch())
+            assert [len(x) for x in lps] == [len(t.input_ids) for t in self._batch().trajectories]
+        with pytest.raises(ConfigError) as e:
+            engine.policy("no-such-policy")
+        assert "no-such-policy" in str(e.value) and all(n in str(e.value) for n in names)
+
+    def test_a_step_of_one_policy_leaves_the_others_exactly(self, make_policies_engine: Any) -> None:
+        from areal_kernel.algo.losses import make_ppo_loss_fn
+
+        engine = make_policies_engine()
+        first, *others = engine.policy_names()
+        batch, probe = self._batch(1), self._batch(3)
+        before = {n: engine.policy(n).compute_logprobs(probe) for n in engine.policy_names()}
+        view = engine.policy(first)
+        stats = view.train_batch(batch, make_ppo_loss_fn(eps_clip=0.2), self._ppo_inputs(batch, view))
+        assert stats["skipped"] == 0.0 and stats["grad_norm"] > 0
+        assert self._max_diff(view.compute_logprobs(probe), before[first]) > 0  # it trained
+        for n in others:
+            assert engine.policy(n).compute_logprobs(probe) == before[n], f"training {first!r} moved {n!r}"
+
+
+class JointPoliciesContract(PolicyEngineContract):
+    """``PolicyEngineContract`` plus the capability ``joint_policies``:
+    ``engine.train_policies({name: PolicyJob(batch, loss_fn, extra)})`` takes
+    one optimizer step of each policy and must equal one
+    ``policy(name).train_batch`` per policy: each policy's logprobs after the
+    step within ``MULTIPLE`` x the floor of the one-at-a-time path with
+    smaller micro-batches (``make_policies_engine(split=True)``), its lr
+    exactly."""
+
+    # The torch engine measured 0.17x; batches swapped between the policies fail it
+    # (tests/engine/test_torch_contract.py).
+    MULTIPLE = 4.0
+
+    def test_train_policies_equals_one_train_batch_per_policy(self, make_policies_engine: Any) -> None:
+        from areal_kernel.algo.losses import make_ppo_loss_fn
+        from areal_kernel.engine.together import PolicyJob
+
+        joint, alone, split = make_policies_engine(), make_policies_engine(), make_policies_engine(split=True)
+        names = joint.policy_names()
+        loss = make_ppo_loss_fn(eps_clip=0.2)
+        batches = {n: self._batch(10 + i) for i, n in enumerate(names)}  # each policy its own batch
+        probe = self._batch(3)
+        start = {n: joint.policy(n).compute_logprobs(probe) for n in names}
+        # (The split engine's logprobs differ in their last bits: other micro-batches.)
+        assert {n: alone.policy(n).compute_logprobs(probe) for n in names} == start, (
+            "make_policies_engine must build the same engine at every call"
+        )
+        jobs = {n: PolicyJob(b, loss, self._ppo_inputs(b, joint.policy(n))) for n, b in batches.items()}
+        got = joint.train_policies(jobs)
+        assert set(got) == set(names)
+        for n, b in batches.items():
+            want = alone.policy(n).train_batch(b, loss, self._ppo_inputs(b, alone.policy(n)))
+            split.policy(n).train_batch(b, loss, self._ppo_inputs(b, split.policy(n)))
+            assert got[n]["lr"] == want["lr"] and got[n]["skipped"] == want["skipped"] == 0.0, (n, got[n], want)
+            ref = alone.policy(n).compute_logprobs(probe)
+            floor = measure_noise_floor(f"{n}: logprobs after one step, smaller micro-batches", ref,
+                                        split.policy(n).compute_logprobs(probe))  # fmt: skip
+            print(assert_within_noise(joint.policy(n).compute_logprobs(probe), ref, floor, self.MULTIPLE,
+                                      what=f"{n}: train_policies vs one train_batch"))  # fmt: skip
