@@ -2,7 +2,12 @@
 import pytest
 
 from areal_kernel.engine.torch_engine import TorchTrainEngine
-from areal_kernel.testing.contracts import JointPoliciesContract, TrainEngineContract, engine_maker
+from areal_kernel.testing.contracts import (
+    JointPoliciesContract,
+    TrainEngineContract,
+    engine_maker,
+    policies_engine_maker,
+)
 
 SETTINGS = {"lr": 1e-3, "max_tokens_per_mb": 8}
 
@@ -37,17 +42,11 @@ POLICY_ADAPTERS = [
 
 @pytest.fixture
 def make_policies_engine(contract_model_dir):
-    made = []
+    def new(split: bool) -> TorchTrainEngine:
+        return TorchTrainEngine({"lr": 1e-3, "max_tokens_per_mb": 8 if split else 64, "adapters": POLICY_ADAPTERS})
 
-    def make(split: bool = False) -> TorchTrainEngine:
-        engine = TorchTrainEngine({"lr": 1e-3, "max_tokens_per_mb": 8 if split else 64, "adapters": POLICY_ADAPTERS})
-        engine.initialize(contract_model_dir, 10)
-        made.append(engine)
-        return engine
-
-    yield make
-    for engine in made:
-        engine.destroy()
+    with policies_engine_maker(new, contract_model_dir, 10) as make:
+        yield make
 
 
 class TestTorchEnginePolicies(JointPoliciesContract):

@@ -12,18 +12,9 @@ torch = pytest.importorskip("torch")
 from areal_kernel.inference.embedded.lora import AdapterSet  # noqa: E402
 from areal_kernel.models.tiny import make_tiny_llama  # noqa: E402
 from areal_kernel.testing.noise import assert_within_noise, measure_noise_floor  # noqa: E402
+from trained_engine import random_adapter  # noqa: E402
 
-TARGETS = ("q_proj", "v_proj", "down_proj")
-
-
-def _adapter(model, seed: int) -> list[tuple[str, torch.Tensor]]:
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for name, mod in model.named_modules():
-        if name.rsplit(".", 1)[-1] in TARGETS:
-            out.append((f"base_model.model.{name}.lora_A.weight", torch.randn(4, mod.in_features, generator=g) * 0.1))
-            out.append((f"base_model.model.{name}.lora_B.weight", torch.randn(mod.out_features, 4, generator=g) * 0.1))
-    return out
+TARGETS = ("q_proj", "v_proj", "down_proj")  # random_adapter's layers
 
 
 @pytest.fixture(scope="module")
@@ -38,9 +29,11 @@ def served(model_dir):
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     adapters = AdapterSet(model)
     for i, name in enumerate(("a", "b")):
-        adapters.load(name, {"r": 4, "lora_alpha": 8}, _adapter(model, i), version=1)
+        adapters.load(name, {"r": 4, "lora_alpha": 8}, random_adapter(model, i), version=1)
     # "c": another rank and scale, on v_proj alone (the other layers' stacks leave it out).
-    c = [(n, t[:2] if n.endswith("lora_A.weight") else t[:, :2]) for n, t in _adapter(model, 2) if ".v_proj." in n]
+    c = [
+        (n, t[:2] if n.endswith("lora_A.weight") else t[:, :2]) for n, t in random_adapter(model, 2) if ".v_proj." in n
+    ]
     adapters.load("c", {"r": 2, "lora_alpha": 6}, c, version=1)
     return model, adapters
 
@@ -76,7 +69,7 @@ def test_one_adapters_rows_beside_the_bases_in_one_batch(model_dir):
 
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     adapters = AdapterSet(model)
-    adapters.load("a", {"r": 4, "lora_alpha": 8}, _adapter(model, 0), version=1)
+    adapters.load("a", {"r": 4, "lora_alpha": 8}, random_adapter(model, 0), version=1)
     ids = torch.randint(0, 256, (4, 5), generator=torch.Generator().manual_seed(3))
     rows = ["a", None, None, "a"]
     mixed = _logits(model, adapters, rows, ids)
@@ -119,7 +112,7 @@ def test_a_mixed_batch_runs_the_operations_of_a_one_adapter_batch(served):
     # A weight update right before: the stacks are rebuilt by the load, not
     # in the next mixed forward (tensors made amid a forward's activations
     # kept their memory resident: about 0.8 GB more in a SmolLM2 server).
-    adapters.load("b", {"r": 4, "lora_alpha": 8}, _adapter(model, 1), version=2)
+    adapters.load("b", {"r": 4, "lora_alpha": 8}, random_adapter(model, 1), version=2)
     base = Counter(_ops(model, adapters, [None] * 6, ids))
     one = Counter(_ops(model, adapters, ["a"] * 6, ids))
     two = Counter(_ops(model, adapters, two_rows, ids))

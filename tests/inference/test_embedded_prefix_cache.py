@@ -16,6 +16,7 @@ from areal_kernel.inference.embedded.engine import GenerationEngine  # noqa: E40
 from areal_kernel.inference.embedded.protocol import GenerateBody, parse_sampling  # noqa: E402
 from areal_kernel.models.tiny import make_tiny_llama  # noqa: E402
 from areal_kernel.testing.noise import assert_within_noise, measure_noise_floor  # noqa: E402
+from trained_engine import random_adapter  # noqa: E402
 
 # The server against a full forward of the same weights: within this multiple
 # of the floor (the full forward with eager attention instead of sdpa), as
@@ -26,7 +27,6 @@ PREFIX = [int(x) for x in torch.randint(3, 250, (20,), generator=torch.Generator
 # Tails of different lengths (the padding sits between prefix and tail) and
 # different first tokens (the rows' common prefix is PREFIX itself).
 TAILS = [[7, 9, 11], [13, 8, 6, 4, 2], [250, 1, 2, 3, 4, 5, 6, 7], [99, 98]]
-TARGETS = ("q_proj", "v_proj", "down_proj")
 _RIDS = itertools.count()
 
 
@@ -144,18 +144,8 @@ def test_a_weight_update_drops_the_cached_kv(model_dir, keep_stale):
         engine.shutdown()
 
 
-def _adapter(model, seed: int) -> list[tuple[str, torch.Tensor]]:
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for name, mod in model.named_modules():
-        if name.rsplit(".", 1)[-1] in TARGETS:
-            out.append((f"base_model.model.{name}.lora_A.weight", torch.randn(4, mod.in_features, generator=g) * 0.3))
-            out.append((f"base_model.model.{name}.lora_B.weight", torch.randn(mod.out_features, 4, generator=g) * 0.3))
-    return out
-
-
 def _load(engine: GenerationEngine, name: str, seed: int, version: int) -> None:
-    tensors = _adapter(engine.model, seed)
+    tensors = random_adapter(engine.model, seed, scale=0.3)
     engine.load_adapter(
         name, lambda: engine.lora.load(name, {"r": 4, "lora_alpha": 8}, tensors, version), version
     ).result(30)

@@ -37,3 +37,20 @@ def trained_engine(model_dir: str, lora: dict | None = None, steps: int = 1, see
     for s in range(steps):
         e.train_batch(toy_batch(seed * 100 + s), toy_loss)
     return e
+
+
+def random_adapter(
+    model: Any, seed: int, targets: tuple[str, ...] = ("q_proj", "v_proj", "down_proj"), scale: float = 0.1
+) -> list[tuple[str, Any]]:
+    """A rank-4 LoRA adapter for ``model``'s ``targets`` layers under peft's
+    file names, with random A and B (``scale`` x a normal draw): loaded
+    straight into a server's ``AdapterSet``, its update is not zero."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for name, mod in model.named_modules():
+        if name.rsplit(".", 1)[-1] in targets:
+            out.append((f"base_model.model.{name}.lora_A.weight", torch.randn(4, mod.in_features, generator=g) * scale))
+            out.append((f"base_model.model.{name}.lora_B.weight", torch.randn(mod.out_features, 4, generator=g) * scale))
+    return out

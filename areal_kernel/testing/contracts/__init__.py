@@ -42,6 +42,7 @@ from areal_kernel.testing.contracts.train_engine import (
     PolicyEngineContract,
     TrainEngineContract,
     engine_maker,
+    policies_engine_maker,
 )
 from areal_kernel.testing.contracts.trainer import TrainerContract
 from areal_kernel.testing.contracts.weight_transport import WeightTransportContract
@@ -65,4 +66,5 @@ __all__ = [
     "WeightTransportContract",
     "WorkflowContract",
     "engine_maker",
+    "policies_engine_maker",
 ]

@@ -3,7 +3,8 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+import contextlib
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import pytest
 
@@ -26,6 +27,34 @@ def engine_maker(
         return engine
 
     return make
+
+
+@contextlib.contextmanager
+def policies_engine_maker(
+    new_engine: Callable[[bool], TrainEngine], model_dir: str, total_steps: int
+) -> Iterator[Callable[..., TrainEngine]]:
+    """The ``make_policies_engine`` fixture of ``PolicyEngineContract``:
+    ``make(split=False)`` initializes ``new_engine(split)`` on ``model_dir``
+    for ``total_steps`` steps; every engine made is destroyed on exit::
+
+        @pytest.fixture
+        def make_policies_engine(contract_model_dir):
+            with policies_engine_maker(lambda split: MyEngine(...), contract_model_dir, 10) as make:
+                yield make
+    """
+    made: list[Any] = []  # TrainEngines
+
+    def make(split: bool = False) -> TrainEngine:
+        engine = new_engine(split)
+        engine.initialize(model_dir, total_steps)
+        made.append(engine)
+        return engine
+
+    try:
+        yield make
+    finally:
+        for engine in made:
+            engine.destroy()
 
 
 class TrainEngineContract:

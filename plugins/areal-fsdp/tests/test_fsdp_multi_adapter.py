@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from areal_kernel.algo.losses import make_ppo_loss_fn
 from areal_kernel.api.engine import WeightUpdateMeta
 from areal_kernel.errors import ConfigError, DataError
-from areal_kernel.testing.contracts import PolicyEngineContract
+from areal_kernel.testing.contracts import PolicyEngineContract, policies_engine_maker
 from areal_kernel.testing.noise import assert_within_noise, max_difference, measure_noise_floor
 from areal_kernel.testing.rank_engines import ppo_step_inputs, random_batch, torch_references
 
@@ -222,14 +222,8 @@ class TestFSDPEnginePolicies(PolicyEngineContract):
     def make_policies_engine(self, tiny_model_dir):
         from areal_fsdp.engine import FSDPTrainEngine
 
-        made = []
+        def new(split: bool):
+            return FSDPTrainEngine({**CFG, "lr": 1e-3, "max_tokens_per_mb": 8 if split else 64}, world_size=2)
 
-        def make(split: bool = False):
-            engine = FSDPTrainEngine({**CFG, "lr": 1e-3, "max_tokens_per_mb": 8 if split else 64}, world_size=2)
-            engine.initialize(tiny_model_dir, 10)
-            made.append(engine)
-            return engine
-
-        yield make
-        for engine in made:
-            engine.destroy()
+        with policies_engine_maker(new, tiny_model_dir, 10) as make:
+            yield make
