@@ -50,14 +50,16 @@ def policy_model(tmp_path_factory) -> str:
     return make_tiny_byte_chat_llama(tmp_path_factory.mktemp("policy-model"), **TINY_POLICY_MODEL)
 
 
-@pytest.mark.parametrize("arm", ["learning", "together", "frozen"])
+@pytest.mark.parametrize("arm", ["learning", "together", "frozen", "together-frozen"])
 def test_two_policies_each_learn_their_own_reward(arm, run_areal, policy_model, tmp_path):
     """``together``: the learning arm with ``trainer.policy_order: together``
     (both policies at every step, their micro-batches sharing the base's
-    forwards); it must clear the same bar."""
+    forwards); it must clear the same bar, and its own ``lr=0`` twin
+    (``together-frozen``, through the joint step too) must not."""
     run_dir = str(tmp_path / "run")
-    frozen = frozen_overrides("actor.torch.lr") if arm == "frozen" else []
-    order_arg = ["trainer.policy_order=together"] if arm == "together" else []
+    is_frozen, is_together = arm.endswith("frozen"), arm.startswith("together")
+    frozen = frozen_overrides("actor.torch.lr") if is_frozen else []
+    order_arg = ["trainer.policy_order=together"] if is_together else []
     proc = run_areal(
         "train", EXAMPLE, f"model.path={policy_model}", f"run_dir={run_dir}", f"trainer.max_steps={TINY_POLICY_STEPS}",
         "trainer.eval_size=0", "logging.sinks=[jsonl]", f"actor.torch.lr={TINY_POLICY_LR}",
@@ -70,11 +72,11 @@ def test_two_policies_each_learn_their_own_reward(arm, run_areal, policy_model, 
     for name in names:
         print(f"\n{arm} {name}: {TINY_POLICY_RISE.describe(rows[name])}")
     for name in names:
-        TINY_POLICY_RISE.assert_arm("frozen" if arm == "frozen" else "learning", rows[name])
-    if arm == "frozen":
-        return
+        TINY_POLICY_RISE.assert_arm("frozen" if is_frozen else "learning", rows[name])
     # Each step trained both adapters in shared forwards (together), or one alone.
-    assert {r.get("train/joint") for name in names for r in rows[name]} == {1.0 if arm == "together" else None}
+    assert {r.get("train/joint") for name in names for r in rows[name]} == {1.0 if is_together else None}
+    if is_frozen:
+        return
     # Equal weights: the policies take turns, each counting its own versions.
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         lines = [json.loads(line) for line in f if line.strip()]
