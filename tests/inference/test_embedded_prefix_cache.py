@@ -178,6 +178,27 @@ def test_each_adapter_has_its_own_prefix_kv_and_a_reload_drops_it(model_dir):
         whole.shutdown()
 
 
+def test_a_weight_load_that_fails_halfway_leaves_no_cached_kv(model_dir):
+    """The KV is dropped before the load: a load that raised after copying
+    some tensors leaves weights that no cached KV came from."""
+    model = _model(model_dir)
+    engine = _engine(model, True)
+    try:
+        _generate(engine, [PREFIX + t for t in TAILS])
+        assert engine.prefix is not None and engine.prefix.kv
+
+        def half_load() -> None:
+            with torch.no_grad():
+                next(model.parameters()).add_(1.0)
+            raise RuntimeError("the second shard is unreadable")
+
+        with pytest.raises(RuntimeError, match="unreadable"):
+            engine.update_weights(half_load, version=1).result(30)
+        assert engine.prefix.kv == {}
+    finally:
+        engine.shutdown()
+
+
 def test_with_the_cache_off_no_prefix_is_kept(model_dir):
     eng = _engine(_model(model_dir), False)
     try:

@@ -211,9 +211,10 @@ class GenerationEngine:
 
         def do() -> dict:
             n = self._abort_running()
-            load()
+            # Before the load: a load that fails halfway leaves no KV of the old weights behind.
             if self.prefix is not None:
                 self.prefix.drop(every=True)
+            load()
             self.version = version
             return {"version": version, "aborted": n}
 
@@ -233,9 +234,9 @@ class GenerationEngine:
 
         def do() -> dict:
             n = self._abort_rows(lambda r: r.adapter == name)
-            load()
             if self.prefix is not None:
-                self.prefix.drop(name)
+                self.prefix.drop(name)  # before the load, as in update_weights
+            load()
             return {"adapter": name, "version": version, "aborted": n}
 
         return self.call(do)
