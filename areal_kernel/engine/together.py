@@ -268,10 +268,11 @@ def train_together(engine: "TorchTrainEngine", jobs: dict[str, PolicyJob]) -> di
         p.requires_grad_(True)
 
     names = list(jobs)
-    fields, scalars, n_loss = {}, {}, {}
+    fields, lengths, scalars, n_loss = {}, {}, {}, {}
     for name in names:
         job = jobs[name]
         fields[name] = per_token_fields(job.batch, job.extra)
+        lengths[name] = [len(x) for x in fields[name][0]]
         n_loss[name] = count_loss_tokens(job.batch)
         scalars[name] = {
             "batch_loss_tokens": torch.tensor(float(n_loss[name]), device=dev),
@@ -297,8 +298,7 @@ def train_together(engine: "TorchTrainEngine", jobs: dict[str, PolicyJob]) -> di
                 rows.append(row)
                 off = len(union_ids)
                 chunks.extend(SharedChunk(c.prefix_len, tuple(m + off for m in c.members)) for c in own)
-                lengths = [len(x) for x in ids]
-                seg_tokens.append(sum(c.cost(lengths) for c in own) if share else row.n_tokens)
+                seg_tokens.append(sum(c.cost(lengths[name]) for c in own) if share else row.n_tokens)
                 union_ids.extend(ids)
             tree = runner.tree(chunks, union_ids) if share else None
             segments, start = [], 0

@@ -417,10 +417,11 @@ class GenerationEngine:
         rows = [tuple(r.input_ids) if r.image_digest is None else None for r in reqs]
         for row in dict.fromkeys(x for x in rows if x is not None):
             cache.observe(row)
-        cached = [r for r, row in zip(reqs, rows) if row is not None and cache.usable(row)]
+        use = [row is not None and cache.usable(row) for row in rows]
+        cached = [r for r, u in zip(reqs, use) if u]
         if not cached:
             return self._prefill_rows(reqs, 0)
-        whole = [r for r, row in zip(reqs, rows) if row is None or not cache.usable(row)]
+        whole = [r for r, u in zip(reqs, use) if not u]
         n_prefix = len(cache.tokens or ())
         out = self._prefill_rows(cached, n_prefix)
         if whole:
