@@ -31,6 +31,7 @@ import os
 import tempfile
 from typing import Any
 
+from prompts import chat_prompt_ids  # bench/prompts.py
 from summary import report  # bench/summary.py: one table of ratios for `make bench`
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -41,12 +42,7 @@ PROMPTS = ("What is 6 x 7?", "Name a river.", "Count to five.", "What colour is 
 def _prompts(model_dir: str) -> list[list[int]]:
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    out = []
-    for q in PROMPTS:
-        ids = tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)
-        out.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
-    return out
+    return chat_prompt_ids(AutoTokenizer.from_pretrained(model_dir), PROMPTS)
 
 
 def _generate(engine: Any, prompts: list[list[int]], temperature: float, tokens: int) -> list[Any]:

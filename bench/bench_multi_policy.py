@@ -47,6 +47,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from prompts import chat_prompt_ids  # bench/prompts.py
 from summary import report  # bench/summary.py: one table of ratios for `make bench`
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -282,11 +283,7 @@ def _prompts(model: str) -> tuple[list[list[int]], int]:
     from areal_kernel.models.resolve import resolve_model_path
 
     tok = AutoTokenizer.from_pretrained(resolve_model_path(model))
-    prompts = []
-    for text in PROBES:
-        ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
-        prompts.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
-    return prompts, int(tok.eos_token_id)
+    return chat_prompt_ids(tok, PROBES), int(tok.eos_token_id)
 
 
 def _unchanged(r: Run) -> bool:

@@ -28,6 +28,7 @@ import sys
 import time
 import urllib.request
 
+from prompts import chat_prompt_ids  # bench/prompts.py
 from summary import report  # bench/summary.py: one table of ratios for `make bench`
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -40,15 +41,12 @@ NEW_TOKENS = 12
 def prompts(model_dir: str, n: int) -> list[list[int]]:
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(model_dir)
     rng = random.Random(0)
-    out = []
+    questions = []
     for _ in range(n):
         a, b, op = rng.randint(0, 9), rng.randint(0, 9), rng.choice("+-")
-        msgs = [{"role": "user", "content": f"What is {a} {op} {b}? Answer with just the number."}]
-        ids = tok.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True)
-        out.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
-    return out
+        questions.append(f"What is {a} {op} {b}? Answer with just the number.")
+    return chat_prompt_ids(AutoTokenizer.from_pretrained(model_dir), questions)
 
 
 async def workload(address: str, questions: list[list[int]], concurrent: int) -> tuple[float, int]:

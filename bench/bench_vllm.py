@@ -18,6 +18,7 @@ import os
 import statistics
 import tempfile
 import time
+from prompts import chat_prompt_ids  # bench/prompts.py
 from summary import report  # bench/summary.py: one table of ratios for `make bench`
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -26,16 +27,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 def _prompts(model_dir: str, n: int) -> list[list[int]]:
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    out = []
-    for i in range(n):
-        ids = tok.apply_chat_template(
-            [{"role": "user", "content": f"What is {i % 10} + {(i * 7) % 10}? Explain briefly."}],
-            add_generation_prompt=True,
-            tokenize=True,
-        )
-        out.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
-    return out
+    questions = [f"What is {i % 10} + {(i * 7) % 10}? Explain briefly." for i in range(n)]
+    return chat_prompt_ids(AutoTokenizer.from_pretrained(model_dir), questions)
 
 
 async def _areal_round(engine, prompts, max_new: int) -> int:

@@ -7,6 +7,7 @@ at a time) within float rounding, with and without shared prompts."""
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from engine_helpers import VOCAB
@@ -55,25 +56,30 @@ def _state(engine) -> dict[str, torch.Tensor]:
     return out
 
 
+def _joint_against_one_at_a_time(joint, alone, split, what: str) -> tuple[list, list, list, Any]:
+    """STEPS joint steps on ``joint`` (every one shared), one policy at a
+    time on ``alone`` and ``split`` (another micro-batch split: the same
+    numbers summed in another order, the floor); the adapters and AdamW
+    moments of ``joint`` within MULTIPLE x that floor of ``alone``'s.
+    Returns the three engines' per-step statistics and the floor."""
+    got = [joint.train_policies(_jobs(*_batches(s))) for s in range(STEPS)]
+    assert all(st["joint"] == 1.0 for step in got for st in step.values())
+    want, floor_run = _one_at_a_time(alone), _one_at_a_time(split)
+    floor = measure_noise_floor("adapters and moments after 3 steps, other split", _state(alone), _state(split))
+    print(assert_within_noise(_state(joint), _state(alone), floor, MULTIPLE, what=what))
+    return got, want, floor_run, floor
+
+
 def test_joint_steps_equal_one_step_per_policy(tiny_model_dir):
     # max_tokens_per_mb 48: several micro-batches per policy, some sharing a prompt.
     joint, alone, split = (multi_engine(tiny_model_dir, max_tokens_per_mb=mb) for mb in (48, 48, 24))
     assert max_difference(_state(joint), _state(alone)).value == 0  # the same start
     base = {n: p.detach().clone() for n, p in joint.model.named_parameters() if ".lora_" not in n}
 
-    got = []
-    for s in range(STEPS):
-        got.append(joint.train_policies(_jobs(*_batches(s))))
-    want, floor_run = _one_at_a_time(alone), _one_at_a_time(split)
-    assert all(st["joint"] == 1.0 for step in got for st in step.values())
+    got, want, floor_run, floor = _joint_against_one_at_a_time(joint, alone, split, "joint steps vs one at a time")
     assert [st["A"]["n_mbs"] for st in got] != [st["b.v2"]["n_mbs"] for st in got]  # uneven micro-batch counts
     # Prompts were shared: fewer model tokens than batch tokens, as alone.
     assert all(g[n]["n_model_tokens"] == w[n]["n_model_tokens"] < w[n]["n_tokens"] for g, w in zip(got, want) for n in g)
-
-    # Floor: one policy at a time with another micro-batch split (the same
-    # numbers summed in another order), the same 3 steps.
-    floor = measure_noise_floor("adapters and moments after 3 steps, other split", _state(alone), _state(split))
-    print(assert_within_noise(_state(joint), _state(alone), floor, MULTIPLE, what="joint steps vs one at a time"))
     for key in ("loss", "grad_norm", "entropy", "tok"):
         got_k = [[g[n][key] for n in ("A", "b.v2")] for g in got]
         want_k = [[w[n][key] for n in ("A", "b.v2")] for w in want]
@@ -149,12 +155,7 @@ def test_with_lora_dropout_each_segment_runs_through_its_own_adapter(tiny_model_
         assert mods  # peft built dropout modules: the stacked path is not taken
         for m in mods:
             m.p = 0.0
-    for s in range(STEPS):
-        out = joint.train_policies(_jobs(*_batches(s)))
-        assert {st["joint"] for st in out.values()} == {1.0}
-    _one_at_a_time(alone), _one_at_a_time(split)
-    floor = measure_noise_floor("adapters and moments after 3 steps, other split", _state(alone), _state(split))
-    print(assert_within_noise(_state(joint), _state(alone), floor, MULTIPLE, what="joint steps, per-segment path"))
+    _joint_against_one_at_a_time(joint, alone, split, "joint steps, per-segment path")
 
 
 def test_joint_micro_batches_mix_policies_within_the_budget():
@@ -187,9 +188,4 @@ def test_with_gradient_checkpointing_the_recomputed_layers_keep_each_policys_ada
     joint, alone, split = (
         multi_engine(tiny_model_dir, max_tokens_per_mb=mb, gradient_checkpointing=True) for mb in (48, 48, 24)
     )
-    for s in range(STEPS):
-        out = joint.train_policies(_jobs(*_batches(s)))
-        assert {st["joint"] for st in out.values()} == {1.0}
-    _one_at_a_time(alone), _one_at_a_time(split)
-    floor = measure_noise_floor("adapters and moments after 3 steps, other split", _state(alone), _state(split))
-    print(assert_within_noise(_state(joint), _state(alone), floor, MULTIPLE, what="joint steps, checkpointed"))
+    _joint_against_one_at_a_time(joint, alone, split, "joint steps, checkpointed")
