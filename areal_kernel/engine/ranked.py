@@ -412,6 +412,17 @@ class RankedTrainEngine(TrainEngine):
             {"loss_fn": loss_fn, "batch_loss_tokens": n_loss_tokens, "batch_n_seqs": len(batch)},
         )
         self._step += 1
+        return self.merge_step_answers(answers, batch, n_loss_tokens, time.perf_counter() - t0)
+
+    def merge_step_answers(
+        self, answers: list[dict[str, Any]], batch: TrajectoryBatch, n_loss_tokens: int, step_time_s: float
+    ) -> dict[str, float]:
+        """``train_batch``'s statistics from the ranks' answers for one
+        optimizer step over ``batch``: each answer holds ``loss``,
+        ``entropy_sum``, ``stats`` (the loss_fn's, summed over its
+        micro-batches), ``grad_norm``, ``lr``, ``skipped`` (the same on every
+        rank), ``n_mbs`` and ``n_model_tokens``. Sums are added over the
+        ranks, ``*_max``/``*_min`` stats taken by max/min."""
         stats: dict[str, float] = {}
         for a in answers:
             merge_stats(stats, a["stats"])
@@ -429,7 +440,7 @@ class RankedTrainEngine(TrainEngine):
             n_mbs=sum(a["n_mbs"] for a in answers),
             n_model_tokens=sum(a["n_model_tokens"] for a in answers),
             n_ranks=float(self.world_size),
-            step_time_s=time.perf_counter() - t0,
+            step_time_s=step_time_s,
         )
         return out
 

@@ -29,10 +29,17 @@ The result equals one ``view.train_batch`` per policy within float rounding
 it saves is the base's work on several small batches done as one larger
 one: fewer, larger matrix products, which is what an accelerator rewards.
 
+The loop itself is ``joint_accumulate`` (one process's share, under the
+runner's ``MicroBatchHooks``): the torch engine runs it on the whole
+batches, areal-fsdp's ranks on their shares of each policy's batch, in
+lockstep (fillers past a rank's own micro-batches, and every trained
+adapter in every forward with a zero share where it has no token, so that
+each backward reduces the same gradients on every rank).
+
 Falls back to one ``view.train_batch`` per policy (the same result) where a
 joint forward cannot hold: one job, batches with images, and adapters on a
-layer outside the decoder (the LM head runs on the scored positions only,
-not on a contiguous row). A policy whose loss is not finite skips its step
+layer outside the decoder when the runner splits off the LM head (which
+then runs on the scored positions only, not on a contiguous row). A policy whose loss is not finite skips its step
 alone; its loss is left out of the backward, so the others' gradients stay
 clean.
 """
@@ -42,7 +49,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 from areal_kernel.api.io import TrajectoryBatch
 from areal_kernel.engine.microbatch import (
@@ -57,6 +64,7 @@ from areal_kernel.engine.prefix_tree import SharedChunk, plan_chunks, virtual_or
 from areal_kernel.errors import ArealError
 
 if TYPE_CHECKING:
+    from areal_kernel.engine.microbatch import MicroBatchRunner
     from areal_kernel.engine.multi_adapter import AdapterPolicy
     from areal_kernel.engine.torch_engine import TorchTrainEngine
 
@@ -82,13 +90,26 @@ class _SegmentLinear:
     layers): as many operations for two adapters as for one, and a token
     never reaches another adapter's parameters (their gradients get exact
     zeros from it). With LoRA dropout, which draws a mask per adapter, each
-    segment runs through its own adapter on its own tokens instead."""
+    segment runs through its own adapter on its own tokens instead.
 
-    def __init__(self, layer: Any, path: str, segments: list[tuple[str, int, int]], masks: dict[Any, Any]) -> None:
+    ``always``: adapters that take part in the products even with no token
+    in the row (their mask columns zero): on ranks of a sharded model every
+    adapter trained in the step must get a gradient, zero or not, in every
+    backward, or the ranks would reduce different sets of gradients."""
+
+    def __init__(
+        self,
+        layer: Any,
+        path: str,
+        segments: list[tuple[str, int, int]],
+        masks: dict[Any, Any],
+        always: tuple[str, ...] = (),
+    ) -> None:
         self.layer = layer
         self.path = path
         self.segments = segments
         self.masks = masks
+        self.always = always
 
     def __call__(self, x: Any, *args: Any, **kwargs: Any) -> Any:
         import torch
@@ -101,7 +122,8 @@ class _SegmentLinear:
                 f"joint adapter forward: layer {self.path!r} got an input of shape {tuple(x.shape)}, "
                 f"not the packed row's [1, {total}, ...]"
             )
-        present = [name for name in dict.fromkeys(n for n, _, _ in self.segments) if name in layer.lora_A]
+        named = [n for n, _, _ in self.segments] + list(self.always)
+        present = [name for name in dict.fromkeys(named) if name in layer.lora_A]
         if not present:
             return result
         if any(not isinstance(layer.lora_dropout[n], torch.nn.Identity) for n in present):
@@ -136,28 +158,37 @@ class _SegmentLinear:
                 xs = x[:, start:end].to(a.weight.dtype)
                 piece = (piece + b(a(layer.lora_dropout[name](xs))) * layer.scaling[name]).to(result.dtype)
             pieces.append(piece)
-        return torch.cat(pieces, dim=1)
+        out = torch.cat(pieces, dim=1)
+        # Adapters with no token here still join the graph, with a zero share.
+        for name in self.always:
+            if name in layer.lora_A and all(name != n for n, _, _ in self.segments):
+                a, b = layer.lora_A[name], layer.lora_B[name]
+                out = out + (b(a(x[:, :1].to(a.weight.dtype))) * 0.0).sum().to(out.dtype)
+        return out
 
 
 class AdapterSegments:
     """Within ``with AdapterSegments(model, segments):`` every peft LoRA
     linear layer of ``model`` adds adapter ``name``'s update to the tokens
     ``[start, end)`` of the packed row only, for each ``(name, start, end)``
-    of ``segments`` (contiguous, from 0). The layers' own ``forward`` is
-    shadowed by an instance attribute for the duration, so the module tree,
-    the parameters and their ``requires_grad`` stay as they are."""
+    of ``segments`` (contiguous, from 0); the adapters of ``always`` join
+    every product with a zero share where they have no segment
+    (``_SegmentLinear``). The layers' own ``forward`` is shadowed by an
+    instance attribute for the duration, so the module tree, the parameters
+    and their ``requires_grad`` stay as they are."""
 
-    def __init__(self, model: Any, segments: list[tuple[str, int, int]]) -> None:
+    def __init__(self, model: Any, segments: list[tuple[str, int, int]], always: tuple[str, ...] = ()) -> None:
         if not segments or segments[0][1] != 0 or any(a[2] != b[1] for a, b in zip(segments, segments[1:])):
             raise ArealError(f"joint adapter forward: segments {segments} do not tile the row from 0")
         self.model = model
         self.segments = segments
+        self.always = always
         self._shadowed: list[Any] = []
 
     def __enter__(self) -> "AdapterSegments":
         masks: dict[Any, Any] = {}
         for path, layer in lora_layers(self.model):
-            layer.forward = _SegmentLinear(layer, path, self.segments, masks)
+            layer.forward = _SegmentLinear(layer, path, self.segments, masks, self.always)
             self._shadowed.append(layer)
         return self
 
@@ -176,20 +207,24 @@ def lora_layers(model: Any) -> Iterator[tuple[str, Any]]:
             yield path, m
 
 
-def joint_refusal(engine: "TorchTrainEngine", jobs: dict[str, PolicyJob]) -> str | None:
-    """Why these jobs cannot share forwards on ``engine`` (None when they can)."""
-    if len(jobs) < 2:
+def joint_refusal(runner: "MicroBatchRunner", model: Any, batches: Iterable[TrajectoryBatch]) -> str | None:
+    """Why the policies' ``batches`` cannot share forwards on ``model`` (run
+    by ``runner``; None when they can). The same answer on every rank of a
+    sharded model: it reads the batches and the model's structure only."""
+    batches = list(batches)
+    if len(batches) < 2:
         return "one policy"
-    if any(t.images is not None for j in jobs.values() for t in j.batch.trajectories):
+    if any(t.images is not None for b in batches for t in b.trajectories):
         return "a batch has images"
-    runner = engine.require_model()
     split = runner.head_split()
-    decoder = split[0] if split is not None else None
-    inside = {id(m) for m in decoder.modules()} if decoder is not None else set()
-    outside = [path for path, layer in lora_layers(engine.model) if id(layer) not in inside]
-    if outside:
-        return f"an adapter on {outside[0]!r}, outside the decoder"
-    for path, layer in lora_layers(engine.model):
+    if split is not None:
+        # The LM head then runs on the scored positions only, not on the row
+        # the segments describe; without the split every layer sees the row.
+        inside = {id(m) for m in split[0].modules()}
+        outside = [path for path, layer in lora_layers(model) if id(layer) not in inside]
+        if outside:
+            return f"an adapter on {outside[0]!r}, outside the decoder"
+    for path, layer in lora_layers(model):
         if getattr(layer, "lora_variant", None):
             return f"a LoRA variant (DoRA...) on {path!r}"
     return None
@@ -241,106 +276,161 @@ def joint_plan(config: Any, batches: dict[str, TrajectoryBatch]) -> list[dict[st
     return plan
 
 
+@dataclass
+class JointPart:
+    """One policy's share of a joint step on one process: its part of the
+    policy's batch and what ``MicroBatchRunner.accumulate`` takes with it
+    (the whole batch's normalisers; ``seq_index``: the batch index of each
+    trajectory of ``batch``, None when ``batch`` is the whole batch)."""
+
+    adapter: str  # the peft adapter name
+    batch: TrajectoryBatch
+    loss_fn: Callable[..., Any]
+    extra: dict[str, list[list[float]]] | None
+    batch_loss_tokens: int
+    batch_n_seqs: int
+    seq_index: list[int] | None = None
+
+
+def joint_accumulate(
+    runner: "MicroBatchRunner", model: Any, parts: dict[str, JointPart]
+) -> dict[str, AccumulateResult]:
+    """Forward and backward of a joint step's micro-batches over ``parts``
+    (policy name -> its share), every policy's gradients landing on its own
+    adapter (module docstring); what ``MicroBatchRunner.accumulate`` is to
+    one policy, with the same ``runner.hooks``. The caller makes the
+    adapters' parameters trainable and zeroes their gradients first, and
+    clips and steps each adapter after (``MicroBatchRunner.apply_gradients``
+    once per policy, in the same order on every rank).
+
+    With ``hooks.lockstep`` (ranks of a sharded model): every rank runs as
+    many micro-batches as the busiest (fillers past its own), each with a
+    backward, and every policy's adapter takes part in every forward (a zero
+    share where the micro-batch holds none of its tokens), so that each
+    backward reduces the same gradients on every rank."""
+    import torch
+
+    dev = runner.device
+    lockstep = runner.hooks.lockstep
+    names = list(parts)
+    always = tuple(parts[n].adapter for n in names) if lockstep else ()
+    fields, lengths, scalars, to_batch = {}, {}, {}, {}
+    for name in names:
+        part = parts[name]
+        fields[name] = per_token_fields(part.batch, part.extra)
+        lengths[name] = [len(x) for x in fields[name][0]]
+        scalars[name] = {
+            "batch_loss_tokens": torch.tensor(float(part.batch_loss_tokens), device=dev),
+            "batch_n_seqs": torch.tensor(float(part.batch_n_seqs), device=dev),
+        }
+        if part.seq_index is not None:
+            to_batch[name] = torch.tensor(part.seq_index or [0], dtype=torch.long, device=dev)
+    plan = joint_plan(runner.config, {name: parts[name].batch for name in names if len(parts[name].batch)})
+    acc = {name: AccumulateResult(n_mbs=sum(1 for mb in plan if name in mb)) for name in names}
+    entropy_grad = {name: bool(getattr(parts[name].loss_fn, "needs_entropy_grad", False)) for name in names}
+    for j in range(runner.hooks.micro_batch_count(len(plan))):
+        if j >= len(plan):
+            # A filler through every adapter: this rank's gradients join the others' reductions.
+            filler = pack_row([0], [[0, 0]], {}, {}, dev)
+            with AdapterSegments(model, [(always[0], 0, filler.n_tokens)], always):
+                lp, _ = runner.forward(filler, entropy_grad=False)
+                (lp * 0.0).sum().backward()
+            continue
+        mb = plan[j]
+        held = [name for name in names if name in mb]
+        rows: list[PackedRow] = []
+        chunks: list[SharedChunk] = []
+        union_ids: list[list[int]] = []
+        seg_tokens: list[int] = []
+        share = any(c.prefix_len > 0 for name in held for c in mb[name])
+        for name in held:
+            ids, floats, longs = fields[name]
+            own = mb[name]
+            row = pack_row(virtual_order(own), ids, floats, longs, dev)
+            rows.append(row)
+            off = len(union_ids)
+            chunks.extend(SharedChunk(c.prefix_len, tuple(m + off for m in c.members)) for c in own)
+            seg_tokens.append(sum(c.cost(lengths[name]) for c in own) if share else row.n_tokens)
+            union_ids.extend(ids)
+        tree = runner.tree(chunks, union_ids) if share else None
+        segments, start = [], 0
+        for name, n in zip(held, seg_tokens):
+            segments.append((parts[name].adapter, start, start + n))
+            start += n
+        joint = _joint_row(rows)
+        scored = torch.cat([r.data["loss_mask"] > 0 for r in rows])
+        with AdapterSegments(model, segments, always):
+            # Backward inside: gradient checkpointing runs the layers again there,
+            # and they must route each policy's tokens to its adapter then too.
+            logprobs, entropy = runner.forward(
+                joint, entropy_grad=any(entropy_grad[n] for n in held), scored=scored, tree=tree
+            )
+            total = None
+            at = 0
+            for name, row, n_model in zip(held, rows, seg_tokens):
+                n = row.n_tokens
+                lp, ent = logprobs[at : at + n], entropy[at : at + n]
+                at += n
+                data = dict(row.data)
+                if name in to_batch:
+                    # Loss functions see batch-wide sequence ids, as in one process.
+                    data["seq_ids"] = to_batch[name].index_select(0, data["seq_ids"])
+                data.update(scalars[name])
+                loss, mb_stats = parts[name].loss_fn(lp, ent if entropy_grad[name] else ent.detach(), data)
+                value = float(loss.detach()) if torch.is_tensor(loss) else float(loss)
+                a = acc[name]
+                a.n_model_tokens += n_model
+                if not a.finite:
+                    continue  # this policy's step is skipped already
+                if not math.isfinite(value):
+                    a.finite, a.loss = False, value
+                    continue  # kept out of the backward: a NaN would reach the others' gradients
+                if torch.is_tensor(loss) and loss.requires_grad:
+                    total = loss if total is None else total + loss
+                a.loss += value
+                with torch.no_grad():
+                    a.entropy_sum += float((ent.detach() * data["loss_mask"]).sum())
+                merge_stats(a.stats, mb_stats or {})
+            if total is not None:
+                total.backward()
+            elif lockstep:
+                (logprobs * 0.0).sum().backward()
+    return acc
+
+
 def train_together(engine: "TorchTrainEngine", jobs: dict[str, PolicyJob]) -> dict[str, dict[str, float]]:
     """One optimizer step of each policy in ``jobs`` (policy name -> job),
     in micro-batches that mix the policies' sequences (module docstring). Returns each policy's ``train_batch`` statistics, plus
     ``joint`` (1.0 when the forwards were shared, 0.0 when it fell back)."""
-    import torch
-
     views: dict[str, AdapterPolicy] = {name: engine.policy(name) for name in jobs}  # type: ignore[misc]
     for name, job in jobs.items():
         check_batch(job.batch, job.extra)
-    if joint_refusal(engine, jobs) is not None:
+    runner = engine.require_model()
+    model = engine.model
+    if joint_refusal(runner, model, (j.batch for j in jobs.values())) is not None:
         alone = {name: dict(views[name].train_batch(j.batch, j.loss_fn, j.extra)) for name, j in jobs.items()}
         for stats in alone.values():
             stats["joint"] = 0.0
         return alone
 
     t0 = time.perf_counter()
-    runner = engine.require_model()
-    model = engine.model
-    dev = runner.device
     model.zero_grad(set_to_none=True)
     lrs = {name: v.set_lr() for name, v in views.items()}
     # peft trains the active adapter only; here every job's adapter trains.
     flags = [(p, p.requires_grad) for v in views.values() for _, p in v.adapter_parameters()]
     for p, _ in flags:
         p.requires_grad_(True)
-
-    names = list(jobs)
-    fields, lengths, scalars, n_loss = {}, {}, {}, {}
-    for name in names:
-        job = jobs[name]
-        fields[name] = per_token_fields(job.batch, job.extra)
-        lengths[name] = [len(x) for x in fields[name][0]]
-        n_loss[name] = count_loss_tokens(job.batch)
-        scalars[name] = {
-            "batch_loss_tokens": torch.tensor(float(n_loss[name]), device=dev),
-            "batch_n_seqs": torch.tensor(float(len(job.batch)), device=dev),
-        }
-    plan = joint_plan(runner.config, {name: jobs[name].batch for name in names})
-    acc = {name: AccumulateResult(n_mbs=sum(1 for mb in plan if name in mb)) for name in names}
-    entropy_grad = {name: bool(getattr(jobs[name].loss_fn, "needs_entropy_grad", False)) for name in names}
+    n_loss = {name: count_loss_tokens(job.batch) for name, job in jobs.items()}
+    parts = {
+        name: JointPart(views[name].peft_name, job.batch, job.loss_fn, job.extra, n_loss[name], len(job.batch))
+        for name, job in jobs.items()
+    }
     was_training = model.training
     model.train()
     try:
-        for mb in plan:
-            parts = [name for name in names if name in mb]
-            rows: list[PackedRow] = []
-            chunks: list[SharedChunk] = []
-            union_ids: list[list[int]] = []
-            seg_tokens: list[int] = []
-            share = any(c.prefix_len > 0 for name in parts for c in mb[name])
-            for name in parts:
-                ids, floats, longs = fields[name]
-                own = mb[name]
-                row = pack_row(virtual_order(own), ids, floats, longs, dev)
-                rows.append(row)
-                off = len(union_ids)
-                chunks.extend(SharedChunk(c.prefix_len, tuple(m + off for m in c.members)) for c in own)
-                seg_tokens.append(sum(c.cost(lengths[name]) for c in own) if share else row.n_tokens)
-                union_ids.extend(ids)
-            tree = runner.tree(chunks, union_ids) if share else None
-            segments, start = [], 0
-            for name, n in zip(parts, seg_tokens):
-                segments.append((views[name].peft_name, start, start + n))
-                start += n
-            joint = _joint_row(rows)
-            scored = torch.cat([r.data["loss_mask"] > 0 for r in rows])
-            with AdapterSegments(model, segments):
-                # Backward inside: gradient checkpointing runs the layers again there,
-                # and they must route each policy's tokens to its adapter then too.
-                logprobs, entropy = runner.forward(
-                    joint, entropy_grad=any(entropy_grad[n] for n in parts), scored=scored, tree=tree
-                )
-                total = None
-                at = 0
-                for name, row, n_model in zip(parts, rows, seg_tokens):
-                    n = row.n_tokens
-                    lp, ent = logprobs[at : at + n], entropy[at : at + n]
-                    at += n
-                    data = dict(row.data)
-                    data.update(scalars[name])
-                    loss, mb_stats = jobs[name].loss_fn(lp, ent if entropy_grad[name] else ent.detach(), data)
-                    value = float(loss.detach()) if torch.is_tensor(loss) else float(loss)
-                    a = acc[name]
-                    a.n_model_tokens += n_model
-                    if not a.finite:
-                        continue  # this policy's step is skipped already
-                    if not math.isfinite(value):
-                        a.finite, a.loss = False, value
-                        continue  # kept out of the backward: a NaN would reach the others' gradients
-                    if torch.is_tensor(loss) and loss.requires_grad:
-                        total = loss if total is None else total + loss
-                    a.loss += value
-                    with torch.no_grad():
-                        a.entropy_sum += float((ent.detach() * data["loss_mask"]).sum())
-                    merge_stats(a.stats, mb_stats or {})
-                if total is not None:
-                    total.backward()
-
+        acc = joint_accumulate(runner, model, parts)
         out: dict[str, dict[str, float]] = {}
-        for name in names:
+        for name in jobs:
             view, a, batch = views[name], acc[name], jobs[name].batch
             grad_norm, applied = runner.apply_gradients(
                 view.optimizer, a.finite, engine.config.max_grad_norm, params=(p for _, p in view.adapter_parameters())

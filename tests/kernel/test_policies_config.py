@@ -51,10 +51,7 @@ def test_the_servers_serve_every_policys_adapter_also_from_one_policys_config(tm
     adapter (largest rank, every targeted module), also from the config of
     the policy whose config starts the servers; the actor's lora in a
     one-policy run; nothing for a full-model run."""
-    two = (
-        "policies={add: {lora: {rank: 4, alpha: 8}}, "
-        "sub: {lora: {rank: 8, target_modules: [q_proj, up_proj]}}}"
-    )
+    two = "policies={add: {lora: {rank: 4, alpha: 8}}, sub: {lora: {rank: 8, target_modules: [q_proj, up_proj]}}}"
     cfg = _load(tmp_path, two)
     served = served_adapters(cfg)
     assert served is not None and served.names == ("add", "sub") and served.max_rank == 8
@@ -78,10 +75,6 @@ def test_the_servers_serve_every_policys_adapter_also_from_one_policys_config(tm
         (["policies={a: {}}", "actor.torch.lora={rank: 4}"], "drop actor.torch.lora"),
         (["policies={a: {}}", "actor.backend=megatron"], "actor.backend 'megatron' does not hold one adapter per policy"),
         (["policies={a: {}}", "actor.backend=megatron"], "train engines that do: fsdp, torch"),
-        (["policies={a: {}, b: {}}", "trainer.policy_order=together", "actor.backend=fsdp"],
-         "trainer.policy_order: together: actor.backend 'fsdp' cannot step several policies"),
-        (["policies={a: {}, b: {}}", "trainer.policy_order=together", "actor.backend=fsdp"],
-         "a train engine that can: torch"),
         (["policies={a: {}}", "algorithm.type=sft", "dataset.type=file", "dataset.path=x.jsonl"],
          "algorithm.type 'sft' trains one policy"),
     ],
@@ -91,6 +84,32 @@ def test_bad_policies_are_one_line_naming_the_policy_and_field(tmp_path, overrid
         _load(tmp_path, *overrides)
     assert message in str(e.value), str(e.value)
     assert "Traceback" not in str(e.value)
+
+
+def test_together_needs_an_engine_with_the_joint_step(tmp_path):
+    """``trainer.policy_order: together`` loads with the engines that declare
+    ``joint_policies`` (torch, fsdp); an engine holding one adapter per
+    policy without it (as a third-party engine may; here fsdp's
+    registration less that capability) gets one line naming the field, the
+    backend and the engines that can."""
+    import dataclasses
+
+    from areal_kernel.plugins.registry import Registry
+
+    together = ("policies={a: {}, b: {}}", "trainer.policy_order=together")
+    for backend in ("torch", "fsdp"):
+        assert set(check_policies(_load(tmp_path, *together, f"actor.backend={backend}"), get_registry())) == {"a", "b"}
+    cfg = _load(tmp_path, *together, "actor.backend=fsdp")
+    registry = Registry()
+    for spec in get_registry().specs():
+        if (spec.kind, spec.name) == ("train_engine", "fsdp"):
+            spec = dataclasses.replace(spec, capabilities=spec.capabilities - {"joint_policies"})
+        registry.add(spec)
+    with pytest.raises(ConfigError) as e:
+        check_policies(cfg, registry)
+    message = str(e.value)
+    assert "trainer.policy_order: together: actor.backend 'fsdp' cannot step several policies" in message
+    assert message.endswith("a train engine that can: torch") and "\n" not in message, message
 
 
 def test_a_policy_name_written_twice_is_refused_by_the_loader(tmp_path):

@@ -40,6 +40,7 @@ This module imports no torch at module level (the controller imports it).
 from __future__ import annotations
 
 import os
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterator
@@ -53,6 +54,7 @@ from areal_kernel.utils.fs import atomic_dir
 
 if TYPE_CHECKING:
     from areal_kernel.engine.config import LoraConfig
+    from areal_kernel.engine.together import PolicyJob
 
     from areal_fsdp.config import FSDPEngineConfig
     from areal_fsdp.engine import FSDPTrainEngine
@@ -97,8 +99,10 @@ class RankAdapters:
     adapters: dict[str, RankAdapter]
     active_adapter: str | None
 
+    total_train_steps: int
     set_lr: Callable[[], float]
     score_part: Callable[..., Any]
+    _runner: Callable[[], Any]
     barrier: Callable[[], None]
     _state_dict_options: Callable[[], Any]
     _trained_only: Callable[[dict[str, Any]], dict[str, Any]]
@@ -204,6 +208,88 @@ class RankAdapters:
             # Leaving disable_adapter re-enables the active adapter's layers through peft.
             self._reshard()
             self._sync_requires_grad()
+
+    def train_policies_part(self, jobs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+        """Rank command: this rank's share of one optimizer step of each
+        policy in ``jobs`` (policy name -> ``part``, ``global_index``,
+        ``extra``, ``loss_fn``, ``batch_loss_tokens``, ``batch_n_seqs``, as
+        ``train_part`` takes them), in micro-batches that mix the policies'
+        sequences over the base (``areal_kernel.engine.together``). Every
+        job's adapter trains in the same forwards (each its own tokens, the
+        others a zero share, so every rank reduces the same gradients); then
+        each adapter clips and steps on its own (its optimizer, its lr
+        schedule's step), in ``jobs``' order on every rank. The active
+        adapter stays the active one. ``{"refused": why}`` (nothing done)
+        where a joint forward cannot hold; else ``{"policies": {name:
+        train_part's answer}}``."""
+        from areal_kernel.engine.state import set_lr
+        from areal_kernel.engine.lr_schedule import scheduled_lr
+        from areal_kernel.engine.together import JointPart, joint_accumulate, joint_refusal
+        from areal_kernel.platforms import current_platform
+
+        unknown = [n for n in jobs if n not in self.adapters]
+        if unknown:
+            raise ConfigError(f"fsdp rank: no adapter {unknown[0]!r} (have {', '.join(self.adapters)})")
+        runner = self._runner()
+        why = joint_refusal(runner, self.model, (j["part"] for j in jobs.values()))
+        if why is not None:
+            return {"refused": why}
+        t0 = time.perf_counter()
+        active = self.active_adapter or ""
+        self.adapters[active].step = self.step  # the active adapter's step lives in self.step
+        recs = {n: self.adapters[n] for n in jobs}
+        # The flags land on the sharded parameters; the next all-gather copies them.
+        self._reshard()
+        for name, rec in self.adapters.items():
+            for p in rec.params:
+                p.requires_grad_(name in recs)
+        self.model.zero_grad(set_to_none=True)
+        lrs = {
+            n: set_lr(r.optimizer, scheduled_lr(r.settings, r.step, self.total_train_steps)) for n, r in recs.items()
+        }
+        parts = {
+            n: JointPart(
+                recs[n].peft_name,
+                j["part"],
+                j["loss_fn"],
+                j["extra"],
+                int(j["batch_loss_tokens"]),
+                int(j["batch_n_seqs"]),
+                list(j["global_index"]),
+            )  # fmt: skip
+            for n, j in jobs.items()
+        }
+        self.model.train()
+        out: dict[str, Any] = {}
+        try:
+            acc = joint_accumulate(runner, self.model, parts)
+            for n, rec in recs.items():
+                a = acc[n]
+                grad_norm, applied = runner.apply_gradients(
+                    rec.optimizer, a.finite, rec.settings.max_grad_norm, params=rec.params
+                )
+                rec.optimizer.zero_grad(set_to_none=True)
+                rec.step += 1
+                out[n] = {
+                    "loss": a.loss,
+                    "entropy_sum": a.entropy_sum,
+                    "stats": dict(a.stats),
+                    "grad_norm": grad_norm,
+                    "skipped": 0.0 if applied else 1.0,
+                    "lr": lrs[n],
+                    "n_mbs": float(a.n_mbs),
+                    "n_model_tokens": float(a.n_model_tokens),
+                }
+        finally:
+            self.step = self.adapters[active].step
+            self._reshard()
+            self._sync_requires_grad()
+            self.model.zero_grad(set_to_none=True)
+        current_platform().synchronize()
+        elapsed = time.perf_counter() - t0
+        for answer in out.values():
+            answer["step_time_s"] = elapsed
+        return {"policies": out}
 
     def _adapter_states(self) -> dict[str, Any]:
         """Every adapter's DCP entries (weights, optimizer), by policy name."""
@@ -366,6 +452,9 @@ class FSDPPolicies:
     policy_state: Callable[[], dict[str, Any]]
     set_policy_state: Callable[[dict[str, Any]], None]
     score_parts: Callable[..., tuple[list[list[float]], list[list[float]]]]
+    partition: Callable[[TrajectoryBatch], list[list[int]]]
+    merge_step_answers: Callable[..., dict[str, float]]
+    world_size: int
 
     _policies: dict[str, FSDPAdapterPolicy]
     _acting: FSDPAdapterPolicy | None = None
@@ -448,6 +537,62 @@ class FSDPPolicies:
         if not getattr(self, "_policies", None):
             raise ConfigError("score_base: this engine holds no adapters (adapters:); score with a reference engine")
         return self.score_parts(batch, only_loss_tokens, False, cmd="score_base_part")[0]
+
+    def train_policies(self, jobs: dict[str, "PolicyJob"]) -> dict[str, dict[str, float]]:
+        """One optimizer step of each policy in ``jobs`` (name -> its batch,
+        loss and extra fields), in micro-batches that mix the policies'
+        sequences over the sharded base, each adapter updating its own
+        tokens (``train_policies_part`` on every rank); each policy's
+        ``train_batch`` statistics plus ``joint`` (1.0 when forwards were
+        shared). Each policy's batch is split over the ranks as its own
+        ``train_batch`` splits it. Equals one ``policy(name).train_batch``
+        per policy within float rounding; falls back to exactly that where
+        a joint forward cannot hold (one job, images, an adapter outside
+        the decoder)."""
+        from areal_kernel.engine.microbatch import check_batch, count_loss_tokens
+
+        self.require_initialized()
+        if not getattr(self, "_policies", None):
+            raise ConfigError("train_policies: this engine holds no adapters (adapters:); use train_batch")
+        views = {name: self.policy(name) for name in jobs}  # unknown names: one ConfigError naming the valid ones
+        for job in jobs.values():
+            check_batch(job.batch, job.extra)
+
+        def one_at_a_time() -> dict[str, dict[str, float]]:
+            alone = {n: dict(views[n].train_batch(j.batch, j.loss_fn, j.extra)) for n, j in jobs.items()}
+            for stats in alone.values():
+                stats["joint"] = 0.0
+            return alone
+
+        if len(jobs) < 2:
+            return one_at_a_time()
+        t0 = time.perf_counter()
+        n_loss = {n: count_loss_tokens(j.batch) for n, j in jobs.items()}
+        split = {n: self.partition(j.batch) for n, j in jobs.items()}
+        per_rank: list[dict[str, Any]] = [{"jobs": {}} for _ in range(self.world_size)]
+        for n, job in jobs.items():
+            if len(split[n]) != self.world_size:  # adapters run on plain data parallelism: a part per rank
+                raise ArealError(f"train_policies: {len(split[n])} data-parallel parts for {self.world_size} ranks")
+            for r, idx in enumerate(split[n]):
+                per_rank[r]["jobs"][n] = {
+                    "part": TrajectoryBatch([job.batch.trajectories[i] for i in idx]),
+                    "global_index": idx,
+                    "extra": {k: [rows[i] for i in idx] for k, rows in (job.extra or {}).items()},
+                    "loss_fn": job.loss_fn,
+                    "batch_loss_tokens": n_loss[n],
+                    "batch_n_seqs": len(job.batch),
+                }
+        answers = self.call_ranks("train_policies_part", per_rank)
+        if "refused" in answers[0]:
+            return one_at_a_time()
+        elapsed = time.perf_counter() - t0
+        out: dict[str, dict[str, float]] = {}
+        for n, job in jobs.items():
+            stats = self.merge_step_answers([a["policies"][n] for a in answers], job.batch, n_loss[n], elapsed)
+            stats["joint"] = 1.0
+            out[n] = stats
+            self._policies[n].step += 1
+        return out
 
     # One-policy calls: refused on the engine itself with several adapters.
     def compute_logprobs(self, batch: TrajectoryBatch, only_loss_tokens: bool = False) -> list[list[float]]:

@@ -13,7 +13,15 @@ def areal_register_train_engines(register: Any) -> None:
         "fsdp",
         "areal_fsdp.engine:FSDPTrainEngine",
         config_model="areal_fsdp.config:FSDPEngineConfig",
-        capabilities=["packing", "disk_export", "broadcast_export", "multi_process", "dcp_checkpoint", "policies"],
+        capabilities=[
+            "packing",
+            "disk_export",
+            "broadcast_export",
+            "multi_process",
+            "dcp_checkpoint",
+            "policies",
+            "joint_policies",
+        ],
         description="PyTorch FSDP2 (fully_shard) over d x t rank processes (allocation fsdp:d2, fsdp:t2, fsdp:d2t2; "
         "tensor parallelism for Llama, Qwen3), pipeline stages (fsdp:p2, Llama), or experts split over the data "
         "ranks (fsdp:d2e2, Qwen3-MoE)",

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from areal_kernel.algo.losses import make_ppo_loss_fn
 from areal_kernel.api.engine import WeightUpdateMeta
 from areal_kernel.errors import ConfigError, DataError
-from areal_kernel.testing.contracts import PolicyEngineContract, policies_engine_maker
+from areal_kernel.testing.contracts import JointPoliciesContract, policies_engine_maker
 from areal_kernel.testing.noise import assert_within_noise, max_difference, measure_noise_floor
 from areal_kernel.testing.rank_engines import ppo_step_inputs, random_batch, torch_references
 
@@ -215,8 +215,54 @@ def test_engine_state_round_trip_of_every_adapter(engines, tmp_path):
         fsdp.load_state(ckpt)
 
 
-class TestFSDPEnginePolicies(PolicyEngineContract):
-    """The kernel's suite for the capability ``policies`` on 2 FSDP ranks."""
+def test_a_joint_step_of_uneven_policies_trains_each_like_its_own_step(tiny_model_dir):
+    """``train_policies`` where the ranks' micro-batches hold different
+    policies: A's six sequences need several micro-batches per rank, b.v2's
+    one sequence lands on one rank only, so the other rank's forwards hold A
+    alone (and fillers). Each adapter must still end where one
+    ``train_batch`` of it on the torch engine ends (within the floor of
+    another micro-batch split), through the shared forwards (``joint`` 1)."""
+    from areal_fsdp.engine import FSDPTrainEngine
+
+    from areal_kernel.engine.together import PolicyJob
+
+    fsdp = FSDPTrainEngine(CFG, world_size=2)
+    fsdp.initialize(tiny_model_dir, 4)
+    ref, noise = torch_references(CFG, NOISE_CFG, tiny_model_dir, 4)
+    batches = {"A": random_batch([7, 9, 5, 12, 8, 11], seed=40), "b.v2": random_batch([6], seed=41)}
+    try:
+        init = {n: dict(fsdp.policy(n).full_weights()) for n in batches}
+        jobs = {n: PolicyJob(b, LOSS, ppo_step_inputs(b, fsdp.policy(n))) for n, b in batches.items()}
+        got = fsdp.train_policies(jobs)
+        for n, b in batches.items():
+            want = ref.policy(n).train_batch(b, LOSS, ppo_step_inputs(b, ref.policy(n)))
+            noise.policy(n).train_batch(b, LOSS, ppo_step_inputs(b, noise.policy(n)))
+            assert got[n]["joint"] == 1.0 and got[n]["skipped"] == 0.0, got[n]
+            assert got[n]["lr"] == want["lr"] and got[n]["n_loss_tokens"] == want["n_loss_tokens"]
+            assert fsdp.policy(n).step == 1
+            now = dict(fsdp.policy(n).full_weights())
+            assert _diff(now, init[n]) > 0  # it trained
+            floor = measure_noise_floor(f"{n} weights", _torch_weights(ref.policy(n)), _torch_weights(noise.policy(n)))
+            print(assert_within_noise(now, _torch_weights(ref.policy(n)), floor, MULTIPLE, what=f"{n}: joint on fsdp"))
+        # Then one policy at a time again (the ranks' active adapter, flags and
+        # schedule steps restored): still each like the torch engine's.
+        for n, seed, lengths in (("b.v2", 42, [9, 6, 10]), ("A", 43, [8, 7])):
+            for e in (fsdp, ref, noise):
+                _train(e.policy(n), seed, lengths)
+            floor = measure_noise_floor(f"{n} weights", _torch_weights(ref.policy(n)), _torch_weights(noise.policy(n)))
+            print(assert_within_noise(dict(fsdp.policy(n).full_weights()), _torch_weights(ref.policy(n)), floor,
+                                      MULTIPLE, what=f"{n}: a step alone after the joint one"))  # fmt: skip
+            assert fsdp.policy(n).step == ref.policy(n).step == 2
+    finally:
+        fsdp.destroy()
+
+
+class TestFSDPEnginePolicies(JointPoliciesContract):
+    """The kernel's suites for the capabilities ``policies`` and
+    ``joint_policies`` on 2 FSDP ranks (the joint step against one
+    ``train_batch`` per policy: adapters A and b.v2 sit on different
+    layers, so every adapted layer's forward holds one adapter's tokens and
+    the other's zero share)."""
 
     @pytest.fixture
     def make_policies_engine(self, tiny_model_dir):

@@ -87,6 +87,33 @@ def test_two_policies_on_fsdp_ranks(run_areal, tmp_path):
     assert sorted(os.listdir(os.path.join(run_dir, "fsdp-ranks"))) == ["rank-0.log", "rank-1.log"]
 
 
+def test_two_policies_step_together_on_fsdp_ranks(run_areal, tmp_path):
+    """``trainer.policy_order: together`` on ``fsdp:d2``: every global step
+    trains both adapters in shared forwards on the ranks (``train/joint`` 1,
+    the engine's ``train_policies``), each policy its own batch size, and
+    every adapter update reaches the server intact."""
+    from areal_kernel.testing.models import make_tiny_byte_chat_llama
+
+    model = make_tiny_byte_chat_llama(tmp_path / "model", **TINY_POLICY_MODEL)
+    run_dir = str(tmp_path / "run")
+    policies = "policies={letters: {reward: {type: char_share, char_share: {chars: abc}}}, digits: {batch_size: 2}}"
+    proc = run_areal(
+        "train", EXAMPLE, f"model.path={model}", f"run_dir={run_dir}", "trainer.max_steps=2",
+        "trainer.batch_size=4", "trainer.eval_size=0", "logging.sinks=[jsonl]", "reward.type=char_share",
+        "trainer.policy_order=together", "actor.fsdp.lr=3e-2", policies, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {"letters": policy_rows(run_dir, "letters"), "digits": policy_rows(run_dir, "digits")}
+    n = 8  # rollout.gconfig.n_samples of the example
+    for name, size in (("letters", 4), ("digits", 2)):
+        got = rows[name]
+        assert [r["version"] for r in got] == [1, 2]
+        assert [r["batch/sequences"] for r in got] == [size * n] * 2
+        assert all(r["train/joint"] == 1.0 and r["train/n_ranks"] == 2.0 and r["train/skipped"] == 0.0 for r in got)
+        assert all(r["train/grad_norm"] > 0 for r in got)
+        assert all(r["monitor/weights_checked"] > 0 and r["monitor/weights_mismatch"] == 0 for r in got)
+
+
 def test_a_killed_two_policy_fsdp_run_resumes_every_policy(tmp_path):
     """``kill -9`` of a two-policy run on ``fsdp:d2`` after global step 4 was
     trained but before its checkpoint, then the same command (``recover:
