@@ -301,6 +301,31 @@ def _identical(r: Run) -> str:
     )
 
 
+# Every run's optimizer steps do the same work (one policy's batch of the same
+# shape, the same model), so their median time per step is the machine's
+# speed: a run whose steps took this much longer than another's ran on a
+# slower machine (other load, a cold start), and a wall-time ratio across them
+# measures that too. Quiet runs here differ by under 10%.
+SPEED_TOLERANCE = 1.25
+
+
+def speed_changed(runs: "tuple[Run, ...]") -> str | None:
+    """Why the runs' wall times cannot be compared (None when they can): the
+    slowest run's median training step over the fastest's, past ``SPEED_TOLERANCE``."""
+    import statistics
+
+    per_step = {r.name: statistics.median(x["train_s"] for x in r.steps) for r in runs if r.steps}
+    if len(per_step) < 2:
+        return None
+    slow, fast = max(per_step, key=per_step.__getitem__), min(per_step, key=per_step.__getitem__)
+    if per_step[slow] <= SPEED_TOLERANCE * per_step[fast]:
+        return None
+    return (
+        f"a training step took {per_step[slow]:.2f} s in {slow} and {per_step[fast]:.2f} s in {fast} "
+        f"(median; more than {SPEED_TOLERANCE:g}x apart for the same work)"
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=8, help="RL steps per policy (default 8)")
@@ -383,6 +408,10 @@ def main() -> None:
     print(f"multi-policy peak / (single peaks added): {mem_ratio:.2f} "
           f"(/ the larger single peak: {multi.peak_rss / single_peak_max:.2f})")  # fmt: skip
     runs = (*singles.values(), multi)
+    unreliable = speed_changed(runs)
+    if unreliable:
+        print(f"WARNING: {unreliable}: the wall-time ratio compares runs on a machine of another speed; run the "
+              "bench again on a quiet machine", flush=True)  # fmt: skip
     unchanged = all(_unchanged(r) for r in runs)
     gpu = [r.gpu_mib for r in runs]
     gpu_ratio = None
@@ -408,7 +437,10 @@ def main() -> None:
                 },
                 f, indent=1,
             )  # fmt: skip
-    report("multi-policy: two single-policy runs / one two-policy run, wall seconds", wall_ratio, goal=1.5)
+    report(
+        "multi-policy: two single-policy runs / one two-policy run, wall seconds", wall_ratio, goal=1.5,
+        unreliable=unreliable,
+    )  # fmt: skip
     report(
         "multi-policy: two-policy run / two single runs side by side, peak RSS", mem_ratio, goal=0.6,
         higher_is_better=False,

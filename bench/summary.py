@@ -22,16 +22,26 @@ def command() -> str:
     return " ".join(["OMP_NUM_THREADS=1", ".venv/bin/python", shlex.quote(script), *map(shlex.quote, sys.argv[1:])])
 
 
-def report(what: str, value: float, goal: float | None = None, *, higher_is_better: bool = True) -> None:
+def report(
+    what: str, value: float, goal: float | None = None, *, higher_is_better: bool = True, unreliable: str | None = None
+) -> None:
     """One ratio: ``what`` (e.g. "async / sync samples/s"), its value, and the
-    goal it should meet (None: measured for information, no goal)."""
-    met = None if goal is None else (value >= goal if higher_is_better else value <= goal)
-    goal_text = "" if goal is None else f" (goal {'>=' if higher_is_better else '<='} {goal:g}: {'met' if met else 'NOT met'})"
+    goal it should meet (None: measured for information, no goal).
+    ``unreliable``: why this measurement cannot judge the goal (the bench
+    saw the machine change speed between the runs it compares); the goal
+    is then reported as not judged rather than met or not."""
+    met = None if goal is None or unreliable else (value >= goal if higher_is_better else value <= goal)
+    if goal is None:
+        goal_text = ""
+    elif unreliable:
+        goal_text = f" (goal {'>=' if higher_is_better else '<='} {goal:g}: not judged, {unreliable})"
+    else:
+        goal_text = f" (goal {'>=' if higher_is_better else '<='} {goal:g}: {'met' if met else 'NOT met'})"
     print(f"ratio: {what} = {value:.3f}{goal_text}", flush=True)
     path = os.environ.get(SUMMARY_ENV)
     if path:
         row = {"what": what, "value": value, "goal": goal, "higher_is_better": higher_is_better, "met": met,
-               "command": command()}
+               "command": command(), "unreliable": unreliable}
         with open(path, "a") as f:
             f.write(json.dumps(row) + "\n")
 
@@ -49,5 +59,7 @@ def table(rows: list[dict]) -> str:
     for r in rows:
         goal = "—" if r["goal"] is None else f"{'>=' if r['higher_is_better'] else '<='} {r['goal']:g}"
         met = "—" if r["met"] is None else ("yes" if r["met"] else "**no**")
+        if r.get("unreliable"):
+            met = f"not judged ({r['unreliable']})"
         out.append(f"| {r['what']} | {r['value']:.3f} | {goal} | {met} | `{r['command']}` |")
     return "\n".join(out)
