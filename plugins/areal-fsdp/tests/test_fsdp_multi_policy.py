@@ -114,13 +114,16 @@ def test_two_policies_step_together_on_fsdp_ranks(run_areal, tmp_path):
         assert all(r["monitor/weights_checked"] > 0 and r["monitor/weights_mismatch"] == 0 for r in got)
 
 
-def test_a_killed_two_policy_fsdp_run_resumes_every_policy(tmp_path):
+@pytest.mark.parametrize("order", ["weight", "together"])
+def test_a_killed_two_policy_fsdp_run_resumes_every_policy(order, tmp_path):
     """``kill -9`` of a two-policy run on ``fsdp:d2`` after global step 4 was
     trained but before its checkpoint, then the same command (``recover:
     auto``): the same sample ids with the same adapter at every step as an
     uninterrupted run, and both adapters end where its did
     (``check_policies_resume``: the engine's checkpoint holds every adapter
-    with its optimizer state, schedule step and version)."""
+    with its optimizer state, schedule step and version). ``together``: both
+    policies at every step through the ranks' joint step, so the newest
+    checkpoint at the kill is global step 2's."""
     from areal_kernel.testing.learning import TINY_POLICY_CHARS, TINY_POLICY_LR, tiny_policies_override
     from areal_kernel.testing.models import make_tiny_byte_chat_llama
     from areal_kernel.testing.recovery import EXACT_SERVER, check_policies_resume
@@ -134,6 +137,7 @@ def test_a_killed_two_policy_fsdp_run_resumes_every_policy(tmp_path):
             "rollout.gconfig.max_new_tokens=6", "rollout.max_staleness=0", "weight_update.mode=disk",
             "algorithm.dynamic_filter=false", f"actor.fsdp.lr={TINY_POLICY_LR}", "actor.fsdp.lr_scheduler=constant",
             "checkpoint.save_every=1", "checkpoint.keep_last=2", "logging.sinks=[jsonl]", tiny_policies_override(), *EXACT_SERVER,
+            f"trainer.policy_order={order}",
         ]  # fmt: skip
 
-    check_policies_resume(args, str(tmp_path), list(TINY_POLICY_CHARS))
+    check_policies_resume(args, str(tmp_path), list(TINY_POLICY_CHARS), checkpoint_step=2 if order == "together" else 3)
