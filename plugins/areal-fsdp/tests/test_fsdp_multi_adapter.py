@@ -257,6 +257,41 @@ def test_a_joint_step_of_uneven_policies_trains_each_like_its_own_step(tiny_mode
         fsdp.destroy()
 
 
+def test_a_joint_step_skips_a_policy_whose_loss_is_not_finite_on_one_rank_alone(tiny_model_dir):
+    """b.v2's one sequence (on one rank) has a NaN loss: every rank skips
+    b.v2's step (its adapter stays as it was), none hangs, and A trains
+    exactly as beside a finite b.v2 (the NaN never enters the backward)."""
+    import math
+
+    from areal_fsdp.engine import FSDPTrainEngine
+
+    from areal_kernel.engine.together import PolicyJob
+
+    def nan_loss(logprobs, entropy, data):
+        loss, stats = LOSS(logprobs, entropy, data)
+        return loss * float("nan"), stats
+
+    batches = {"A": random_batch([7, 9, 5, 12], seed=50), "b.v2": random_batch([6], seed=51)}
+    engines = [FSDPTrainEngine(CFG, world_size=2) for _ in range(2)]
+    try:
+        for e in engines:
+            e.initialize(tiny_model_dir, 4)
+        ok, bad = engines
+        before = {n: dict(bad.policy(n).full_weights()) for n in batches}
+        jobs = {n: PolicyJob(b, LOSS, ppo_step_inputs(b, ok.policy(n))) for n, b in batches.items()}
+        want = ok.train_policies(jobs)
+        jobs["b.v2"] = PolicyJob(batches["b.v2"], nan_loss, jobs["b.v2"].extra)
+        got = bad.train_policies(jobs)
+        assert got["b.v2"]["skipped"] == 1.0 and math.isnan(got["b.v2"]["loss"]) and got["b.v2"]["joint"] == 1.0
+        assert got["A"]["skipped"] == 0.0 and got["A"]["loss"] == want["A"]["loss"]
+        assert _diff(dict(bad.policy("b.v2").full_weights()), before["b.v2"]) == 0.0
+        assert _diff(dict(bad.policy("A").full_weights()), dict(ok.policy("A").full_weights())) == 0.0
+        assert _diff(dict(bad.policy("A").full_weights()), before["A"]) > 0  # A did train
+    finally:
+        for e in engines:
+            e.destroy()
+
+
 class TestFSDPEnginePolicies(JointPoliciesContract):
     """The kernel's suites for the capabilities ``policies`` and
     ``joint_policies`` on 2 FSDP ranks (the joint step against one
