@@ -257,6 +257,38 @@ def test_a_joint_step_of_uneven_policies_trains_each_like_its_own_step(tiny_mode
         fsdp.destroy()
 
 
+def test_an_adapter_on_the_lm_head_shares_the_joint_step_on_fsdp(tiny_model_dir):
+    """The ranks run the whole model on the packed row (the head is not split
+    off as in the torch engine, where an LM-head adapter makes the joint step
+    fall back): A on ``q_proj`` and ``lm_head`` still trains in shared
+    forwards (``joint`` 1), each adapter within the floor of the torch
+    engine's one step each."""
+    from areal_fsdp.engine import FSDPTrainEngine
+
+    from areal_kernel.engine.together import PolicyJob
+
+    adapters = [{**LORA_A, "target_modules": ["q_proj", "lm_head"]}, LORA_B]
+    cfg, noise_cfg = {**CFG, "adapters": adapters}, {**NOISE_CFG, "adapters": adapters}
+    fsdp = FSDPTrainEngine(cfg, world_size=2)
+    fsdp.initialize(tiny_model_dir, 4)
+    ref, noise = torch_references(cfg, noise_cfg, tiny_model_dir, 4)
+    batches = {"A": random_batch([7, 9, 5, 12], seed=60), "b.v2": random_batch([6, 8], seed=61)}
+    try:
+        got = fsdp.train_policies(
+            {n: PolicyJob(b, LOSS, ppo_step_inputs(b, fsdp.policy(n))) for n, b in batches.items()}
+        )
+        for n, b in batches.items():
+            assert got[n]["joint"] == 1.0 and got[n]["skipped"] == 0.0
+            for e in (ref, noise):
+                e.policy(n).train_batch(b, LOSS, ppo_step_inputs(b, e.policy(n)))
+            want = _torch_weights(ref.policy(n))
+            assert any("lm_head" in k for k in want) == (n == "A")
+            floor = measure_noise_floor(f"{n} weights", want, _torch_weights(noise.policy(n)))
+            print(assert_within_noise(dict(fsdp.policy(n).full_weights()), want, floor, MULTIPLE, what=f"{n}: lm_head"))
+    finally:
+        fsdp.destroy()
+
+
 def test_a_joint_step_skips_a_policy_whose_loss_is_not_finite_on_one_rank_alone(tiny_model_dir):
     """b.v2's one sequence (on one rank) has a NaN loss: every rank skips
     b.v2's step (its adapter stays as it was), none hangs, and A trains
