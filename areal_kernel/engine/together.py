@@ -39,9 +39,9 @@ each backward reduces the same gradients on every rank).
 Falls back to one ``view.train_batch`` per policy (the same result) where a
 joint forward cannot hold: one job, batches with images, and adapters on a
 layer outside the decoder when the runner splits off the LM head (which
-then runs on the scored positions only, not on a contiguous row). A policy whose loss is not finite skips its step
-alone; its loss is left out of the backward, so the others' gradients stay
-clean.
+then runs on the scored positions only, not on a contiguous row). A policy
+whose loss is not finite skips its step alone; its loss is left out of the
+backward, so the others' gradients stay clean.
 """
 
 from __future__ import annotations

@@ -256,7 +256,7 @@ class RankAdapters:
                 int(j["batch_loss_tokens"]),
                 int(j["batch_n_seqs"]),
                 list(j["global_index"]),
-            )  # fmt: skip
+            )
             for n, j in jobs.items()
         }
         self.model.train()
@@ -547,8 +547,10 @@ class FSDPPolicies:
         shared). Each policy's batch is split over the ranks as its own
         ``train_batch`` splits it. Equals one ``policy(name).train_batch``
         per policy within float rounding; falls back to exactly that where
-        a joint forward cannot hold (one job, images, an adapter outside
-        the decoder)."""
+        a joint forward cannot hold (one job, a batch with images: the
+        ranks' ``joint_refusal``). The ranks run the whole model on each
+        row, LM head included, so an adapter on the head shares the
+        forwards too."""
         from areal_kernel.engine.microbatch import check_batch, count_loss_tokens
 
         self.require_initialized()

@@ -257,6 +257,33 @@ def test_a_joint_step_of_uneven_policies_trains_each_like_its_own_step(tiny_mode
         fsdp.destroy()
 
 
+def test_a_joint_step_with_adapter_dropout_on_uneven_ranks(tiny_model_dir):
+    """With LoRA dropout each policy's tokens run through its own adapter
+    (a mask drawn per adapter), so the zero share of an adapter absent from
+    a micro-batch is added on that path too: b.v2's one sequence sits on one
+    rank, the other rank's forwards hold A alone, and the step completes on
+    both ranks with both adapters trained in shared forwards (without that
+    share the ranks' gradient reductions mismatched and a rank died)."""
+    from areal_fsdp.engine import FSDPTrainEngine
+
+    from areal_kernel.engine.together import PolicyJob
+
+    cfg = {**CFG, "adapters": [{**LORA_A, "dropout": 0.1}, {**LORA_B, "dropout": 0.1}]}
+    fsdp = FSDPTrainEngine(cfg, world_size=2)
+    fsdp.initialize(tiny_model_dir, 4)
+    batches = {"A": random_batch([7, 9, 5, 12, 8, 11], seed=40), "b.v2": random_batch([6], seed=41)}
+    try:
+        before = {n: dict(fsdp.policy(n).full_weights()) for n in batches}
+        got = fsdp.train_policies(
+            {n: PolicyJob(b, LOSS, ppo_step_inputs(b, fsdp.policy(n))) for n, b in batches.items()}
+        )
+        for n in batches:
+            assert got[n]["joint"] == 1.0 and got[n]["skipped"] == 0.0 and got[n]["grad_norm"] > 0
+            assert _diff(dict(fsdp.policy(n).full_weights()), before[n]) > 1e-3
+    finally:
+        fsdp.destroy()
+
+
 def test_an_adapter_on_the_lm_head_shares_the_joint_step_on_fsdp(tiny_model_dir):
     """The ranks run the whole model on the packed row (the head is not split
     off as in the torch engine, where an LM-head adapter makes the joint step
