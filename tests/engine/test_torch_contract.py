@@ -65,3 +65,18 @@ def test_the_joint_check_fails_an_engine_that_swaps_the_policies_batches(make_po
     monkeypatch.setattr(TorchTrainEngine, "train_policies", swapped)
     with pytest.raises(AssertionError):
         TestTorchEnginePolicies().test_train_policies_equals_one_train_batch_per_policy(make_policies_engine)
+
+
+def test_the_joint_check_fails_an_engine_that_never_shares_forwards(make_policies_engine, monkeypatch):
+    """Negative control: a train_policies that always takes one policy at a
+    time (the right numbers, ``joint`` 0) does not pass for the capability."""
+
+    def one_at_a_time(self, jobs):
+        out = {n: dict(self.policy(n).train_batch(j.batch, j.loss_fn, j.extra)) for n, j in jobs.items()}
+        for stats in out.values():
+            stats["joint"] = 0.0
+        return out
+
+    monkeypatch.setattr(TorchTrainEngine, "train_policies", one_at_a_time)
+    with pytest.raises(AssertionError, match="did not share its forwards"):
+        TestTorchEnginePolicies().test_train_policies_equals_one_train_batch_per_policy(make_policies_engine)

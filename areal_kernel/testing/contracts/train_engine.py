@@ -292,7 +292,10 @@ class JointPoliciesContract(PolicyEngineContract):
     ``policy(name).train_batch`` per policy: each policy's logprobs after the
     step within ``MULTIPLE`` x the floor of the one-at-a-time path with
     smaller micro-batches (``make_policies_engine(split=True)``), its lr
-    exactly."""
+    exactly. The suite's batches are text and the fixture's adapters should
+    sit on the decoder's linear layers, so the step must share its forwards:
+    ``joint`` 1.0 in every policy's statistics (an engine that always falls
+    back to one policy at a time does not have the capability)."""
 
     # The torch engine measured 0.17x; batches swapped between the policies fail it
     # (tests/engine/test_torch_contract.py).
@@ -315,6 +318,8 @@ class JointPoliciesContract(PolicyEngineContract):
         jobs = {n: PolicyJob(b, loss, self._ppo_inputs(b, joint.policy(n))) for n, b in batches.items()}
         got = joint.train_policies(jobs)
         assert set(got) == set(names)
+        shared = {n: got[n].get("joint") for n in names}
+        assert all(v == 1.0 for v in shared.values()), f"train_policies did not share its forwards (joint: {shared})"
         for n, b in batches.items():
             want = alone.policy(n).train_batch(b, loss, self._ppo_inputs(b, alone.policy(n)))
             split.policy(n).train_batch(b, loss, self._ppo_inputs(b, split.policy(n)))
