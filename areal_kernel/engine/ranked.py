@@ -401,18 +401,25 @@ class RankedTrainEngine(TrainEngine):
         t0 = time.perf_counter()
         check_batch(batch, extra)
         n_loss_tokens = count_loss_tokens(batch)
-        parts = self.partition(batch)
+        subs, per_part = self.part_arguments(batch, extra, self.partition(batch))
         answers = self.call_parts(
-            "train_part",
-            [self._sub(batch, p) for p in parts],
-            [
-                {"global_index": p, "extra": {k: [rows[i] for i in p] for k, rows in (extra or {}).items()}}
-                for p in parts
-            ],
+            "train_part", subs, per_part,
             {"loss_fn": loss_fn, "batch_loss_tokens": n_loss_tokens, "batch_n_seqs": len(batch)},
-        )
+        )  # fmt: skip
         self._step += 1
         return self.merge_step_answers(answers, batch, n_loss_tokens, time.perf_counter() - t0)
+
+    def part_arguments(
+        self, batch: TrajectoryBatch, extra: dict[str, list[list[float]]] | None, parts: list[list[int]]
+    ) -> tuple[list[TrajectoryBatch], list[dict[str, Any]]]:
+        """Each data-parallel part of ``batch`` (trajectory indices, from
+        ``partition``) and what belongs to it alone: ``global_index`` and its
+        rows of ``extra``, as a rank's training command takes them."""
+        subs = [self._sub(batch, p) for p in parts]
+        per_part = [
+            {"global_index": p, "extra": {k: [rows[i] for i in p] for k, rows in (extra or {}).items()}} for p in parts
+        ]
+        return subs, per_part
 
     def merge_step_answers(
         self, answers: list[dict[str, Any]], batch: TrajectoryBatch, n_loss_tokens: int, step_time_s: float

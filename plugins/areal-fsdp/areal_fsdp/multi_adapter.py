@@ -453,6 +453,7 @@ class FSDPPolicies:
     set_policy_state: Callable[[dict[str, Any]], None]
     score_parts: Callable[..., tuple[list[list[float]], list[list[float]]]]
     partition: Callable[[TrajectoryBatch], list[list[int]]]
+    part_arguments: Callable[..., tuple[list[TrajectoryBatch], list[dict[str, Any]]]]
     merge_step_answers: Callable[..., dict[str, float]]
     world_size: int
 
@@ -575,15 +576,12 @@ class FSDPPolicies:
         for n, job in jobs.items():
             if len(split[n]) != self.world_size:  # adapters run on plain data parallelism: a part per rank
                 raise ArealError(f"train_policies: {len(split[n])} data-parallel parts for {self.world_size} ranks")
-            for r, idx in enumerate(split[n]):
+            subs, per_part = self.part_arguments(job.batch, job.extra, split[n])
+            for r, (sub, own) in enumerate(zip(subs, per_part)):
                 per_rank[r]["jobs"][n] = {
-                    "part": TrajectoryBatch([job.batch.trajectories[i] for i in idx]),
-                    "global_index": idx,
-                    "extra": {k: [rows[i] for i in idx] for k, rows in (job.extra or {}).items()},
-                    "loss_fn": job.loss_fn,
-                    "batch_loss_tokens": n_loss[n],
+                    "part": sub, **own, "loss_fn": job.loss_fn, "batch_loss_tokens": n_loss[n],
                     "batch_n_seqs": len(job.batch),
-                }
+                }  # fmt: skip
         answers = self.call_ranks("train_policies_part", per_rank)
         if "refused" in answers[0]:
             return one_at_a_time()
