@@ -220,8 +220,10 @@ class RankAdapters:
         each adapter clips and steps on its own (its optimizer, its lr
         schedule's step), in ``jobs``' order on every rank. The active
         adapter stays the active one. ``{"refused": why}`` (nothing done)
-        where a joint forward cannot hold; else ``{"policies": {name:
-        train_part's answer}}``."""
+        where a joint forward cannot hold on this model (the same answer on
+        every rank; the controller keeps batches with images away, which
+        one rank's share could hold and another's not); else
+        ``{"policies": {name: train_part's answer}}``."""
         from areal_kernel.engine.state import set_lr
         from areal_kernel.engine.lr_schedule import scheduled_lr
         from areal_kernel.engine.together import JointPart, joint_accumulate, joint_refusal
@@ -567,7 +569,9 @@ class FSDPPolicies:
                 stats["joint"] = 0.0
             return alone
 
-        if len(jobs) < 2:
+        # Decided here on the whole batches: a rank sees its own share only, and
+        # ranks that decided differently would wait on each other's collectives.
+        if len(jobs) < 2 or any(t.images is not None for j in jobs.values() for t in j.batch.trajectories):
             return one_at_a_time()
         t0 = time.perf_counter()
         n_loss = {n: count_loss_tokens(j.batch) for n, j in jobs.items()}
