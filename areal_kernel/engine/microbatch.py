@@ -44,6 +44,9 @@ from areal_kernel.engine.prefix_tree import (
 from areal_kernel.errors import DataError
 from areal_kernel.platforms import current_platform
 
+# The length of a filler micro-batch (``MicroBatchRunner.filler_forward``).
+FILLER_TOKENS = 2
+
 # One micro-batch: (batch indices in the order the row packs them, shared-prompt
 # chunks or None when the micro-batch shares no prompt).
 Plan = list[tuple[list[int], "list[SharedChunk] | None"]]
@@ -155,6 +158,23 @@ class AccumulateResult:
             n_model_tokens=float(self.n_model_tokens),
         )
         return out
+
+    def part_answer(self, *, grad_norm: float, lr: float, applied: bool, step_time_s: float) -> dict[str, Any]:
+        """What a rank answers for its share of one optimizer step: the sums
+        ``RankedTrainEngine.merge_step_answers`` adds over the ranks (loss,
+        entropy, the loss_fn's stats, micro-batches, model tokens) and the
+        step's own numbers (the same on every rank)."""
+        return {
+            "loss": self.loss,
+            "entropy_sum": self.entropy_sum,
+            "stats": dict(self.stats),
+            "grad_norm": grad_norm,
+            "skipped": 0.0 if applied else 1.0,
+            "lr": lr,
+            "n_mbs": float(self.n_mbs),
+            "n_model_tokens": float(self.n_model_tokens),
+            "step_time_s": step_time_s,
+        }
 
 
 def per_token_fields(
@@ -383,7 +403,7 @@ class MicroBatchRunner:
     def filler_forward(self, entropy_grad: bool = False) -> Any:
         """A 2-token forward that only keeps this process in step with
         processes that have more micro-batches; returns its logprobs."""
-        row = pack_row([0], [[0, 0]], {}, {}, self.device)
+        row = pack_row([0], [[0] * FILLER_TOKENS], {}, {}, self.device)
         lp, _ = self.forward(row, entropy_grad=entropy_grad)
         return lp
 

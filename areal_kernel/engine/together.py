@@ -49,10 +49,11 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping
 
 from areal_kernel.api.io import TrajectoryBatch
 from areal_kernel.engine.microbatch import (
+    FILLER_TOKENS,
     AccumulateResult,
     check_batch,
     count_loss_tokens,
@@ -64,6 +65,7 @@ from areal_kernel.engine.prefix_tree import SharedChunk, plan_chunks, virtual_or
 from areal_kernel.errors import ArealError
 
 if TYPE_CHECKING:
+    from areal_kernel.api.engine import TrainEngine
     from areal_kernel.engine.microbatch import MicroBatchRunner
     from areal_kernel.engine.multi_adapter import AdapterPolicy
     from areal_kernel.engine.torch_engine import TorchTrainEngine
@@ -331,10 +333,8 @@ def joint_accumulate(
     for j in range(runner.hooks.micro_batch_count(len(plan))):
         if j >= len(plan):
             # A filler through every adapter: this rank's gradients join the others' reductions.
-            filler = pack_row([0], [[0, 0]], {}, {}, dev)
-            with AdapterSegments(model, [(always[0], 0, filler.n_tokens)], always):
-                lp, _ = runner.forward(filler, entropy_grad=False)
-                (lp * 0.0).sum().backward()
+            with AdapterSegments(model, [(always[0], 0, FILLER_TOKENS)], always):
+                (runner.filler_forward() * 0.0).sum().backward()
             continue
         mb = plan[j]
         held = [name for name in names if name in mb]
@@ -398,6 +398,16 @@ def joint_accumulate(
     return acc
 
 
+def one_at_a_time(views: "Mapping[str, TrainEngine]", jobs: dict[str, PolicyJob]) -> dict[str, dict[str, float]]:
+    """The fallback of a joint step: one ``train_batch`` per policy on its
+    view (``views``: policy name -> its ``TrainEngine``), each policy's
+    statistics with ``joint`` 0.0."""
+    out = {name: dict(views[name].train_batch(job.batch, job.loss_fn, job.extra)) for name, job in jobs.items()}
+    for stats in out.values():
+        stats["joint"] = 0.0
+    return out
+
+
 def train_together(engine: "TorchTrainEngine", jobs: dict[str, PolicyJob]) -> dict[str, dict[str, float]]:
     """One optimizer step of each policy in ``jobs`` (policy name -> job),
     in micro-batches that mix the policies' sequences (module docstring). Returns each policy's ``train_batch`` statistics, plus
@@ -408,10 +418,7 @@ def train_together(engine: "TorchTrainEngine", jobs: dict[str, PolicyJob]) -> di
     runner = engine.require_model()
     model = engine.model
     if joint_refusal(runner, model, (j.batch for j in jobs.values())) is not None:
-        alone = {name: dict(views[name].train_batch(j.batch, j.loss_fn, j.extra)) for name, j in jobs.items()}
-        for stats in alone.values():
-            stats["joint"] = 0.0
-        return alone
+        return one_at_a_time(views, jobs)
 
     t0 = time.perf_counter()
     model.zero_grad(set_to_none=True)

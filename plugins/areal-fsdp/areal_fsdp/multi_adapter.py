@@ -262,26 +262,13 @@ class RankAdapters:
             for n, j in jobs.items()
         }
         self.model.train()
-        out: dict[str, Any] = {}
         try:
             acc = joint_accumulate(runner, self.model, parts)
+            steps = {}
             for n, rec in recs.items():
-                a = acc[n]
-                grad_norm, applied = runner.apply_gradients(
-                    rec.optimizer, a.finite, rec.settings.max_grad_norm, params=rec.params
-                )
+                steps[n] = runner.apply_gradients(rec.optimizer, acc[n].finite, rec.settings.max_grad_norm, rec.params)
                 rec.optimizer.zero_grad(set_to_none=True)
                 rec.step += 1
-                out[n] = {
-                    "loss": a.loss,
-                    "entropy_sum": a.entropy_sum,
-                    "stats": dict(a.stats),
-                    "grad_norm": grad_norm,
-                    "skipped": 0.0 if applied else 1.0,
-                    "lr": lrs[n],
-                    "n_mbs": float(a.n_mbs),
-                    "n_model_tokens": float(a.n_model_tokens),
-                }
         finally:
             self.step = self.adapters[active].step
             self._reshard()
@@ -289,9 +276,12 @@ class RankAdapters:
             self.model.zero_grad(set_to_none=True)
         current_platform().synchronize()
         elapsed = time.perf_counter() - t0
-        for answer in out.values():
-            answer["step_time_s"] = elapsed
-        return {"policies": out}
+        return {
+            "policies": {
+                n: acc[n].part_answer(grad_norm=norm, lr=lrs[n], applied=applied, step_time_s=elapsed)
+                for n, (norm, applied) in steps.items()
+            }
+        }
 
     def _adapter_states(self) -> dict[str, Any]:
         """Every adapter's DCP entries (weights, optimizer), by policy name."""
@@ -555,6 +545,7 @@ class FSDPPolicies:
         row, LM head included, so an adapter on the head shares the
         forwards too."""
         from areal_kernel.engine.microbatch import check_batch, count_loss_tokens
+        from areal_kernel.engine.together import one_at_a_time
 
         self.require_initialized()
         if not getattr(self, "_policies", None):
@@ -563,16 +554,10 @@ class FSDPPolicies:
         for job in jobs.values():
             check_batch(job.batch, job.extra)
 
-        def one_at_a_time() -> dict[str, dict[str, float]]:
-            alone = {n: dict(views[n].train_batch(j.batch, j.loss_fn, j.extra)) for n, j in jobs.items()}
-            for stats in alone.values():
-                stats["joint"] = 0.0
-            return alone
-
         # Decided here on the whole batches: a rank sees its own share only, and
         # ranks that decided differently would wait on each other's collectives.
         if len(jobs) < 2 or any(t.images is not None for j in jobs.values() for t in j.batch.trajectories):
-            return one_at_a_time()
+            return one_at_a_time(views, jobs)
         t0 = time.perf_counter()
         n_loss = {n: count_loss_tokens(j.batch) for n, j in jobs.items()}
         split = {n: self.partition(j.batch) for n, j in jobs.items()}
@@ -588,7 +573,7 @@ class FSDPPolicies:
                 }  # fmt: skip
         answers = self.call_ranks("train_policies_part", per_rank)
         if "refused" in answers[0]:
-            return one_at_a_time()
+            return one_at_a_time(views, jobs)
         elapsed = time.perf_counter() - t0
         out: dict[str, dict[str, float]] = {}
         for n, job in jobs.items():

@@ -50,11 +50,10 @@ sequence runs whole (the same numbers; more tokens when prompts repeat).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from areal_kernel.api.io import TrajectoryBatch
-from areal_kernel.engine.microbatch import MicroBatchRunner, merge_stats, per_token_fields
+from areal_kernel.engine.microbatch import AccumulateResult, MicroBatchRunner, merge_stats, per_token_fields
 from areal_kernel.engine.packing import pack_row
 from areal_kernel.errors import ConfigError
 from areal_kernel.platforms import current_platform
@@ -65,20 +64,6 @@ PP_FAMILIES = ("llama",)
 
 # A packed row (``areal_kernel.engine.packing.pack_row``'s result).
 PackedRow = Any
-
-
-@dataclass
-class PipelineResult:
-    """What ``PipelineRunner.accumulate`` measured (the fields of the kernel
-    runner's result the rank reads; the loss, stats, entropy and
-    ``finite`` are measured on the last stage, zeros elsewhere)."""
-
-    loss: float = 0.0  # sum of the micro-batch losses (the batch loss)
-    entropy_sum: float = 0.0  # entropy summed over loss tokens
-    stats: dict[str, float] = field(default_factory=dict)  # merged loss_fn stats
-    finite: bool = True  # every loss was finite
-    n_mbs: int = 0  # packed rows with data (fillers not counted)
-    n_model_tokens: int = 0  # tokens of those rows (padding not counted)
 
 
 def check_pp_model(model: Any, n_stages: int, layout: Layout, schedule: str) -> None:
@@ -368,10 +353,12 @@ class PipelineRunner:
         batch_loss_tokens: int,
         batch_n_seqs: int,
         seq_index: list[int] | None = None,
-    ) -> PipelineResult:
+    ) -> AccumulateResult:
         """As ``MicroBatchRunner.accumulate`` (same per-token fields, batch-wide
         normalisers and sequence ids); the loss, stats and entropy are
-        measured on the last stage (zeros elsewhere); ``finite`` likewise."""
+        measured on the last stage (zeros elsewhere); ``finite`` likewise;
+        ``n_mbs`` counts the packed rows with data, ``n_model_tokens`` their
+        tokens (padding not counted)."""
         import math
 
         import torch
@@ -385,7 +372,7 @@ class PipelineRunner:
         to_batch = None if seq_index is None else torch.tensor(seq_index or [0], dtype=torch.long, device=dev)
         entropy_grad = bool(getattr(loss_fn, "needs_entropy_grad", False))
         rows = [pack_row(mb, ids, float_fields, long_fields, dev) for mb in self.plan(batch)]
-        res = PipelineResult(n_mbs=len(rows), n_model_tokens=sum(r.n_tokens for r in rows))
+        res = AccumulateResult(n_mbs=len(rows), n_model_tokens=sum(r.n_tokens for r in rows))
 
         def mb_loss(j: int, logits: Any) -> Any:
             row = rows[j]

@@ -581,24 +581,15 @@ class FSDPRankEngine(RankAdapters):
         self._sum_partial_grads()
         self._sum_tied_grads()
         grad_norm, applied = runner.apply_gradients(self.optimizer, acc.finite, self.config.max_grad_norm)
-        stats = dict(acc.stats)
-        if self.router_stats is not None:
-            stats.update(self.router_stats.take())  # raw sums: the controller adds the ranks' and derives the metrics
+        # Raw sums: the controller adds the ranks' and derives the metrics.
+        router = self.router_stats.take() if self.router_stats is not None else {}
         self.step += 1
         current_platform().synchronize()
         if self.pipeline is not None and not self.pipeline.last:
             return None
-        return {
-            "loss": acc.loss,
-            "entropy_sum": acc.entropy_sum,
-            "stats": stats,
-            "grad_norm": grad_norm,
-            "skipped": 0.0 if applied else 1.0,
-            "lr": lr,
-            "n_mbs": float(acc.n_mbs),
-            "n_model_tokens": float(acc.n_model_tokens),
-            "step_time_s": time.perf_counter() - t0,
-        }
+        answer = acc.part_answer(grad_norm=grad_norm, lr=lr, applied=applied, step_time_s=time.perf_counter() - t0)
+        answer["stats"].update(router)
+        return answer
 
     def _sum_partial_grads(self) -> None:
         """Sum the per-head weights' gradients over the tensor group (each

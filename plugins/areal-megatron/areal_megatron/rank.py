@@ -33,6 +33,7 @@ import json
 import math
 import os
 import sys
+import time
 from typing import Any, Callable, Iterator
 
 from areal_kernel.api.io import TrajectoryBatch
@@ -436,6 +437,7 @@ class MegatronRankEngine:
         batch_n_seqs: int,
     ) -> dict[str, Any] | None:
         assert self.runner is not None
+        t0 = time.perf_counter()
         lr = set_lr(self.optimizer, scheduled_lr(self.config, self.step, self.total_train_steps))
         self.optimizer.zero_grad(set_to_none=True)
         res = self.runner.accumulate(
@@ -447,10 +449,7 @@ class MegatronRankEngine:
         self.step += 1
         if not self._reporter:
             return None
-        return {
-            "loss": res.loss, "stats": res.stats, "entropy_sum": res.entropy_sum, "n_mbs": res.n_mbs,
-            "n_model_tokens": res.n_model_tokens, "grad_norm": grad_norm, "lr": lr, "skipped": 0.0 if applied else 1.0,
-        }  # fmt: skip
+        return res.part_answer(grad_norm=grad_norm, lr=lr, applied=applied, step_time_s=time.perf_counter() - t0)
 
     def _reduce_grads(self) -> None:
         """Sum gradients over data-parallel replicas (one flat buffer) and the
