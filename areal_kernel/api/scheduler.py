@@ -275,6 +275,7 @@ class Scheduler(abc.ABC):
         self._launchers: list[Any] = []
         self._plan: SchedulePlan | None = None
         self._extra: list[Placement] = []  # placements given out mid-run (extra_placement)
+        self._held_ports: list[Any] = []  # rendezvous ports held until stop (PortReservation)
 
     # -- what a scheduler writes --------------------------------------------------
     @abc.abstractmethod
@@ -337,9 +338,23 @@ class Scheduler(abc.ABC):
 
     def rendezvous(self, role: str = ACTOR) -> tuple[str, int]:
         """``(MASTER_ADDR, MASTER_PORT)`` for ``role``'s ranks: rank 0's host
-        and a port free there."""
+        and a port free there (``free_port``). When rank 0 runs on this
+        machine the port is held (``areal_kernel.utils.network.PortReservation``)
+        until ``stop``: rank 0 binds it only after its imports, seconds later,
+        and any other bind or connection on the machine could take it first."""
+        from areal_kernel.utils.network import PortReservation
+
         first = self.placements(role)[0]
-        return first.host, self.free_port(first)
+        port = self.free_port(first)
+        if not self.on_this_machine(first):
+            return first.host, port
+        for _ in range(8):
+            try:
+                self._held_ports.append(PortReservation(first.host, port))
+                return first.host, port
+            except OSError:  # taken since free_port looked: ask again
+                port = self.free_port(first)
+        return first.host, port  # not held: as before, rank 0's bind decides
 
     def device_plan(self) -> dict[str, list[list[int]]]:
         """Device ids per process, per role (``{"actor": [[0], [1]], "rollout": [[2, 3]]}``)."""
@@ -425,6 +440,9 @@ class Scheduler(abc.ABC):
                 except subprocess.TimeoutExpired:
                     pass
         self.release()
+        held, self._held_ports = self._held_ports, []
+        for reservation in held:
+            reservation.release()
         self._plan = None  # what was reserved is given back: a later start plans again
 
 

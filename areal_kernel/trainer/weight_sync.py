@@ -160,30 +160,35 @@ class BroadcastTransport(WeightTransport):
         """(Re-)form the weight group of the trainer and ``members`` (None:
         whatever servers the engine has); returns the seconds it took."""
         from areal_kernel.platforms import current_platform
-        from areal_kernel.utils.network import find_free_port
+        from areal_kernel.utils.network import reserve_port
 
         t0 = time.monotonic()
-        port = find_free_port()
         backend = self.backend or current_platform().dist_backend
         name = self.group_name if self._epoch == 0 else f"{self.group_name}_{self._epoch}"
-        if members is None:
-            futures = self.infer.init_weight_group_async("127.0.0.1", port, name, backend)
-            # Servers may contribute several ranks each (tensor-parallel workers).
-            world = getattr(self.infer, "weight_group_world_size", 1 + len(futures))
-        else:
-            futures = self.infer.init_weight_group_async("127.0.0.1", port, name, backend, addresses=members)
-            world = self.infer.weight_group_world_size_for(len(members))
-        self.train.init_weight_group(
-            "127.0.0.1",
-            port,
-            world_size=world,
-            rank=0,
-            group_name=name,
-            backend=backend,
-            timeout_s=self.group_timeout_s,
-        )
-        for f in futures:
-            f.result()
+        # The port is held from the moment the servers are told it until the
+        # trainer's store listens on it (the group is formed): a free port
+        # looked up and let go could be taken in between by any other
+        # process's bind or connection, and the store would then fail to bind.
+        with reserve_port("127.0.0.1") as reserved:
+            port = reserved.port
+            if members is None:
+                futures = self.infer.init_weight_group_async("127.0.0.1", port, name, backend)
+                # Servers may contribute several ranks each (tensor-parallel workers).
+                world = getattr(self.infer, "weight_group_world_size", 1 + len(futures))
+            else:
+                futures = self.infer.init_weight_group_async("127.0.0.1", port, name, backend, addresses=members)
+                world = self.infer.weight_group_world_size_for(len(members))
+            self.train.init_weight_group(
+                "127.0.0.1",
+                port,
+                world_size=world,
+                rank=0,
+                group_name=name,
+                backend=backend,
+                timeout_s=self.group_timeout_s,
+            )
+            for f in futures:
+                f.result()
         self._members = tuple(members) if members is not None else ()
         self._group = name
         self._epoch += 1

@@ -155,10 +155,28 @@ def broadcast_update(
        every server *while* ``send_buckets`` broadcasts the bytes;
     3. each server answers once its copy is in the model and the version set.
     """
-    from areal_kernel.inference.embedded.ports import find_free_port
-    from areal_kernel.weights.broadcast import init_weight_group, send_buckets, tensor_meta
+    from areal_kernel.utils.network import reserve_port
+    from areal_kernel.weights.broadcast import send_buckets, tensor_meta
 
-    port = find_free_port()
+    with reserve_port() as reserved:  # held until this process's store listens on it
+        group = _join_as_rank_0(clients, reserved.port, group_name)
+    with ThreadPoolExecutor(len(clients)) as ex:
+        meta = tensor_meta(named)
+        updates = [
+            ex.submit(c.ok, "/update_weights_from_distributed",
+                      {"version": version, "tensors": meta, "bucket_bytes": bucket_bytes})
+            for c in clients
+        ]
+        send_buckets(group, named, bucket_bytes)
+        out = [u.result() for u in updates]
+    group.destroy()
+    return out
+
+
+def _join_as_rank_0(clients: list[Client], port: int, group_name: str) -> Any:
+    """Ask every server to join ranks 1..n while this process joins as rank 0."""
+    from areal_kernel.weights.broadcast import init_weight_group
+
     world = 1 + len(clients)
     with ThreadPoolExecutor(len(clients)) as ex:
         joins = [
@@ -173,16 +191,7 @@ def broadcast_update(
         group = init_weight_group("127.0.0.1", port, world, 0, group_name, backend="gloo", timeout_s=60)
         for j in joins:
             j.result()
-        meta = tensor_meta(named)
-        updates = [
-            ex.submit(c.ok, "/update_weights_from_distributed",
-                      {"version": version, "tensors": meta, "bucket_bytes": bucket_bytes})
-            for c in clients
-        ]
-        send_buckets(group, named, bucket_bytes)
-        out = [u.result() for u in updates]
-    group.destroy()
-    return out
+    return group
 
 
 @pytest.fixture

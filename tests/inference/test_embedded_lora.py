@@ -18,6 +18,7 @@ from areal_kernel.api.io import GenerationConfig, ModelRequest, Trajectory, Traj
 from areal_kernel.engine.torch_engine import TorchTrainEngine
 from areal_kernel.inference.client import RemoteInferenceEngine
 from areal_kernel.inference.embedded.backend import EmbeddedProtocol
+from areal_kernel.utils.network import port_is_free
 
 from trained_engine import toy_batch as _batch, toy_loss as _loss, trained_engine as _engine
 
@@ -116,8 +117,20 @@ def test_adapter_broadcast_update_interrupts_a_generation(servers, engines, tmp_
     eng = _engine(tiny_model_dir, {"name": "live", "rank": 4, "alpha": 8}, 1, 4)
     client = RemoteInferenceEngine([srv.address], EmbeddedProtocol(), admin_token=srv.token)
     client.default_adapter = "live"
+    # A spy on the real call: when the servers are told the group's port, it
+    # is already held (a plain bind, as another process's, is refused) and
+    # the trainer's store still binds it (setup succeeds).
+    held: list[bool] = []
+    ask = client.init_weight_group_async
+
+    def spy(addr, port, *args, **kwargs):
+        held.append(not port_is_free(port, addr))
+        return ask(addr, port, *args, **kwargs)
+
+    client.init_weight_group_async = spy  # type: ignore[method-assign]
     transport = BroadcastTransport(eng, client, str(tmp_path), bucket_bytes=1 << 20)
     transport.setup()
+    assert held == [True]
     try:
         stats = transport.update(1)
         full_mb = sum(t.numel() * 4 for t in base_weights(engines[0])) / 2**20

@@ -275,3 +275,13 @@ class TestLocalScheduler(SchedulerContract):
     @pytest.fixture
     def scheduler_name(self):
         return "local"
+
+    def test_the_ranks_rendezvous_port_is_held_until_stop(self, scheduler):
+        """Rank 0 binds ``MASTER_PORT`` seconds after it was chosen (after
+        its imports); until ``stop`` no other process gets it."""
+        from areal_kernel.utils.network import port_is_free
+
+        host, port = scheduler.rendezvous("actor")
+        assert not port_is_free(port, host), "the rendezvous port is not held"
+        scheduler.stop()
+        assert port_is_free(port, host), "stop() must let the rendezvous port go"

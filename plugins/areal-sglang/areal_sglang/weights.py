@@ -234,7 +234,7 @@ class SGLangBroadcastTransport(WeightTransport):
 
     def setup(self) -> None:
         from areal_kernel.platforms import current_platform
-        from areal_kernel.utils.network import find_free_port
+        from areal_kernel.utils.network import reserve_port
 
         named = self.train.named_weights_for_transfer()
         if any(getattr(t, "is_meta", False) for _, t in named):
@@ -247,23 +247,26 @@ class SGLangBroadcastTransport(WeightTransport):
         backend = current_platform().dist_backend
         self.backend_name = backend
         addr = _master_address([s.address for s in self.infer.servers])
-        port = find_free_port()
-        world = self.infer.weight_group_world_size
-        futures = self.infer.init_weight_group_async(addr, port, self.group_name, backend)
-        box: dict[str, Any] = {}
+        # Held until the join is over: the store this process hosts binds it
+        # only once every server was asked to join (see PortReservation).
+        with reserve_port() as reserved:
+            port = reserved.port
+            world = self.infer.weight_group_world_size
+            futures = self.infer.init_weight_group_async(addr, port, self.group_name, backend)
+            box: dict[str, Any] = {}
 
-        def join() -> None:
-            try:
-                box["group"] = join_sglang_group(addr, port, world, self.group_name, backend, self.timeout_s)
-            except BaseException as e:  # surfaced below
-                box["error"] = e
+            def join() -> None:
+                try:
+                    box["group"] = join_sglang_group(addr, port, world, self.group_name, backend, self.timeout_s)
+                except BaseException as e:  # surfaced below
+                    box["error"] = e
 
-        # A daemon thread: when a server refuses, we raise at once and the
-        # join (blocked until its timeout) must not hold the process open.
-        t = threading.Thread(target=join, name="areal-sglang-join", daemon=True)
-        t.start()
-        _await_all(futures, "SGLang /init_weights_update_group")
-        t.join(self.timeout_s)
+            # A daemon thread: when a server refuses, we raise at once and the
+            # join (blocked until its timeout) must not hold the process open.
+            t = threading.Thread(target=join, name="areal-sglang-join", daemon=True)
+            t.start()
+            _await_all(futures, "SGLang /init_weights_update_group")
+            t.join(self.timeout_s)
         if "error" in box:
             raise ServerError(f"joining SGLang's weight group as rank 0 failed: {box['error']}") from box["error"]
         if "group" not in box:
