@@ -150,3 +150,67 @@ def test_server_in_bfloat16_compares_exactly_with_float32_trainer(bf16_server, t
     finally:
         client.destroy()
         eng.destroy()
+
+
+def test_a_busy_engine_thread_does_not_hold_the_fingerprint_and_a_load_does(tiny_model_dir):
+    """The route answers while the engine thread is busy (a long generation
+    step on a loaded server; here a command that holds it), and never in the
+    middle of a load: a fingerprint asked during a load answers after it,
+    with the new version. The real server app over loopback HTTP, in this
+    process so the test can hold its engine thread. Negative control, run by
+    hand: with the fingerprint computed on the engine thread (as before),
+    the first part times out."""
+    import asyncio
+    import threading
+
+    from aiohttp import ClientSession
+    from aiohttp.test_utils import TestServer
+
+    from areal_kernel.inference.embedded import server as S
+
+    args = S.parse_args(["--model", tiny_model_dir, "--port", "0"])
+    state = S.ServerState(args)
+    S.load(args, state)
+    engine = state.engine
+    body = {"version": 0, "tensors": [{"name": "model.norm.weight", "positions": [0, 1]}]}
+
+    async def scenario() -> None:
+        srv = TestServer(S.build_app(state), host="127.0.0.1")
+        await srv.start_server()
+        try:
+            async with ClientSession() as http:
+
+                async def ask() -> dict:
+                    async with http.post(str(srv.make_url("/weight_fingerprint")), json=body) as r:
+                        assert r.status == 200, await r.text()
+                        return await r.json()
+
+                release = threading.Event()
+                busy = engine.call(lambda: release.wait(60))
+                out = await asyncio.wait_for(ask(), 30)
+                assert out["version"] == 0 and out["tensors"]["model.norm.weight"]["n"] == 2
+                assert not busy.done(), "answered only once the engine thread was free"
+                release.set()
+                busy.result(30)
+
+                loading, finish = threading.Event(), threading.Event()
+
+                def slow_load() -> None:
+                    loading.set()
+                    finish.wait(60)
+
+                update = engine.update_weights(slow_load, 7)
+                assert await asyncio.to_thread(loading.wait, 30)
+                asked = asyncio.create_task(ask())
+                await asyncio.sleep(0.5)
+                assert not asked.done(), "a fingerprint answered in the middle of a load"
+                finish.set()
+                assert (await asyncio.wait_for(asked, 30))["version"] == 7
+                assert update.result(30)["version"] == 7
+        finally:
+            await srv.close()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        engine.shutdown()

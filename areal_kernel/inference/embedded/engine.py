@@ -73,6 +73,11 @@ class GenerationEngine:
         self.generator.manual_seed(seed)
 
         self.version = 0
+        # Held by every change of the weights or of a version (always on the
+        # engine thread) and by what reads them elsewhere (the weight
+        # fingerprint): such a reader never sees a load halfway, and need not
+        # wait for the engine thread to finish a generation step.
+        self.weights_lock = threading.Lock()
         # LoRA adapters served beside the base weights (each with its own version).
         self.lora = AdapterSet(model)
         # The KV of the prompts' shared prefix (prefix.py). Not for image
@@ -214,15 +219,17 @@ class GenerationEngine:
             # Before the load: a load that fails halfway leaves no KV of the old weights behind.
             if self.prefix is not None:
                 self.prefix.drop(every=True)
-            load()
-            self.version = version
+            with self.weights_lock:
+                load()
+                self.version = version
             return {"version": version, "aborted": n}
 
         return self.call(do)
 
     def set_version(self, version: int) -> Future:
         def do() -> dict:
-            self.version = version
+            with self.weights_lock:
+                self.version = version
             return {"version": version}
 
         return self.call(do)
@@ -236,7 +243,8 @@ class GenerationEngine:
             n = self._abort_rows(lambda r: r.adapter == name)
             if self.prefix is not None:
                 self.prefix.drop(name)  # before the load, as in update_weights
-            load()
+            with self.weights_lock:
+                load()
             return {"adapter": name, "version": version, "aborted": n}
 
         return self.call(do)
@@ -252,7 +260,9 @@ class GenerationEngine:
                 r.fail(RequestError(f"adapter {name!r} was unloaded"))
             if self.prefix is not None:
                 self.prefix.drop(name)
-            return {"adapter": name, "unloaded": self.lora.unload(name), "aborted": n}
+            with self.weights_lock:
+                unloaded = self.lora.unload(name)
+            return {"adapter": name, "unloaded": unloaded, "aborted": n}
 
         return self.call(do)
 

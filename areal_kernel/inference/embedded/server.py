@@ -433,14 +433,21 @@ def build_app(state: ServerState) -> Any:
         engine = state.engine
 
         def compute() -> dict:
-            # On the engine thread between steps: never mid-update.
-            if spec.adapter is None:
-                return fingerprint(state.table, spec, engine.version)
-            if spec.adapter not in engine.lora:
-                return fingerprint({}, spec, None)
-            return fingerprint(engine.lora.tensor_table(spec.adapter), spec, engine.lora.versions[spec.adapter])
+            import torch
 
-        return web.json_response(await wait(engine.call(compute)))
+            # In a worker thread, not on the engine thread: a busy server's
+            # generation step (a prefill of many rows takes seconds on a CPU)
+            # would delay the answer, and with it the trainer's step. Under the
+            # weights lock, which every load and version change holds: never
+            # mid-update. Reading the tensors beside a forward is safe (both read).
+            with engine.weights_lock, torch.inference_mode():
+                if spec.adapter is None:
+                    return fingerprint(state.table, spec, engine.version)
+                if spec.adapter not in engine.lora:
+                    return fingerprint({}, spec, None)
+                return fingerprint(engine.lora.tensor_table(spec.adapter), spec, engine.lora.versions[spec.adapter])
+
+        return web.json_response(await asyncio.get_running_loop().run_in_executor(None, compute))
 
     app = web.Application(middlewares=[guard], client_max_size=64 << 20)
     app.router.add_get("/health", health)
