@@ -34,6 +34,15 @@ RECEIVER = textwrap.dedent(
     missing, unexpected = model.load_state_dict(received, strict=False)
     assert not unexpected, unexpected
     save_file({k: v.contiguous() for k, v in model.state_dict().items() if k in received}, out)
+    # Release the gloo group, then end without the interpreter's teardown
+    # (as the embedded server and the ranks end): left to module teardown,
+    # the group's C++ threads can still be joinable when it is destroyed
+    # (std::terminate, exit -6; seen once in CI under load).
+    group.destroy()
+    import os
+    from areal_kernel.utils.procs import flush_std_streams
+    flush_std_streams()
+    os._exit(0)
     """
 )
 
