@@ -47,6 +47,7 @@ from areal_kernel.utils.procs import tail_file, wait_group_gone
 if TYPE_CHECKING:
     from areal_kernel.config.models import ExperimentConfig
     from areal_kernel.platforms import Platform
+    from areal_kernel.utils.network import PortReservation
 
 # ``ProcessHandle.poll()`` of a process whose node is gone (its exit code is
 # unknowable). Negative like a signal exit, outside the signal range.
@@ -275,7 +276,7 @@ class Scheduler(abc.ABC):
         self._launchers: list[Any] = []
         self._plan: SchedulePlan | None = None
         self._extra: list[Placement] = []  # placements given out mid-run (extra_placement)
-        self._held_ports: list[Any] = []  # rendezvous ports held until stop (PortReservation)
+        self._held_ports: list["PortReservation"] = []  # rendezvous ports held until stop
 
     # -- what a scheduler writes --------------------------------------------------
     @abc.abstractmethod

@@ -209,15 +209,27 @@ def lora_layers(model: Any) -> Iterator[tuple[str, Any]]:
             yield path, m
 
 
-def joint_refusal(runner: "MicroBatchRunner", model: Any, batches: Iterable[TrajectoryBatch]) -> str | None:
-    """Why the policies' ``batches`` cannot share forwards on ``model`` (run
-    by ``runner``; None when they can). The same answer on every rank of a
-    sharded model: it reads the batches and the model's structure only."""
+def batches_refusal(batches: Iterable[TrajectoryBatch]) -> str | None:
+    """Why the policies' whole ``batches`` cannot share forwards whatever
+    the model (None when they can): one policy, or a batch with images. A
+    controller that splits the batches over ranks decides this on the whole
+    batches, since one rank's share could hold images and another's not."""
     batches = list(batches)
     if len(batches) < 2:
         return "one policy"
     if any(t.images is not None for b in batches for t in b.trajectories):
         return "a batch has images"
+    return None
+
+
+def joint_refusal(runner: "MicroBatchRunner", model: Any, batches: Iterable[TrajectoryBatch]) -> str | None:
+    """Why the policies' ``batches`` cannot share forwards on ``model`` (run
+    by ``runner``; None when they can): ``batches_refusal``, then the
+    model's structure. The model's part is the same on every rank of a
+    sharded model (it reads the structure only)."""
+    why = batches_refusal(batches)
+    if why is not None:
+        return why
     split = runner.head_split()
     if split is not None:
         # The LM head then runs on the scored positions only, not on the row

@@ -71,12 +71,11 @@ def test_the_joint_check_fails_an_engine_that_never_shares_forwards(make_policie
     """Negative control: a train_policies that always takes one policy at a
     time (the right numbers, ``joint`` 0) does not pass for the capability."""
 
-    def one_at_a_time(self, jobs):
-        out = {n: dict(self.policy(n).train_batch(j.batch, j.loss_fn, j.extra)) for n, j in jobs.items()}
-        for stats in out.values():
-            stats["joint"] = 0.0
-        return out
+    from areal_kernel.engine.together import one_at_a_time
 
-    monkeypatch.setattr(TorchTrainEngine, "train_policies", one_at_a_time)
+    def never_shared(self, jobs):
+        return one_at_a_time({n: self.policy(n) for n in jobs}, jobs)
+
+    monkeypatch.setattr(TorchTrainEngine, "train_policies", never_shared)
     with pytest.raises(AssertionError, match="did not share its forwards"):
         TestTorchEnginePolicies().test_train_policies_equals_one_train_batch_per_policy(make_policies_engine)

@@ -545,7 +545,7 @@ class FSDPPolicies:
         row, LM head included, so an adapter on the head shares the
         forwards too."""
         from areal_kernel.engine.microbatch import check_batch, count_loss_tokens
-        from areal_kernel.engine.together import one_at_a_time
+        from areal_kernel.engine.together import batches_refusal, one_at_a_time
 
         self.require_initialized()
         if not getattr(self, "_policies", None):
@@ -556,7 +556,7 @@ class FSDPPolicies:
 
         # Decided here on the whole batches: a rank sees its own share only, and
         # ranks that decided differently would wait on each other's collectives.
-        if len(jobs) < 2 or any(t.images is not None for j in jobs.values() for t in j.batch.trajectories):
+        if batches_refusal(j.batch for j in jobs.values()) is not None:
             return one_at_a_time(views, jobs)
         t0 = time.perf_counter()
         n_loss = {n: count_loss_tokens(j.batch) for n, j in jobs.items()}
